@@ -1,0 +1,9 @@
+"""Error types of the engine. Each names the culprit and, where there is one, the fix."""
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is wrong; the message names the key and what would be right."""
+
+
+class BudgetError(MemoryError):
+    """A memory budget (arena, tier, pool) cannot hold what was asked; the message carries the stats."""
