@@ -1,0 +1,20 @@
+"""aio: asynchronous file I/O for tensors and buffers (kernel AIO, io_uring or threads)."""
+
+from aio.buffers import aligned_empty
+from aio.errors import AIOError, AIOTimeoutError
+from aio.faults import Fault
+from aio.handle import Handle, available_backends
+from aio.request import Request
+from aio.swap_file import Extent, SwapFile
+
+__all__ = [
+    "AIOError",
+    "AIOTimeoutError",
+    "Extent",
+    "Fault",
+    "Handle",
+    "Request",
+    "SwapFile",
+    "aligned_empty",
+    "available_backends",
+]

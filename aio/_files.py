@@ -1,0 +1,144 @@
+"""Open files as the engine needs them: an O_DIRECT and a buffered descriptor, plus alignment.
+
+Descriptors are cached per path and checked against the path's inode on every use, so a file
+replaced or removed behind the handle's back is reopened rather than written through a stale
+descriptor. A descriptor still used by a request in flight is closed only after it completes.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from aio import _native
+from aio.buffers import PAGE_NBYTES
+from aio.errors import AIOError
+
+logger = logging.getLogger(__name__)
+
+MAX_CACHED_FILES = 256
+_warned_devices: set[int] = set()
+
+
+@dataclass(slots=True)
+class OpenFile:
+    """One path opened for the engine; `users` counts requests in flight on it."""
+
+    path: str
+    writable: bool
+    direct_fd: int  # -1 where the file system refuses O_DIRECT
+    buffered_fd: int
+    mem_align: int  # O_DIRECT buffer address alignment
+    direct_align: int  # O_DIRECT offset/length alignment, at least a page
+    identity: tuple[int, int]  # (st_dev, st_ino) when opened
+    target: Any = field(repr=False)  # struct inf_aio_target handed to the engine
+    users: int = 0
+    retired: bool = False
+
+    def close(self) -> None:
+        for fd in {self.direct_fd, self.buffered_fd} - {-1}:
+            os.close(fd)
+
+
+def _open_error(exc: OSError, path: str, op: str) -> AIOError:
+    return AIOError(exc.errno or errno.EIO, exc.strerror, path, op=f"open for {op}")
+
+
+def open_file(path: str, writable: bool) -> OpenFile:
+    """Open `path` for reading, or for writing (created if missing, never truncated)."""
+    op = "write" if writable else "read"
+    flags = (os.O_RDWR | os.O_CREAT if writable else os.O_RDONLY) | os.O_CLOEXEC
+    try:
+        buffered_fd = os.open(path, flags, 0o666)
+    except OSError as exc:
+        raise _open_error(exc, path, op) from None
+    try:
+        st = os.fstat(buffered_fd)
+        if not os.path.stat.S_ISREG(st.st_mode):
+            raise AIOError(errno.EINVAL, "not a regular file", path, op=f"open for {op}")
+        try:
+            direct_fd = os.open(path, (flags & ~os.O_CREAT) | os.O_DIRECT)
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                raise _open_error(exc, path, op) from None
+            direct_fd = -1
+            if st.st_dev not in _warned_devices:
+                _warned_devices.add(st.st_dev)
+                logger.warning(
+                    "%s: the file system refuses O_DIRECT; using buffered I/O (through the page "
+                    "cache, slower and uses RAM) for files on this device",
+                    path,
+                )
+        alignment = _native.dio_alignment(direct_fd if direct_fd >= 0 else buffered_fd)
+        mem_align, offset_align = alignment or (PAGE_NBYTES, PAGE_NBYTES)
+        direct_align = max(offset_align, PAGE_NBYTES)
+        mem_align = max(mem_align, 1)
+    except BaseException:
+        os.close(buffered_fd)
+        raise
+    target = _native.new_target(direct_fd, buffered_fd, mem_align, direct_align)
+    return OpenFile(path, writable, direct_fd, buffered_fd, mem_align, direct_align,
+                    (st.st_dev, st.st_ino), target)
+
+
+class FileTable:
+    """Cache of OpenFile by path. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._files: dict[str, OpenFile] = {}
+        self._retired: list[OpenFile] = []
+
+    def acquire(self, path: str, writable: bool) -> OpenFile:
+        """The open file for `path`, counted as used until release()."""
+        identity = None
+        try:
+            st = os.stat(path)
+            identity = (st.st_dev, st.st_ino)
+        except OSError as exc:
+            if not writable or exc.errno != errno.ENOENT:
+                raise _open_error(exc, path, "write" if writable else "read") from None
+        with self._lock:
+            cached = self._files.get(path)
+            if cached and cached.identity == identity and (cached.writable or not writable):
+                cached.users += 1
+                return cached
+        opened = open_file(path, writable)
+        with self._lock:
+            stale = self._files.pop(path, None)
+            if stale:
+                self._retire(stale)
+            if len(self._files) >= MAX_CACHED_FILES:
+                for key, idle in list(self._files.items()):
+                    if idle.users == 0:
+                        del self._files[key]
+                        idle.close()
+            self._files[path] = opened
+            opened.users += 1
+            return opened
+
+    def release(self, opened: OpenFile) -> None:
+        with self._lock:
+            opened.users -= 1
+            if opened.retired and opened.users == 0:
+                self._retired.remove(opened)
+                opened.close()
+
+    def _retire(self, opened: OpenFile) -> None:
+        if opened.users == 0:
+            opened.close()
+        else:
+            opened.retired = True
+            self._retired.append(opened)
+
+    def close(self) -> None:
+        """Close every descriptor; call only when no request is in flight."""
+        with self._lock:
+            for opened in [*self._files.values(), *self._retired]:
+                opened.close()
+            self._files.clear()
+            self._retired.clear()

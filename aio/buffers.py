@@ -1,0 +1,90 @@
+"""Host buffers for I/O: page-aligned allocation and the raw view of any tensor or array."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+PAGE_NBYTES = 4096
+
+
+def aligned_empty(nbytes: int, alignment: int = PAGE_NBYTES, *, pin: bool | None = None) -> torch.Tensor:
+    """A 1D torch.uint8 CPU tensor of `nbytes` whose address is a multiple of `alignment`.
+
+    Aligned buffers let O_DIRECT move data without a bounce copy. With CUDA present (or
+    pin=True) the memory is page-locked, so copies to the device are asynchronous. The
+    returned view keeps its (slightly larger) allocation alive.
+    """
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"alignment must be a power of two, got {alignment}")
+    if pin is None:
+        pin = torch.cuda.is_available()
+    raw = torch.empty(nbytes + alignment, dtype=torch.uint8, pin_memory=pin)
+    shift = (-raw.data_ptr()) % alignment
+    return raw[shift : shift + nbytes]
+
+
+class RawBuffer(NamedTuple):
+    """The memory behind a tensor, array or buffer object."""
+
+    address: int  # first byte
+    nbytes: int
+    keepalive: Any  # hold this until the I/O completes
+
+
+def raw_buffer(obj: Any, *, writable: bool) -> RawBuffer:
+    """Address and size of a contiguous CPU tensor, ndarray or buffer-protocol object.
+
+    Raises TypeError for memory the CPU cannot address (CUDA, meta) and ValueError for
+    non-contiguous or (when `writable`) read-only memory: the engine never copies behind the
+    caller's back.
+    """
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type != "cpu":
+            raise TypeError(
+                f"I/O needs host memory, got a tensor on {obj.device}; copy it to a host buffer "
+                f"first (aio.aligned_empty gives a pinned one)"
+            )
+        if obj.layout != torch.strided:
+            raise TypeError(f"I/O needs a dense tensor, got layout {obj.layout}")
+        if not obj.is_contiguous():
+            raise ValueError(
+                f"I/O needs a contiguous tensor, got shape {tuple(obj.shape)} with strides "
+                f"{obj.stride()}; call .contiguous() into a buffer you keep"
+            )
+        return RawBuffer(obj.data_ptr(), obj.numel() * obj.element_size(), obj)
+    if isinstance(obj, np.ndarray):
+        if not obj.flags.c_contiguous:
+            raise ValueError(f"I/O needs a C-contiguous array, got strides {obj.strides}")
+        if writable and not obj.flags.writeable:
+            raise ValueError("cannot read into a read-only array")
+        return RawBuffer(obj.__array_interface__["data"][0], obj.nbytes, obj)
+    try:
+        view = memoryview(obj)
+    except TypeError:
+        raise TypeError(
+            f"I/O needs a torch.Tensor, numpy.ndarray or buffer object, got {type(obj).__name__}"
+        ) from None
+    if not view.c_contiguous:
+        raise ValueError("I/O needs a contiguous buffer")
+    if writable and view.readonly:
+        raise ValueError(f"cannot read into a read-only {type(obj).__name__}")
+    array = np.frombuffer(view, dtype=np.uint8) if view.nbytes else np.empty(0, np.uint8)
+    return RawBuffer(array.__array_interface__["data"][0], view.nbytes, (obj, view, array))
+
+
+def byte_view(obj: Any) -> np.ndarray:
+    """A 1D uint8 numpy view of the same memory (for code that needs Python buffers)."""
+    buf = raw_buffer(obj, writable=False)
+    if isinstance(obj, torch.Tensor):
+        return obj.reshape(-1).view(torch.uint8).numpy() if buf.nbytes else np.empty(0, np.uint8)
+    if isinstance(obj, np.ndarray):
+        return obj.reshape(-1).view(np.uint8)
+    return buf.keepalive[2]

@@ -1,0 +1,176 @@
+"""The I/O handle: many reads and writes in flight at once, each with its own Request."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+from aio import _native
+from aio._files import FileTable
+from aio.buffers import raw_buffer
+from aio.errors import AIOError, AIOTimeoutError
+from aio.faults import Fault
+from aio.request import Request
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("io_uring", "libaio", "threads")
+_auto_choice: str | None = None
+
+
+def available_backends() -> list[str]:
+    """The backends this process may use, fastest first (io_uring may be forbidden, e.g. by seccomp)."""
+    return [name for name in BACKENDS if _native.probe(name) == 0]
+
+
+def _resolve_backend(backend: str) -> str:
+    global _auto_choice
+    if backend == "auto":
+        if _auto_choice is None:
+            _auto_choice = available_backends()[0]
+            logger.info("aio backend 'auto' picked %s", _auto_choice)
+        return _auto_choice
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+    ret = _native.probe(backend)
+    if ret < 0:
+        raise OSError(-ret, f"backend {backend!r} is unavailable here ({os.strerror(-ret)}); "
+                      f"available: {available_backends()}")
+    return backend
+
+
+class Handle:
+    """Asynchronous reads and writes between host buffers and files.
+
+    Parameters
+    ----------
+    block_size: bytes per piece; a large request is cut into pieces of this size, a multiple
+        of 4096 up to 1 GiB.
+    queue_depth: pieces in flight per queue.
+    threads: queues, each with its own kernel context (or thread pool) and progress thread.
+    backend: "auto" (io_uring, else libaio, else threads), "io_uring", "libaio" or "threads".
+    faults: injected faults for tests (see aio.Fault).
+
+    Notes
+    -----
+    Files are opened on first use (O_DIRECT where the file system allows) and kept open until
+    close(). Pieces that are aligned to the file system's direct-I/O alignment (at least a
+    page) go through O_DIRECT; unaligned heads, tails and buffers go through the page cache,
+    so nothing is ever written short. Use `aligned_empty` buffers and aligned offsets for full
+    speed. Thread-safe.
+    """
+
+    def __init__(self, block_size: int = 1 << 20, queue_depth: int = 32, threads: int = 1,
+                 backend: str = "auto", *, faults: Iterable[Fault] = ()) -> None:
+        if not (0 < block_size <= 1 << 30 and block_size % 4096 == 0):
+            raise ValueError(f"block_size must be a multiple of 4096 bytes up to 1 GiB, got {block_size}")
+        if not 0 < queue_depth <= 4096:
+            raise ValueError(f"queue_depth must be in 1..4096, got {queue_depth}")
+        if not 0 < threads <= 64:
+            raise ValueError(f"threads must be in 1..64, got {threads}")
+        self.backend = _resolve_backend(backend)
+        self.block_size = block_size
+        self.queue_depth = queue_depth
+        self.threads = threads
+        self._native = _native.NativeHandle(self.backend, block_size, queue_depth, threads)
+        self._files = FileTable()
+        self._lock = threading.Lock()
+        self._in_flight: set[Request] = set()
+        self._closed = False
+        for fault in faults:
+            self.inject(fault)
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def read(self, buffer: Any, path: str | os.PathLike[str], offset: int = 0) -> Request:
+        """Start reading len(buffer) bytes of `path` at `offset` into `buffer`."""
+        return self._submit("read", buffer, path, offset)
+
+    def write(self, buffer: Any, path: str | os.PathLike[str], offset: int = 0) -> Request:
+        """Start writing `buffer` to `path` at `offset` (the file is created, never truncated)."""
+        return self._submit("write", buffer, path, offset)
+
+    def _submit(self, op: str, buffer: Any, path: str | os.PathLike[str], offset: int) -> Request:
+        path = os.fspath(path)
+        if not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"offset must be a non-negative int, got {offset!r}")
+        raw = raw_buffer(buffer, writable=op == "read")
+        if self._closed:
+            raise ValueError("I/O on a closed aio.Handle")
+        if raw.nbytes == 0:
+            return Request(None, None, None, None, op, path, offset, 0)
+        opened = self._files.acquire(path, writable=op == "write")
+        try:
+            native = self._native.submit(op, opened.target, raw.address, raw.nbytes, offset)
+        except OSError as exc:
+            self._files.release(opened)
+            raise AIOError(exc.errno, exc.strerror, path, op=op, offset=offset, nbytes=raw.nbytes) from None
+        request = Request(self, native, raw.keepalive, opened, op, path, offset, raw.nbytes)
+        with self._lock:
+            self._in_flight.add(request)
+        return request
+
+    def _finished(self, request: Request) -> None:
+        """Called by a Request once it is done."""
+        self._files.release(request._file)
+        with self._lock:
+            self._in_flight.discard(request)
+
+    def wait_all(self, timeout: float | None = None) -> int:
+        """Wait for every request in flight; total bytes moved. Raises the first error met
+        (after all have finished) or AIOTimeoutError."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        total, first_error = 0, None
+        with self._lock:
+            pending = list(self._in_flight)
+        for request in pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                total += request.wait(left)
+            except AIOTimeoutError:
+                raise
+            except AIOError as exc:
+                first_error = first_error or exc
+        if first_error:
+            raise first_error
+        return total
+
+    def inject(self, fault: Fault) -> None:
+        """Install a fault (tests only): see aio.Fault."""
+        self._native.add_fault(fault.op, fault.nth, fault.kind, fault.value)
+
+    # -- lifetime -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the engine: pieces not yet started (and injected hangs) fail with ECANCELED,
+        pieces in flight are waited for, files are closed. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._native.shutdown()
+        with self._lock:
+            pending = list(self._in_flight)
+        for request in pending:
+            request.done()  # every request is done after shutdown; this frees it
+        self._native.destroy()
+        self._files.close()
+
+    def __enter__(self) -> Handle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=2)
+            self.close()
+
+    def __repr__(self) -> str:
+        return (f"aio.Handle(backend={self.backend!r}, block_size={self.block_size}, "
+                f"queue_depth={self.queue_depth}, threads={self.threads})")

@@ -1,0 +1,44 @@
+"""cffi build script for the aio engines (out-of-line API mode).
+
+`pip install` runs it through setup.py's cffi_modules; `python csrc/build_aio.py` builds the
+extension in place for development.
+"""
+
+import pathlib
+import re
+
+from cffi import FFI
+
+HERE = pathlib.Path(__file__).resolve().parent
+SOURCES = ["handle.c", "backend_kaio.c", "backend_uring.c", "backend_threads.c"]
+
+
+def _declarations(header: pathlib.Path) -> str:
+    """The header without preprocessor lines and comments: cdef cannot #include or #ifdef."""
+    text = re.sub(r"/\*.*?\*/", "", header.read_text(), flags=re.S)
+    keep = []
+    for line in text.splitlines():
+        define = re.match(r"#define\s+(INF_AIO_\w+)\s+(-?\d+)\s*$", line)
+        if define:
+            keep.append(f"#define {define.group(1)} {define.group(2)}")
+        elif not line.lstrip().startswith("#"):
+            keep.append(line)
+    return "\n".join(keep)
+
+
+ffibuilder = FFI()
+ffibuilder.cdef(_declarations(HERE / "aio" / "inf_aio.h"))
+ffibuilder.set_source(
+    "aio._aio_cffi",
+    '#include "inf_aio.h"',
+    sources=[str((HERE / "aio" / name).relative_to(HERE.parent)) for name in SOURCES],
+    include_dirs=[str((HERE / "aio").relative_to(HERE.parent))],
+    extra_compile_args=["-O2", "-std=gnu11", "-pthread", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+    extra_link_args=["-pthread"],
+)
+
+if __name__ == "__main__":
+    import os
+
+    os.chdir(HERE.parent)
+    ffibuilder.compile(tmpdir=".", verbose=False)

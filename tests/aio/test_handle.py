@@ -1,0 +1,200 @@
+"""Round trips, integrity under concurrency, and the errors callers see."""
+
+import hashlib
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+import aio
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool,
+          torch.float64, torch.int32]
+
+
+def _random_tensor(rng: random.Random, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    raw = torch.randint(0, 256, (numel * torch.empty((), dtype=dtype).element_size(),),
+                        dtype=torch.uint8, generator=g)
+    if dtype == torch.bool:
+        return (raw & 1).bool()
+    return raw.view(dtype)
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def test_round_trip_every_backend(handle, tmp_path):
+    t = torch.randn(1_000_003)
+    path = tmp_path / "t.bin"
+    assert handle.write(t, path).wait() == t.numel() * 4
+    out = torch.empty_like(t)
+    assert handle.read(out, path).wait() == t.numel() * 4
+    assert torch.equal(t, out)
+
+
+def test_random_integrity_concurrent(handle, tmp_path):
+    """Thousands of writes and reads of random sizes, offsets and dtypes, many in flight."""
+    rng = random.Random(1234)
+    files = [tmp_path / f"f{i}" for i in range(4)]
+    written = []  # (path, offset, tensor, digest)
+    cursor = {f: 0 for f in files}
+    requests = []
+    for i in range(1500):
+        dtype = rng.choice(DTYPES)
+        numel = rng.choice([1, 3, 511, 1024, 4097, rng.randrange(1, 40_000), rng.randrange(1, 300_000)])
+        t = _random_tensor(rng, numel, dtype)
+        f = rng.choice(files)
+        # aligned or deliberately unaligned offsets; regions never overlap
+        offset = cursor[f] + rng.choice([0, 0, 1, 511, 4096, rng.randrange(0, 9000)])
+        nbytes = t.numel() * t.element_size()
+        cursor[f] = offset + nbytes
+        requests.append(handle.write(t, f, offset))
+        written.append((f, offset, t, _digest(t)))
+        if i % 97 == 0:  # let some complete while others are still being submitted
+            requests.pop(0).wait()
+    for r in requests:
+        r.wait()
+    rng.shuffle(written)
+    reads = []
+    for f, offset, t, digest in written:
+        out = torch.empty_like(t)
+        reads.append((handle.read(out, f, offset), out, digest, t))
+    for r, out, digest, t in reads:
+        assert r.wait() == t.numel() * t.element_size()
+        assert _digest(out) == digest
+
+
+def test_unaligned_buffer_and_length(handle, tmp_path):
+    base = aio.aligned_empty(3 * 4096 + 64)
+    base.copy_(torch.randint(0, 256, base.shape, dtype=torch.uint8))
+    view = base[1 : 1 + 10_001]  # address off by one, odd length
+    path = tmp_path / "u.bin"
+    handle.write(view, path, offset=4096).wait()
+    out = torch.zeros(10_001, dtype=torch.uint8)
+    handle.read(out, path, offset=4096).wait()
+    assert torch.equal(out, view)
+    assert os.path.getsize(path) == 4096 + 10_001  # nothing padded, nothing lost
+
+
+def test_zero_length_request_is_done_at_once(handle, tmp_path):
+    r = handle.write(torch.empty(0), tmp_path / "z.bin")
+    assert r.done() and r.wait() == 0
+
+
+def test_numpy_and_bytes_buffers(handle, tmp_path):
+    a = np.arange(10_000, dtype=np.float64)
+    handle.write(a, tmp_path / "a.bin").wait()
+    b = np.empty_like(a)
+    handle.read(b, tmp_path / "a.bin").wait()
+    np.testing.assert_array_equal(a, b)
+    handle.write(b"hello world", tmp_path / "b.bin").wait()
+    out = bytearray(11)
+    handle.read(out, tmp_path / "b.bin").wait()
+    assert out == b"hello world"
+    with pytest.raises(ValueError, match="read-only"):
+        handle.read(b"immutable", tmp_path / "b.bin")
+
+
+def test_missing_file_read_names_path(handle, tmp_path):
+    path = tmp_path / "missing.bin"
+    with pytest.raises(aio.AIOError) as info:
+        handle.read(torch.empty(10), path)
+    assert info.value.errno == 2 and str(path) in str(info.value)
+
+
+def test_missing_directory_write(handle, tmp_path):
+    with pytest.raises(aio.AIOError, match="No such file"):
+        handle.write(torch.ones(4), tmp_path / "nodir" / "x.bin")
+
+
+def test_read_past_end_of_file(handle, tmp_path):
+    path = tmp_path / "short.bin"
+    path.write_bytes(b"x" * 5000)
+    out = torch.empty(8192, dtype=torch.uint8)
+    with pytest.raises(aio.AIOError) as info:
+        handle.read(out, path).wait()
+    err = info.value
+    assert err.errno == 61 and "end of file" in str(err) and "5000" in str(err)
+    assert err.offset == 5000 and err.nbytes == 8192 - 5000
+
+
+def test_directory_is_not_a_file(handle, tmp_path):
+    with pytest.raises(aio.AIOError, match="Is a directory|not a regular file"):
+        handle.read(torch.empty(4), tmp_path)
+
+
+def test_bad_arguments(handle, tmp_path):
+    with pytest.raises(ValueError, match="contiguous"):
+        handle.write(torch.ones(4, 4).t(), tmp_path / "x")
+    with pytest.raises(ValueError, match="offset"):
+        handle.write(torch.ones(4), tmp_path / "x", offset=-1)
+    with pytest.raises(TypeError, match="torch.Tensor, numpy.ndarray or buffer"):
+        handle.write(object(), tmp_path / "x")
+    with pytest.raises(TypeError, match="host memory"):
+        handle.write(torch.ones(4, device="meta"), tmp_path / "x")
+    with pytest.raises(ValueError, match="block_size"):
+        aio.Handle(block_size=1000)
+    with pytest.raises(ValueError, match="backend"):
+        aio.Handle(backend="spdk")
+
+
+@pytest.mark.requires_cuda
+def test_cuda_tensor_is_refused(handle, tmp_path):
+    with pytest.raises(TypeError, match="cuda"):
+        handle.write(torch.ones(4, device="cuda"), tmp_path / "x")
+
+
+def test_closed_handle_refuses_io(tmp_path):
+    h = aio.Handle()
+    h.close()
+    h.close()  # idempotent
+    with pytest.raises(ValueError, match="closed"):
+        h.write(torch.ones(4), tmp_path / "x")
+
+
+def test_wait_all_returns_total(handle, tmp_path):
+    for i in range(10):
+        handle.write(torch.ones(1000), tmp_path / "w.bin", offset=i * 4000)
+    assert handle.wait_all(timeout=30) == 10 * 4000
+
+
+def test_file_replaced_behind_the_handle_is_reopened(handle, tmp_path):
+    path = tmp_path / "r.bin"
+    handle.write(torch.full((1024,), 1.0), path).wait()
+    os.unlink(path)
+    handle.write(torch.full((1024,), 2.0), path).wait()
+    out = torch.empty(1024)
+    handle.read(out, path).wait()
+    assert torch.all(out == 2.0)
+
+
+def test_read_only_directory(tmp_path):
+    """A directory the process may not write into gives EACCES naming the path."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    code = textwrap.dedent(f"""
+        import os, sys, torch, aio
+        if os.geteuid() == 0:
+            os.chown({str(ro)!r}, 0, 0)
+            os.setgid(65534); os.setuid(65534)
+        try:
+            with aio.Handle() as h:
+                h.write(torch.ones(4), {str(ro / 'x.bin')!r}).wait()
+        except aio.AIOError as e:
+            print("ERR", e.errno, e)
+            sys.exit(0)
+        sys.exit(1)
+    """)
+    os.chmod(ro, 0o555)
+    os.chmod(tmp_path, 0o755)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    os.chmod(ro, 0o755)
+    assert out.returncode == 0, out.stderr
+    assert "ERR 13" in out.stdout and str(ro / "x.bin") in out.stdout
