@@ -1,0 +1,65 @@
+"""File opening: O_DIRECT where allowed, buffered with one warning where not, alignment."""
+
+import errno
+import logging
+import os
+import tempfile
+
+import pytest
+import torch
+
+import aio
+from aio import _files
+
+
+def test_direct_io_refused_falls_back_to_buffered_with_one_warning(tmp_path, monkeypatch, caplog, backend):
+    real_open = os.open
+
+    def refuse_direct(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(_files.os, "open", refuse_direct)
+    monkeypatch.setattr(_files, "_warned_devices", set())
+    caplog.set_level(logging.WARNING, logger="aio._files")
+    with aio.Handle(backend=backend) as h:
+        t = torch.randn(300_000)
+        for i in range(3):
+            h.write(t, tmp_path / f"f{i}").wait()
+            out = torch.empty_like(t)
+            h.read(out, tmp_path / f"f{i}").wait()
+            assert torch.equal(out, t)
+    warnings = [r for r in caplog.records if "refuses O_DIRECT" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+def test_tmpfs_round_trip(backend):
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d, aio.Handle(backend=backend) as h:
+        t = torch.randn(123_457)
+        h.write(t, os.path.join(d, "x")).wait()
+        out = torch.empty_like(t)
+        h.read(out, os.path.join(d, "x")).wait()
+        assert torch.equal(out, t)
+
+
+def test_alignment_is_at_least_a_page(tmp_path):
+    opened = _files.open_file(str(tmp_path / "a"), writable=True)
+    try:
+        assert opened.direct_align >= 4096 and opened.direct_align & (opened.direct_align - 1) == 0
+        assert opened.mem_align >= 1
+    finally:
+        opened.close()
+
+
+def test_aligned_empty():
+    for n in (0, 1, 4095, 1 << 20):
+        b = aio.aligned_empty(n)
+        assert b.dtype == torch.uint8 and b.numel() == n and b.data_ptr() % 4096 == 0
+    assert aio.aligned_empty(100, 64).data_ptr() % 64 == 0
+    with pytest.raises(ValueError):
+        aio.aligned_empty(-1)
+    with pytest.raises(ValueError):
+        aio.aligned_empty(10, alignment=3)
