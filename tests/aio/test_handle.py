@@ -3,8 +3,6 @@
 import hashlib
 import os
 import random
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -175,26 +173,18 @@ def test_file_replaced_behind_the_handle_is_reopened(handle, tmp_path):
     assert torch.all(out == 2.0)
 
 
-def test_read_only_directory(tmp_path):
+def test_read_only_directory(read_only_dir, run_unprivileged):
     """A directory the process may not write into gives EACCES naming the path."""
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    code = textwrap.dedent(f"""
-        import os, sys, torch, aio
-        if os.geteuid() == 0:
-            os.chown({str(ro)!r}, 0, 0)
-            os.setgid(65534); os.setuid(65534)
+    target = os.path.join(read_only_dir, "x.bin")
+    out = run_unprivileged(textwrap.dedent(f"""
+        import torch
         try:
             with aio.Handle() as h:
-                h.write(torch.ones(4), {str(ro / 'x.bin')!r}).wait()
+                h.write(torch.ones(4), {target!r}).wait()
         except aio.AIOError as e:
             print("ERR", e.errno, e)
             sys.exit(0)
         sys.exit(1)
-    """)
-    os.chmod(ro, 0o555)
-    os.chmod(tmp_path, 0o755)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    os.chmod(ro, 0o755)
-    assert out.returncode == 0, out.stderr
-    assert "ERR 13" in out.stdout and str(ro / "x.bin") in out.stdout
+    """))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "ERR 13" in out.stdout and target in out.stdout and "open for write" in out.stdout

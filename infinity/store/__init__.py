@@ -1,0 +1,7 @@
+"""The tiered tensor store: every tensor by key on device, host or NVMe, under hard budgets."""
+
+from infinity.store._common import Tier
+from infinity.store.moves import DirectionStats, MoveLog
+from infinity.store.tensor_store import TensorFuture, TensorStore, TierStats
+
+__all__ = ["DirectionStats", "MoveLog", "Tier", "TensorFuture", "TensorStore", "TierStats"]

@@ -1,0 +1,233 @@
+"""TensorStore: every tier path under tight budgets, eviction, concurrency, errors, counters."""
+
+import errno
+import json
+import os
+import random
+import textwrap
+import threading
+
+import pytest
+import torch
+
+import aio
+from infinity.errors import BudgetError
+from infinity.store import TensorStore
+
+MiB = 1 << 20
+
+
+def _tensors(n, seed=0, max_numel=300_000):
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    out = {}
+    for i in range(n):
+        dtype = rng.choice([torch.float32, torch.bfloat16, torch.float16, torch.int64])
+        numel = rng.randrange(1, max_numel)
+        out[f"t{i}"] = torch.randn(numel, generator=g).to(dtype) if dtype != torch.int64 else \
+            torch.randint(-1000, 1000, (numel,), generator=g)
+    return out
+
+
+@pytest.fixture
+def store(tmp_path):
+    with TensorStore({"device": 1 * MiB, "host": 2 * MiB, "nvme": 64 * MiB}, nvme_path=tmp_path,
+                     device="cpu", aio_options={"block_size": 256 << 10, "queue_depth": 8}) as s:
+        yield s
+
+
+def test_every_tier_path_under_budgets_ten_times_smaller_than_the_data(store):
+    data = _tensors(100, seed=1, max_numel=120_000)
+    total = sum(t.numel() * t.element_size() for t in data.values())
+    assert total > 10 * 2 * MiB  # the host budget is over 10x smaller than the data
+    for key, t in data.items():
+        store.put(key, t, "nvme")
+    rng = random.Random(2)
+    for step in range(300):
+        key = rng.choice(list(data))
+        tier = rng.choice(["host", "device"])
+        t = store.fetch(key, tier).result(timeout=30)
+        assert torch.equal(t, data[key]), (step, key, tier)
+        modify = rng.random() < 0.3
+        if modify:
+            t.add_(1) if t.dtype != torch.int64 else t.add_(3)
+            data[key] = t.clone()
+        store.release(key, tier, dirty=modify)
+    store.flush()
+    for key, t in data.items():  # everything written back and still right
+        store.evict(key, "device")
+        store.evict(key, "host")
+        assert store.tiers_of(key) == ["nvme"]
+        assert torch.equal(store.fetch(key, "host").result(), t)
+        store.release(key, "host")
+    moves = store.stats()["moves"]
+    assert moves["nvme->host"]["moves"] > 0 and moves["host->nvme"]["moves"] > 0
+    assert moves["host->device"]["moves"] > 0
+
+
+def test_host_home_moves_down_to_nvme_when_full_and_comes_back(store):
+    data = _tensors(12, seed=3, max_numel=120_000)
+    for key, t in data.items():
+        store.put(key, t, "host")  # more than the host budget: older ones move down
+    assert any(store.tiers_of(k) == ["nvme"] for k in data)
+    for key, t in data.items():
+        assert torch.equal(store.fetch(key, "host").result(), t)
+        store.release(key, "host")
+
+
+def test_next_use_hints_pick_the_victim(tmp_path):
+    with TensorStore({"host": 1 * MiB, "nvme": 16 * MiB}, nvme_path=tmp_path) as s:
+        for i in range(3):
+            s.put(f"k{i}", torch.full((60_000,), float(i)), "nvme")  # 240 KB each
+            s.fetch(f"k{i}", "host").result()
+            s.release(f"k{i}", "host")
+        s.set_next_use({"k0": 1, "k1": 100, "k2": 2})
+        s.put("big", torch.zeros(100_000), "nvme")
+        s.fetch("big", "host").result()  # needs room: k1 is needed last, so it goes
+        assert s.tiers_of("k1") == ["nvme"]
+        assert "host" in s.tiers_of("k0") and "host" in s.tiers_of("k2")
+        s.release("big", "host")
+
+
+def test_fragmented_host_tier_compacts_and_keeps_contents(tmp_path):
+    with TensorStore({"host": 1 * MiB, "nvme": 16 * MiB}, nvme_path=tmp_path) as s:
+        small = {f"s{i}": torch.full((30_000,), float(i)) for i in range(8)}  # 120 KB each
+        for key, t in small.items():
+            s.put(key, t, "host")
+        for i in range(0, 8, 2):
+            s.drop(f"s{i}")  # holes of 120 KB between live blocks
+        s.put("wide", torch.arange(100_000, dtype=torch.float32), "host")  # 400 KB: needs compaction
+        assert s.tiers_of("wide") == ["host"]
+        for i in range(1, 8, 2):
+            assert torch.equal(s.fetch(f"s{i}", "host").result(), small[f"s{i}"])
+            s.release(f"s{i}", "host")
+
+
+def test_concurrent_fetch_and_release_from_threads(store):
+    data = _tensors(24, seed=4, max_numel=60_000)
+    for key, t in data.items():
+        store.put(key, t, "nvme")
+    errors = []
+
+    def worker(seed):
+        rng = random.Random(seed)
+        keys = list(data)
+        shared = keys[:12]  # read by every thread
+        own = [k for i, k in enumerate(keys[12:]) if i % 4 == seed]  # modified by this one only
+        try:
+            for _ in range(60):
+                key = rng.choice(shared + own)
+                tier = rng.choice(["host", "device"])
+                while True:
+                    try:
+                        t = store.fetch(key, tier).result(timeout=30)
+                        break
+                    except BudgetError:  # everything in use by other threads right now
+                        continue
+                if key in own:
+                    t.add_(1) if t.dtype != torch.int64 else t.add_(1)
+                    data[key] = t.clone()
+                    store.release(key, tier, dirty=True)
+                else:
+                    assert torch.equal(t, data[key])
+                    store.release(key, tier)
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    for key, t in data.items():
+        assert torch.equal(store.fetch(key, "host").result(), t)
+        store.release(key, "host")
+
+
+def test_pinned_set_over_budget_is_a_clear_error(tmp_path):
+    with TensorStore({"host": 1 * MiB, "nvme": 16 * MiB}, nvme_path=tmp_path) as s:
+        for i in range(5):
+            s.put(f"k{i}", torch.ones(60_000), "nvme")
+        for i in range(4):
+            s.pin(f"k{i}", "host")
+        with pytest.raises(BudgetError, match="host tier cannot hold 'k4'.*pinned"):
+            s.pin("k4", "host")
+        s.unpin("k0", "host")
+        s.pin("k4", "host")  # now k0 can make room
+
+
+def test_write_back_failure_is_raised_and_loses_nothing(tmp_path):
+    handle = aio.Handle(block_size=64 << 10)
+    with TensorStore({"host": 1 * MiB, "nvme": 8 * MiB}, nvme_path=tmp_path, aio_handle=handle) as s:
+        s.put("w", torch.zeros(50_000), "nvme")
+        t = s.fetch("w", "host").result()
+        t.fill_(7.0)
+        handle.inject(aio.Fault(op="write", nth=0, kind="errno", errno=errno.EIO))
+        s.release("w", "host", dirty=True)
+        with pytest.raises(aio.AIOError, match="EIO"):
+            s.flush()
+        assert s.tiers_of("w") == ["host"]  # the NVMe copy is stale; the host copy has the value
+        assert torch.all(s.fetch("w", "host").result() == 7.0)
+        s.release("w", "host", dirty=True)  # a retry writes it down
+        s.flush()
+        s.evict("w", "host")
+        assert torch.all(s.fetch("w", "host").result() == 7.0)
+        s.release("w", "host")
+    handle.close()
+
+
+def test_bad_construction_and_use(tmp_path):
+    with pytest.raises(aio.AIOError, match="ENOENT.*No such file or directory"):
+        TensorStore({"nvme": MiB}, nvme_path=tmp_path / "missing")
+    with pytest.raises(ValueError, match="nvme_path"):
+        TensorStore({"nvme": MiB})
+    with pytest.raises(aio.AIOError, match="ENOSPC"):
+        TensorStore({"nvme": 1 << 50}, nvme_path=tmp_path)  # 1 PiB: more than the disk
+    with pytest.raises(ValueError, match="tier must be"):
+        TensorStore({"gpu": MiB})
+    with TensorStore({"host": MiB}) as s:
+        with pytest.raises(BudgetError, match="larger than the whole host budget"):
+            s.put("huge", torch.ones(MiB), "host")
+        with pytest.raises(KeyError, match="no tensor 'x'"):
+            s.fetch("x", "host")
+        s.put("x", torch.ones(4), "host")
+        with pytest.raises(ValueError, match="already in the store"):
+            s.put("x", torch.ones(4), "host")
+        with pytest.raises(ValueError, match="without a fetch"):
+            s.release("x", "host")
+        with pytest.raises(ValueError, match="not addressable"):
+            s.fetch("x", "nvme")
+        with pytest.raises(ValueError, match="no device budget"):
+            s.fetch("x", "device")
+    assert os.listdir(tmp_path) == []  # no swap files left behind
+
+
+def test_read_only_nvme_path(read_only_dir, run_unprivileged):
+    out = run_unprivileged(textwrap.dedent(f"""
+        try:
+            infinity.store.TensorStore({{"nvme": 1 << 20}}, nvme_path={read_only_dir!r})
+        except aio.AIOError as e:
+            print("ERR", e.errno, e); sys.exit(0)
+        sys.exit(1)
+    """))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "ERR 13" in out.stdout and "not writable" in out.stdout
+
+
+def test_trace_and_counters(store, tmp_path):
+    store.put("a", torch.ones(100_000), "nvme")
+    store.fetch("a", "device").result()
+    store.release("a", "device", dirty=True)
+    store.flush()
+    stats = store.stats()
+    assert stats["tiers"]["nvme"].used_nbytes >= 400_000
+    assert stats["moves"]["nvme->host"]["nbytes"] == 400_000
+    assert stats["moves"]["device->host"]["nbytes"] == 400_000
+    assert stats["moves"]["host->nvme"]["gbps"] > 0
+    path = tmp_path / "trace.json"
+    store.write_trace(path)
+    events = json.loads(path.read_text())["traceEvents"]
+    lanes = {e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert {"nvme->host", "host->device", "device->host", "host->nvme"} <= lanes
+    assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")
