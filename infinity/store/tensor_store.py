@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 import aio
+from aio.buffers import PAGE_NBYTES
 from infinity.errors import BudgetError
 from infinity.memory import Arena
 from infinity.store._common import Tier
@@ -105,10 +106,13 @@ class TensorStore:
         self._handle: aio.Handle | None = aio_handle
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         try:
+            # Host blocks start on pages so aio moves them with O_DIRECT, never through the cache.
             if self.budgets.get(Tier.DEVICE):
-                self._arenas[Tier.DEVICE] = Arena(self.budgets[Tier.DEVICE], self.device)
+                self._arenas[Tier.DEVICE] = Arena(self.budgets[Tier.DEVICE], self.device,
+                                                  alignment=PAGE_NBYTES if self.device.type == "cpu" else 256)
             if self.budgets.get(Tier.HOST):
-                self._arenas[Tier.HOST] = Arena(self.budgets[Tier.HOST], "cpu", pinned=torch.cuda.is_available())
+                self._arenas[Tier.HOST] = Arena(self.budgets[Tier.HOST], "cpu", pinned=torch.cuda.is_available(),
+                                                alignment=PAGE_NBYTES)
             if self.budgets.get(Tier.NVME):
                 self._swap = self._open_swap(nvme_path, self.budgets[Tier.NVME], rank)
                 if self._handle is None:
