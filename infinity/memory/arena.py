@@ -1,0 +1,399 @@
+"""A preallocated arena of aligned tensor blocks that defragments itself by compaction.
+
+The engine sizes one arena per tier at start-up and never asks the system allocator again, so
+memory use is flat and a plan that does not fit fails at start-up rather than mid-step.
+
+[Note: blocks are handles]
+A :class:`Block` names a range of the arena, not an address. When an allocation fits in the
+total free space but in no single hole, the arena compacts: it slides every live block toward
+the start, in address order, and rebinds what views them. ``Block.tensor`` then returns a view
+at the new place, and every tensor registered with :meth:`Arena.bind` (typically a parameter)
+gets its ``.data`` re-pointed. A raw view taken from ``Block.tensor`` earlier is *stale* after
+any later ``alloc`` on the same arena (from any thread): keep the block, or bind the tensor.
+Compaction must not overlap copies or I/O that are still in flight on arena memory (an async
+host-to-device copy, an aio request); the caller waits for them before allocating.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from infinity.errors import BudgetError
+from infinity.memory._backing import Backing, is_power_of_two, resolve_device, round_up
+from infinity.memory._free_list import FreeList
+from infinity.memory._move import move_down
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ALIGNMENT = 256
+_MIN_ALIGNMENT = 16  # the widest element (complex128) must start on its own size
+_BOUNCE_NBYTES = 4 << 20  # device-only scratch for overlapping moves; see _move.py
+
+
+@dataclass(slots=True)
+class ArenaStats:
+    """A snapshot of an arena's occupancy and of the work compaction has done.
+
+    Sizes are in bytes and count aligned spans, so ``live_nbytes + free_nbytes ==
+    capacity_nbytes``.
+    """
+
+    capacity_nbytes: int
+    live_nbytes: int
+    free_nbytes: int
+    largest_hole_nbytes: int
+    fragmentation: float  # 1 - largest_hole / free; 0.0 when nothing is free
+    live_blocks: int
+    allocations: int  # successful alloc calls since creation, zero-size included
+    compactions: int
+    moved_nbytes: int  # bytes copied by all compactions
+    compaction_s: float  # wall time spent compacting
+
+
+class Block:
+    """A handle on an aligned range of an :class:`Arena`; see [Note: blocks are handles].
+
+    Attributes:
+        shape: shape of the tensor the block holds.
+        dtype: element type of that tensor.
+        nbytes: bytes the tensor needs (the arena reserves this rounded up to its alignment).
+    """
+
+    __slots__ = (
+        "shape",
+        "dtype",
+        "nbytes",
+        "_arena",
+        "_offset",
+        "_span",
+        "_view",
+        "_bound",
+        "_live",
+    )
+
+    def __init__(self, arena: Arena, shape: torch.Size, dtype: torch.dtype, nbytes: int) -> None:
+        self.shape: torch.Size = shape
+        self.dtype: torch.dtype = dtype
+        self.nbytes: int = nbytes
+        self._arena = arena
+        self._offset = 0  # bytes from the arena's start; changes when the arena compacts
+        self._span = 0  # nbytes rounded up to the arena's alignment
+        self._view: torch.Tensor | None = None  # shape, dtype; built on use, dropped on moves
+        self._bound: dict[int, weakref.ref[torch.Tensor]] = {}  # id -> tensor kept in sync
+        self._live = False
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The block's memory as a ``shape``/``dtype`` tensor, valid until the next ``alloc``."""
+        with self._arena._lock:
+            if not self._live:
+                raise ValueError(f"{self!r} was freed; its memory may belong to another block")
+            return self._arena._view_of(self)
+
+    @property
+    def offset(self) -> int:
+        """Current byte offset in the arena (aligned); changes when the arena compacts."""
+        return self._offset
+
+    @property
+    def live(self) -> bool:
+        """False once the block has been freed."""
+        return self._live
+
+    def __repr__(self) -> str:
+        state = f"offset={self._offset}" if self._live else "freed"
+        return f"Block(shape={tuple(self.shape)}, dtype={self.dtype}, {state})"
+
+
+def _as_shape(shape: int | Sequence[int]) -> torch.Size:
+    dims = (shape,) if isinstance(shape, int) else tuple(shape)
+    if not all(isinstance(d, int) and d >= 0 for d in dims):
+        raise ValueError(f"shape={shape!r} must be a non-negative int or a sequence of them")
+    return torch.Size(dims)
+
+
+class Arena:
+    """A fixed region of host or device memory handing out aligned tensor blocks.
+
+    Allocation is best fit (the smallest hole that fits, lowest address among equals) and a
+    free coalesces with the holes on both sides. A request that fits in the total free space
+    but in no hole triggers a compaction (see [Note: blocks are handles]); one that does not
+    fit even then raises :class:`~infinity.errors.BudgetError` with the stats. Nothing is ever
+    allocated outside the arena, except, on a device, a small scratch for overlapping moves.
+
+    Thread safety: every method takes one internal lock, so an arena may be shared by
+    threads; a compaction runs under that lock and blocks the others while it copies.
+
+    Args:
+        nbytes: capacity in bytes, rounded up to ``alignment``.
+        device: ``"cpu"`` for host memory or ``"cuda[:N]"`` for device memory.
+        pinned: register host memory with ``cudaHostRegister`` when CUDA is present, so
+            copies to the device can be asynchronous; ignored without CUDA or on a device.
+        alignment: every block starts on a multiple of this many bytes (a power of two,
+            at least 16). The arena itself starts on a page (or ``alignment``) boundary.
+    """
+
+    def __init__(
+        self,
+        nbytes: int,
+        device: str | torch.device = "cpu",
+        pinned: bool = True,
+        *,
+        alignment: int = DEFAULT_ALIGNMENT,
+    ) -> None:
+        if not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"Arena nbytes={nbytes!r} must be a non-negative int")
+        if not is_power_of_two(alignment) or alignment < _MIN_ALIGNMENT:
+            raise ValueError(
+                f"Arena alignment={alignment} must be a power of two >= {_MIN_ALIGNMENT}"
+            )
+        self.device: torch.device = resolve_device(device)
+        self.alignment: int = alignment
+        self.capacity_nbytes: int = round_up(nbytes, alignment)
+        self._backing = Backing(
+            self.capacity_nbytes, self.device, pinned=pinned, alignment=alignment
+        )
+        self._base: torch.Tensor = self._backing.tensor  # 1D uint8, aligned
+        # - Device moves of overlapping ranges bounce through this; the host uses memmove.
+        self._scratch: torch.Tensor | None = None
+        if self.device.type == "cuda":
+            self._scratch = torch.empty(
+                min(_BOUNCE_NBYTES, self.capacity_nbytes), dtype=torch.uint8, device=self.device
+            )
+        self._lock = threading.Lock()
+        self._free = FreeList(self.capacity_nbytes)
+        self._live: set[Block] = set()
+        self._bound_to: dict[int, tuple[weakref.ref[torch.Tensor], Block]] = {}
+        self._closed = False
+        # - Counters reported by stats()
+        self._allocations = 0
+        self._compactions = 0
+        self._moved_nbytes = 0
+        self._compaction_s = 0.0
+        logger.info(
+            "arena of %d bytes on %s (alignment %d, pinned=%s)",
+            self.capacity_nbytes,
+            self.device,
+            alignment,
+            self._backing.pinned,
+        )
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the arena's host memory is registered with CUDA."""
+        return self._backing.pinned
+
+    def alloc(self, shape: int | Sequence[int], dtype: torch.dtype) -> Block:
+        """Reserve a block for a ``shape``/``dtype`` tensor; its contents are undefined.
+
+        May compact the arena first, which moves other blocks (see [Note: blocks are handles]).
+        Raises BudgetError, naming the request and the stats, when even a compaction would not
+        make room.
+        """
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"dtype={dtype!r} must be a torch.dtype")
+        size = _as_shape(shape)
+        nbytes = size.numel() * dtype.itemsize
+        span = round_up(nbytes, self.alignment)
+        with self._lock:
+            self._check_open()
+            block = Block(self, size, dtype, nbytes)
+            if span:
+                offset = self._free.take(span)
+                if offset is None:
+                    if span > self._free.free_nbytes:
+                        raise BudgetError(
+                            f"arena on {self.device} cannot hold shape={tuple(size)} "
+                            f"dtype={dtype} ({nbytes} bytes, {span} aligned): only "
+                            f"{self._free.free_nbytes} of {self.capacity_nbytes} bytes are free; "
+                            f"free blocks or size the arena larger. {self._stats_locked()}"
+                        )
+                    self._compact_locked()
+                    offset = self._free.take(span)
+                    assert offset is not None, "one hole holds all free space after compaction"
+                block._offset = offset
+                block._span = span
+            block._live = True
+            self._live.add(block)
+            self._allocations += 1
+            return block
+
+    def free(self, block: Block) -> None:
+        """Give a block back; tensors bound to it are re-pointed to an empty placeholder.
+
+        Raises ValueError for a block of another arena or one already freed.
+        """
+        with self._lock:
+            self._check_owned(block)
+            if not block._live:
+                raise ValueError(f"double free of {block!r}")
+            self._live.remove(block)
+            block._live = False
+            block._view = None
+            if block._span:
+                self._free.give(block._offset, block._span)
+            # A bound tensor must not keep reading memory that a new block may now own.
+            placeholder = torch.empty(0, dtype=block.dtype, device=self.device)
+            for key, ref in block._bound.items():
+                tensor = ref()
+                if tensor is not None:
+                    tensor.data = placeholder
+                entry = self._bound_to.get(key)
+                if entry is not None and entry[1] is block:  # an id can be reused after death
+                    del self._bound_to[key]
+            block._bound.clear()
+
+    def bind(self, block: Block, tensor: torch.Tensor) -> None:
+        """Point ``tensor.data`` at ``block`` and keep it there across compactions.
+
+        Meant for parameters (``arena.bind(block, param)``): autograd and optimizers keep
+        referring to the same object while its storage lives in the arena. The tensor is held
+        by a weak reference; binding it to another block moves the binding. The block's
+        current contents become the tensor's values (copy first if they should be kept).
+        """
+        with self._lock:
+            self._check_owned(block)
+            if not block._live:
+                raise ValueError(f"cannot bind a tensor to {block!r}")
+            if tensor.shape != block.shape or tensor.dtype != block.dtype:
+                raise ValueError(
+                    f"cannot bind a tensor of shape={tuple(tensor.shape)} dtype={tensor.dtype} "
+                    f"to {block!r}; allocate a block of the tensor's shape and dtype"
+                )
+            if tensor.device != self.device:
+                raise ValueError(
+                    f"cannot bind a tensor on {tensor.device} to an arena on {self.device}"
+                )
+            key = id(tensor)
+            previous = self._bound_to.get(key)
+            if previous is not None and previous[0]() is tensor:
+                previous[1]._bound.pop(key, None)
+            ref = weakref.ref(tensor)
+            block._bound[key] = ref
+            self._bound_to[key] = (ref, block)
+            tensor.data = self._view_of(block)
+
+    def compact(self) -> int:
+        """Slide all live blocks to the start now; returns the bytes moved.
+
+        ``alloc`` does this on its own when needed; calling it ahead of time moves the cost
+        to a moment the caller chooses (between steps, with no I/O in flight).
+        """
+        with self._lock:
+            self._check_open()
+            return self._compact_locked()
+
+    def stats(self) -> ArenaStats:
+        """A consistent snapshot of occupancy and compaction counters."""
+        with self._lock:
+            return self._stats_locked()
+
+    def close(self) -> None:
+        """Release the memory (unregistering it if pinned); later ``alloc`` calls raise.
+
+        Views still held elsewhere keep the memory alive, unpinned. Closing twice is a no-op.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._backing.close()
+            self._scratch = None
+
+    def __enter__(self) -> Arena:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Arena(nbytes={self.capacity_nbytes}, device={str(self.device)!r})"
+
+    # - Internals; the caller holds self._lock.
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed")
+
+    def _check_owned(self, block: Block) -> None:
+        if not isinstance(block, Block):
+            raise ValueError(f"expected a Block, got {type(block).__name__}")
+        if block._arena is not self:
+            raise ValueError(f"{block!r} belongs to {block._arena!r}, not to {self!r}")
+
+    def _view_of(self, block: Block) -> torch.Tensor:
+        if block._view is None:
+            start = block._offset
+            raw = self._base[start : start + block.nbytes]
+            block._view = raw.view(block.dtype).view(block.shape)
+        return block._view
+
+    def _compact_locked(self) -> int:
+        # Adjacent live blocks form a run that slides by one distance, so each run is one move.
+        t0 = time.perf_counter()
+        live = sorted((b for b in self._live if b._span), key=lambda b: b._offset)
+        cursor = 0
+        moved = 0
+        i = 0
+        while i < len(live):
+            start = live[i]._offset
+            end = start + live[i]._span
+            j = i + 1
+            while j < len(live) and live[j]._offset == end:
+                end += live[j]._span
+                j += 1
+            if start != cursor:
+                last = live[j - 1]
+                run_nbytes = last._offset + last.nbytes - start  # the last padding stays
+                move_down(self._base, cursor, start, run_nbytes, self._scratch)
+                moved += run_nbytes
+                for block in live[i:j]:
+                    block._offset -= start - cursor
+                    self._rebind(block)
+            cursor += end - start
+            i = j
+        self._free.reset(cursor)
+        elapsed = time.perf_counter() - t0
+        self._compactions += 1
+        self._moved_nbytes += moved
+        self._compaction_s += elapsed
+        logger.debug(
+            "compaction %d moved %d bytes in %.6f s; %d bytes free in one hole",
+            self._compactions,
+            moved,
+            elapsed,
+            self._free.free_nbytes,
+        )
+        return moved
+
+    def _rebind(self, block: Block) -> None:
+        block._view = None
+        if block._bound:
+            view = self._view_of(block)
+            for ref in block._bound.values():
+                tensor = ref()
+                if tensor is not None:
+                    tensor.data = view
+
+    def _stats_locked(self) -> ArenaStats:
+        free = self._free.free_nbytes
+        largest = self._free.largest_nbytes
+        return ArenaStats(
+            capacity_nbytes=self.capacity_nbytes,
+            live_nbytes=self.capacity_nbytes - free,
+            free_nbytes=free,
+            largest_hole_nbytes=largest,
+            fragmentation=1.0 - largest / free if free else 0.0,
+            live_blocks=len(self._live),
+            allocations=self._allocations,
+            compactions=self._compactions,
+            moved_nbytes=self._moved_nbytes,
+            compaction_s=self._compaction_s,
+        )

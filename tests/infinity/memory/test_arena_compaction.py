@@ -1,0 +1,182 @@
+"""Compaction: adversarial alloc/free sequences, contents that survive moves, params that train."""
+
+import copy
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from infinity.errors import BudgetError
+from infinity.memory import Arena, Block
+
+_DTYPES = (torch.uint8, torch.float16, torch.bfloat16, torch.float32, torch.int64, torch.float64)
+
+
+@pytest.fixture(autouse=True)
+def _one_intra_op_thread():
+    """These tests make many tiny copies and compares; on 2 shared cores the barriers of
+    intra-op threads cost more than the work (the suite ran 1-10x slower with 2 threads)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _round_up(n: int, alignment: int) -> int:
+    return -(-n // alignment) * alignment
+
+
+def _as_bytes(block: Block) -> torch.Tensor:
+    return block.tensor.reshape(-1).view(torch.uint8)
+
+
+def _check_all(live: list[tuple[Block, torch.Tensor]]) -> None:
+    for block, pattern in live:
+        assert torch.equal(_as_bytes(block), pattern), block
+
+
+def _adversarial(seed: int, ops: int, capacity: int, alignment: int) -> tuple[int, int]:
+    """Random sizes and lifetimes in a small arena kept near full; returns (compactions, fails).
+
+    Every allocation whose aligned size fits in the total free space must succeed, every other
+    must raise BudgetError, and every block must read back the unique bytes written into it.
+    """
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    arena = Arena(capacity, pinned=False, alignment=alignment)
+    live: list[tuple[Block, torch.Tensor]] = []
+    free = arena.capacity_nbytes
+    compactions = fails = 0
+    for _ in range(ops):
+        occupancy = 1 - free / arena.capacity_nbytes
+        if live and rng.random() < occupancy**4:  # hovers around 85% full
+            i = rng.randrange(len(live))
+            live[i], live[-1] = live[-1], live[i]
+            block, pattern = live.pop()
+            assert torch.equal(_as_bytes(block), pattern), block
+            arena.free(block)
+            free += _round_up(block.nbytes, alignment)
+        else:
+            dtype = rng.choice(_DTYPES)
+            big = rng.random() < 0.1
+            numel = rng.randint(0, capacity // (6 if big else 200)) // dtype.itemsize
+            shape = (numel,) if numel % 4 or rng.random() < 0.5 else (numel // 4, 4)
+            span = _round_up(numel * dtype.itemsize, alignment)
+            if span > free:
+                with pytest.raises(BudgetError):
+                    arena.alloc(shape, dtype)
+                fails += 1
+                continue
+            block = arena.alloc(shape, dtype)
+            free -= span
+            pattern = torch.randint(0, 256, (block.nbytes,), dtype=torch.uint8, generator=gen)
+            _as_bytes(block).copy_(pattern)
+            live.append((block, pattern))
+            done = arena.stats().compactions
+            if done != compactions:
+                compactions = done
+                _check_all(live)
+        assert arena.stats().free_nbytes == free
+    _check_all(live)
+    stats = arena.stats()
+    assert stats.live_blocks == len(live)
+    assert stats.live_nbytes == sum(_round_up(b.nbytes, alignment) for b, _ in live)
+    return compactions, fails
+
+
+@pytest.mark.parametrize(
+    ("seed", "capacity", "alignment"),
+    [(0, 1 << 18, 256), (1, 1 << 18, 16), (2, 1 << 20, 4096), (3, 3 << 16, 512)],
+)
+def test_adversarial_sequences_fit_whenever_free_space_allows(seed, capacity, alignment):
+    compactions, fails = _adversarial(seed, ops=25_000, capacity=capacity, alignment=alignment)
+    assert compactions > 50  # the sequences really do fragment the arena
+    assert fails > 0  # and really do run it out of space
+
+
+def test_compaction_moves_blocks_down_and_rebinds_views():
+    arena = Arena(64 * 1024, pinned=False, alignment=1024)
+    blocks = [arena.alloc(1000, torch.uint8) for _ in range(64)]
+    for i, block in enumerate(blocks):
+        block.tensor.fill_(i)
+    for block in blocks[::2]:
+        arena.free(block)  # 32 holes of 1024 bytes, none larger
+    old_views = {id(b): b.tensor for b in blocks[1::2]}
+    big = arena.alloc(4 * 1024, torch.uint8)
+    stats = arena.stats()
+    assert stats.compactions == 1
+    assert stats.moved_nbytes == 32 * 1000  # every odd block moved, its used bytes only
+    assert stats.largest_hole_nbytes == stats.free_nbytes == 64 * 1024 - 33 * 1024 - 3 * 1024
+    assert big.offset == 32 * 1024
+    for rank, (i, block) in enumerate(zip(range(1, 64, 2), blocks[1::2], strict=True)):
+        assert block.offset == rank * 1024
+        assert block.tensor.data_ptr() != old_views[id(block)].data_ptr()
+        assert bool((block.tensor == i).all())
+
+
+def test_explicit_compact_returns_bytes_moved_and_is_idempotent():
+    arena = Arena(16 * 1024, pinned=False)
+    a, b = arena.alloc(4096, torch.uint8), arena.alloc(4096, torch.uint8)
+    b.tensor.fill_(7)
+    arena.free(a)
+    assert arena.compact() == 4096
+    assert arena.compact() == 0
+    assert b.offset == 0
+    assert bool((b.tensor == 7).all())
+    assert arena.stats().compactions == 2
+
+
+@pytest.mark.parametrize("gap", [256, 4096, (1 << 20) + 256, 3 << 20])
+def test_large_overlapping_moves_keep_contents(gap):
+    """Blocks larger than the gap they slide over: memmove and gap-sized pieces both."""
+    block_nbytes, tail = 5 << 20, 4096
+    arena = Arena(gap + block_nbytes + tail, pinned=False)
+    hole = arena.alloc(gap, torch.uint8)
+    moving = arena.alloc(block_nbytes // 4, torch.int32)
+    pattern = torch.randint(-(2**31), 2**31 - 1, (block_nbytes // 4,), dtype=torch.int32)
+    moving.tensor.copy_(pattern)
+    arena.free(hole)
+    arena.alloc(gap + tail, torch.uint8)  # fits only once the gap is closed
+    assert arena.stats().compactions == 1
+    assert moving.offset == 0
+    assert torch.equal(moving.tensor, pattern)
+
+
+def test_params_rebound_after_compaction_still_train():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 4))
+    reference = copy.deepcopy(model)
+    arena = Arena(1 << 20, pinned=False)
+    fillers, blocks = [], []
+    for param in model.parameters():
+        fillers.append(arena.alloc(1000, torch.uint8))  # a hole-to-be before every param
+        block = arena.alloc(param.shape, param.dtype)
+        block.tensor.copy_(param.detach())
+        arena.bind(block, param)
+        blocks.append(block)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    inputs, targets = torch.randn(16, 32), torch.randn(16, 4)
+    for step in range(8):
+        if step == 4:
+            before = [p.data_ptr() for p in model.parameters()]
+            for filler in fillers:
+                arena.free(filler)
+            stats = arena.stats()
+            arena.alloc(stats.largest_hole_nbytes + 256, torch.uint8)  # forces a compaction
+            assert arena.stats().compactions == 1
+            after = [p.data_ptr() for p in model.parameters()]
+            assert all(x != y for x, y in zip(before, after, strict=True))
+            assert after == [b.tensor.data_ptr() for b in blocks]
+        for net, optimizer in ((model, opt), (reference, ref_opt)):
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(net(inputs), targets)
+            loss.backward()
+            optimizer.step()
+            if net is model:
+                arena_loss = loss.item()
+        assert arena_loss == loss.item()
+    for param, ref, block in zip(model.parameters(), reference.parameters(), blocks, strict=True):
+        assert torch.equal(param.detach(), ref.detach())
+        assert torch.equal(block.tensor, ref.detach())  # the updates landed in the arena
