@@ -70,6 +70,9 @@ class Backing:
         raw = torch.empty(nbytes + alignment, dtype=torch.uint8, device=device)
         skip = (-raw.data_ptr()) % alignment
         self.tensor: torch.Tensor = raw[skip : skip + nbytes]  # 1D, aligned; shares raw's storage
+        if device.type == "cpu":
+            # Touch every page now: the memory is the OS's to refuse at start-up, never mid-step.
+            self.tensor.zero_()
         self.pinned: bool = False
         self._finalizer: weakref.finalize | None = None
         if pinned and device.type == "cpu" and torch.cuda.is_available() and nbytes > 0:
