@@ -220,13 +220,15 @@ static void queue_cancel_waiting(struct queue *q)
     }
 }
 
-/* Hand the backend as many pending pieces as the queue depth allows. q->lock held. */
-static void queue_submit_pending(struct queue *q, struct piece **batch)
+/* Hand the backend as many pending pieces as the queue depth allows; returns how many pieces
+ * left the pending list (started, failed or held). Called with q->lock held; drops it around
+ * the backend call so submitters are not held up by a system call. */
+static int queue_submit_pending(struct queue *q, struct piece **batch)
 {
     struct inf_aio_handle *h = q->handle;
     uint32_t depth = h->config.queue_depth;
     struct fault f;
-    int n = 0, taken, i;
+    int n = 0, handled = 0, taken, i;
 
     while (q->pending_head && q->inflight + (uint32_t)n < depth) {
         struct piece *p = pending_pop(q);
@@ -235,11 +237,13 @@ static void queue_submit_pending(struct queue *q, struct piece **batch)
 
         if (hit && hit->kind == INF_AIO_FAULT_ERRNO) {
             piece_finish(h, p, (int)hit->value);
+            handled++;
             continue;
         }
         if (hit && hit->kind == INF_AIO_FAULT_HANG) {
             p->next = q->held;
             q->held = p;
+            handled++;
             continue;
         }
         if (hit && hit->kind == INF_AIO_FAULT_SHORT)
@@ -248,20 +252,24 @@ static void queue_submit_pending(struct queue *q, struct piece **batch)
         batch[n++] = p;
     }
     if (n == 0)
-        return;
+        return handled;
+    /* Only this thread submits and reaps, so the batch and inflight are safe unlocked. */
+    pthread_mutex_unlock(&q->lock);
     taken = q->ops->submit(q->be, batch, n);
+    pthread_mutex_lock(&q->lock);
     if (taken < 0) {
         if (taken == -EAGAIN && q->inflight > 0) {
             taken = 0; /* out of kernel resources for now: retry after a completion */
         } else {
             for (i = 0; i < n; i++)
                 piece_finish(h, batch[i], -taken);
-            return;
+            return handled + n;
         }
     }
     q->inflight += (uint32_t)taken;
     for (i = n - 1; i >= taken; i--)
         pending_push_front(q, batch[i]);
+    return handled + taken;
 }
 
 static void *queue_progress_main(void *arg)
@@ -278,8 +286,8 @@ static void *queue_progress_main(void *arg)
             queue_cancel_waiting(q);
             if (q->inflight == 0)
                 break;
-        } else {
-            queue_submit_pending(q, batch);
+        } else if (queue_submit_pending(q, batch) > 0) {
+            continue; /* more may have been queued while the lock was dropped */
         }
         if (q->inflight == 0) {
             if (!q->pending_head && !q->stop)
