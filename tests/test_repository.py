@@ -2,6 +2,10 @@
 
 import ast
 import pathlib
+import shutil
+import subprocess
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -59,3 +63,13 @@ def test_ci_runs_the_readme_commands():
     ci = (ROOT / ".ci" / "run").read_text()
     for command in commands:
         assert command in ci, f".ci/run does not run the README command {command!r}"
+
+
+def test_lint_is_clean():
+    """ruff (pyproject's rules: unused imports and variables, commented-out code, ...)."""
+    ruff = shutil.which("ruff")
+    if ruff is None:
+        pytest.skip("ruff is not installed (it is in the [dev] extra)")
+    out = subprocess.run([ruff, "check", "--output-format", "concise", str(ROOT)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 
 from infinity.optim._native import adam_step
-from infinity.store import Tier, TensorStore
+from infinity.store import TensorStore, Tier
 
 logger = logging.getLogger(__name__)
 
