@@ -1,0 +1,87 @@
+/*
+ * inf_adam: one fused pass of Adam / AdamW over fp32 master weights on the CPU.
+ *
+ * For each element i, in this order, in float32 arithmetic (fma: one rounding):
+ *     g  = float(grad[i]) * grad_scale              unscale and clip factor in one multiplier
+ *     g  = fma(p, weight_decay, g)                  Adam (L2), only when weight_decay != 0
+ *     p  = p * (1 - lr * weight_decay)              AdamW (decoupled), only when weight_decay != 0
+ *     m  = fma(w, g - m, m)                         torch's lerp_(g, w), w = 1 - beta1 < 0.5;
+ *        = fma(w - 1, g - m, g)                     the same lerp when w >= 0.5
+ *     v  = fma((1 - beta2) * g, g, v * beta2)       torch's mul_(beta2).addcmul_(g, g, 1 - beta2)
+ *     d  = sqrt(v) / sqrt(1 - beta2^step) + eps
+ *     p  = p - (lr / (1 - beta1^step) * m) / d
+ *     out[i] = p rounded to bf16 or fp16 (nearest even), when out is given
+ * This is the operation order of torch's CPU Adam/AdamW (single-tensor path), including where
+ * its compiled kernels fuse a multiply-add. Scalar coefficients are computed in double and
+ * rounded to float once, as torch does with Python floats. Every path uses the same fused and
+ * unfused operations (the scalar path through C's fmaf), so the AVX-512, AVX2 and scalar paths
+ * and every thread count give bit-identical results. sqrt is IEEE (correctly rounded); torch's
+ * vectorized sqrt is sometimes one ulp off, so parity with torch is to float rounding, not bits.
+ *
+ * [Note: lowp rounding] bf16 and fp16 copies round to nearest, ties to even, keep subnormals,
+ * overflow to infinity, and turn a NaN into a quiet NaN of the same sign whose payload is the
+ * top bits of the input payload (as the F16C conversion does). Non-NaN values equal torch's
+ * `tensor.to(torch.bfloat16)` / `.to(torch.float16)` bit for bit.
+ *
+ * Memory: arrays need only element alignment (4 bytes for float, 2 for bf16/fp16); loads and
+ * stores are unaligned-tolerant. param, exp_avg, exp_avg_sq, grad and out must not overlap. A
+ * copy of 8 MiB or more is written with non-temporal stores (fenced before the call returns):
+ * it would leave the caches before anyone reads it anyway.
+ *
+ * Return values: 0 on success, -errno on failure: -EINVAL for a bad argument (NULL, misaligned
+ * or overlapping arrays, unknown dtype, threads < 1, step < 1), -ENOTSUP for an instruction set
+ * this CPU lacks. A failed call writes nothing. Nothing here prints, exits or keeps state.
+ * Thread safety: every function is reentrant and may be called concurrently from any thread,
+ * provided concurrent calls do not share output arrays. inf_adam_step runs on the calling thread
+ * plus at most params->threads - 1 helper threads (one per 64 Ki elements, so none for small
+ * arrays), which it joins before it returns; how the array is split never changes the result.
+ */
+#ifndef INF_ADAM_H
+#define INF_ADAM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Element type of the gradient and of the low-precision copy. */
+enum inf_adam_dtype {
+    INF_ADAM_DTYPE_NONE = 0,  /* out only: no copy is written */
+    INF_ADAM_DTYPE_F32 = 1,
+    INF_ADAM_DTYPE_BF16 = 2,
+    INF_ADAM_DTYPE_F16 = 3
+};
+
+/* Instruction set of the inner loop. AUTO picks the best one this CPU supports. */
+enum inf_adam_isa {
+    INF_ADAM_ISA_AUTO = 0,
+    INF_ADAM_ISA_SCALAR = 1,
+    INF_ADAM_ISA_AVX2 = 2,    /* AVX2, FMA and F16C */
+    INF_ADAM_ISA_AVX512 = 3   /* AVX-512 F */
+};
+
+/* Hyperparameters and execution choices of one step; owned by the caller, read only. */
+struct inf_adam_params {
+    double lr;              /* >= 0 */
+    double beta1;           /* in [0, 1) */
+    double beta2;           /* in [0, 1) */
+    double eps;             /* >= 0 */
+    double weight_decay;    /* >= 0; 0 skips decay entirely */
+    double grad_scale;      /* multiplier on the gradient: 1 / loss_scale * clip factor */
+    int64_t step;           /* this step's number, counting from 1 */
+    int adamw;              /* nonzero: decoupled decay (AdamW); zero: L2 decay (Adam) */
+    int isa;                /* enum inf_adam_isa */
+    int threads;            /* >= 1; at most this many threads work on the array */
+};
+
+/* Update n elements in place: param, exp_avg and exp_avg_sq are float arrays, grad has type
+ * grad_dtype (F32, BF16 or F16), out receives the new param as out_dtype (NONE, BF16 or F16;
+ * out may be NULL only with NONE). n == 0 is a no-op. */
+int inf_adam_step(const struct inf_adam_params *params, float *param, const void *grad,
+                  int grad_dtype, float *exp_avg, float *exp_avg_sq, void *out, int out_dtype,
+                  size_t n);
+
+/* The instruction set inf_adam_step would run for isa: returns the concrete enum inf_adam_isa
+ * value (AUTO resolves to the best one available), -ENOTSUP if this CPU lacks it, -EINVAL if
+ * isa is not an enum inf_adam_isa value. */
+int inf_adam_isa_resolve(int isa);
+
+#endif /* INF_ADAM_H */

@@ -1,0 +1,16 @@
+"""Optimizers that run where the state is: CPU Adam / AdamW over host (and swapped) tensors."""
+
+from infinity.optim._native import adam_step, available_isas, resolve_isa
+from infinity.optim.cpu_adam import CPUAdam
+from infinity.optim.loss_scaler import DynamicLossScaler
+from infinity.optim.swapped import StepResult, SwappedOptimizer
+
+__all__ = [
+    "CPUAdam",
+    "DynamicLossScaler",
+    "StepResult",
+    "SwappedOptimizer",
+    "adam_step",
+    "available_isas",
+    "resolve_isa",
+]

@@ -1,0 +1,199 @@
+"""The one module that calls the native CPU Adam kernel (csrc/adam, built by csrc/build_adam.py).
+
+Everything that reaches C is checked here first, so a wrong tensor fails with an exception that
+names it instead of an errno. The kernel updates the caller's memory in place; a tensor that
+would need a temporary copy (non-contiguous, wrong dtype, not on the CPU) is refused, never
+copied, because an update written into a copy would be silently lost.
+
+Thread safety: `adam_step` releases the GIL while the kernel runs (cffi does this for every call),
+so several Python threads may step disjoint tensors at once.
+"""
+
+import math
+import os
+
+import torch
+from torch.autograd.graph import increment_version
+
+try:
+    from infinity.optim._adam_cffi import ffi, lib
+except ImportError as exc:  # pragma: no cover - depends on the build
+    raise ImportError(
+        "the CPU Adam kernel infinity.optim._adam_cffi is not built; run "
+        "`python csrc/build_adam.py` from the repository root, or `pip install -e .`"
+    ) from exc
+
+ISAS: dict[str, int] = {
+    "auto": lib.INF_ADAM_ISA_AUTO,
+    "scalar": lib.INF_ADAM_ISA_SCALAR,
+    "avx2": lib.INF_ADAM_ISA_AVX2,
+    "avx512": lib.INF_ADAM_ISA_AVX512,
+}
+_ISA_NAMES = {code: name for name, code in ISAS.items()}
+
+GRAD_DTYPES: dict[torch.dtype, int] = {
+    torch.float32: lib.INF_ADAM_DTYPE_F32,
+    torch.bfloat16: lib.INF_ADAM_DTYPE_BF16,
+    torch.float16: lib.INF_ADAM_DTYPE_F16,
+}
+LOWP_DTYPES: dict[torch.dtype, int] = {
+    torch.bfloat16: lib.INF_ADAM_DTYPE_BF16,
+    torch.float16: lib.INF_ADAM_DTYPE_F16,
+}
+
+
+def _check(ret: int, op: str) -> int:
+    """Turn the kernel's -errno into an OSError; Python-side checks make this a bug, not misuse."""
+    if ret < 0:
+        raise OSError(-ret, f"{op}: {os.strerror(-ret)}")
+    return ret
+
+
+def resolve_isa(isa: str = "auto") -> str:
+    """The instruction set the kernel runs for `isa` ("auto" -> the best this CPU has).
+
+    Raises ValueError for an unknown name or one this CPU cannot run.
+    """
+    if isa not in ISAS:
+        raise ValueError(f"isa={isa!r} is not one of {sorted(ISAS)}")
+    ret = lib.inf_adam_isa_resolve(ISAS[isa])
+    if ret < 0:
+        best = _ISA_NAMES[lib.inf_adam_isa_resolve(ISAS["auto"])]
+        raise ValueError(f"isa={isa!r} is not supported by this CPU; the best it has is {best!r}")
+    return _ISA_NAMES[ret]
+
+
+def available_isas() -> list[str]:
+    """Concrete instruction sets this CPU can run, slowest first (tests force each one)."""
+    return [name for name, code in ISAS.items()
+            if name != "auto" and lib.inf_adam_isa_resolve(code) >= 0]
+
+
+def default_threads() -> int:
+    """Cores this process may run on: the kernel's thread count when none is given."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _check_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], shape: torch.Size | None,
+                  ) -> torch.Tensor:
+    """Refuse anything the kernel could only update through a copy; messages name the tensor."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} is on device {t.device}; the CPU Adam kernel updates host "
+                         f"memory in place, so keep optimizer tensors on the CPU")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d) for d in dtypes)
+        raise TypeError(f"{name} has dtype {t.dtype}; expected {allowed}")
+    if t.is_sparse or t.layout != torch.strided:
+        raise ValueError(f"{name} has layout {t.layout}; only dense (strided) tensors work")
+    if shape is not None and t.shape != shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)} but param has {tuple(shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} is not contiguous ({t.stride()=}); the kernel updates memory "
+                         f"in place and never through a temporary copy")
+    if t.numel() and t.data_ptr() % t.element_size():
+        raise ValueError(f"{name} data pointer {t.data_ptr():#x} is not aligned to its "
+                         f"{t.element_size()}-byte elements")
+    return t
+
+
+def _check_disjoint(named: dict[str, torch.Tensor]) -> None:
+    """Refuse aliasing: an update read through one name and written through another is garbage."""
+    spans = [(name, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+             for name, t in named.items() if t.numel()]
+    for i, (name_a, lo_a, hi_a) in enumerate(spans):
+        for name_b, lo_b, hi_b in spans[:i]:
+            if lo_a < hi_b and lo_b < hi_a:
+                raise ValueError(f"{name_a} and {name_b} share memory; each must be its own buffer")
+
+
+def check_hyperparameters(*, lr: float, beta1: float, beta2: float, eps: float,
+                          weight_decay: float) -> None:
+    """Raise ValueError, worded as torch.optim.Adam words it, for a value outside its range."""
+    if not lr >= 0.0:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not eps >= 0.0:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if not 0.0 <= beta1 < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {beta1}")
+    if not 0.0 <= beta2 < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {beta2}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+def check_threads(threads: int | None) -> int:
+    """The thread count to use: `threads` if it is an int >= 1, all usable cores for None."""
+    if threads is None:
+        return default_threads()
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be an int >= 1 or None, got {threads!r}")
+    return threads
+
+
+def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+              exp_avg_sq: torch.Tensor, *, step: int, lr: float, beta1: float, beta2: float,
+              eps: float, weight_decay: float, adamw: bool, grad_scale: float = 1.0,
+              out_lowp: torch.Tensor | None = None, threads: int | None = None,
+              isa: str = "auto") -> None:
+    """One Adam (adamw=False, L2 decay) or AdamW step over one tensor, in place, in one pass.
+
+    Parameters
+    ----------
+    param, exp_avg, exp_avg_sq:
+        float32 CPU tensors of one shape, contiguous, updated in place.
+    grad:
+        Same shape; float32, bfloat16 or float16. Only read.
+    step:
+        The number of this step, counting from 1 (torch's state["step"] after its increment).
+    grad_scale:
+        Multiplies the gradient before anything else: 1 / loss_scale times the clip factor.
+    out_lowp:
+        Optional bfloat16 / float16 tensor of param's shape that receives the new param, rounded
+        to nearest even (equal to `param.to(out_lowp.dtype)`).
+    threads:
+        Most threads the kernel uses (default: every core this process may run on); small
+        tensors use fewer. Results do not depend on it.
+    isa:
+        "auto", "scalar", "avx2" or "avx512"; results do not depend on it.
+
+    Raises TypeError for a wrong type or dtype, ValueError for a wrong device, shape, layout,
+    alignment, aliasing or hyperparameter; every message names the tensor or value at fault.
+    """
+    _check_tensor("param", param, (torch.float32,), None)
+    shape = param.shape
+    named = {
+        "param": param,
+        "grad": _check_tensor("grad", grad, tuple(GRAD_DTYPES), shape),
+        "exp_avg": _check_tensor("exp_avg", exp_avg, (torch.float32,), shape),
+        "exp_avg_sq": _check_tensor("exp_avg_sq", exp_avg_sq, (torch.float32,), shape),
+    }
+    if out_lowp is not None:
+        named["out_lowp"] = _check_tensor("out_lowp", out_lowp, tuple(LOWP_DTYPES), shape)
+    _check_disjoint(named)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"step must be an int >= 1 (the step being taken), got {step!r}")
+    check_hyperparameters(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    if not math.isfinite(grad_scale):
+        raise ValueError(f"grad_scale must be finite, got {grad_scale}; skip the step on overflow")
+    threads = check_threads(threads)
+    resolve_isa(isa)
+
+    params = ffi.new("struct inf_adam_params *", {
+        "lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay,
+        "grad_scale": grad_scale, "step": step, "adamw": int(bool(adamw)), "isa": ISAS[isa],
+        "threads": threads,
+    })
+    out_ptr = ffi.NULL if out_lowp is None else ffi.cast("void *", out_lowp.data_ptr())
+    out_dtype = lib.INF_ADAM_DTYPE_NONE if out_lowp is None else LOWP_DTYPES[out_lowp.dtype]
+    _check(lib.inf_adam_step(
+        params, ffi.cast("float *", param.data_ptr()), ffi.cast("void *", grad.data_ptr()),
+        GRAD_DTYPES[grad.dtype], ffi.cast("float *", exp_avg.data_ptr()),
+        ffi.cast("float *", exp_avg_sq.data_ptr()), out_ptr, out_dtype, param.numel(),
+    ), "inf_adam_step")
+    # The kernel wrote behind autograd's back; bump versions as an in-place torch op would, so a
+    # graph that saved one of these tensors fails loudly instead of using the new values.
+    for name, t in named.items():
+        if name != "grad":
+            increment_version(t)
