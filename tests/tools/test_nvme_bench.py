@@ -1,0 +1,177 @@
+"""infinity-nvme-bench end to end on tiny sizes, plus the measuring helpers in aio.bench."""
+
+import argparse
+import json
+import os
+
+import pytest
+import torch
+
+import aio
+from aio import bench
+from tools import nvme_bench
+
+
+@pytest.fixture
+def disk(tmp_path):
+    """The --path directory; tests check it is left empty."""
+    path = tmp_path / "disk"
+    path.mkdir()
+    return path
+
+
+def run(capsys, *argv):
+    code = nvme_bench.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("text, nbytes", [
+    ("4096", 4096), ("256K", 256 << 10), ("1M", 1 << 20), ("2G", 2 << 30), ("2g", 2 << 30),
+    ("1GiB", 1 << 30), ("8MB", 8 << 20), ("1T", 1 << 40),
+])
+def test_sizes_accept_binary_suffixes(text, nbytes):
+    assert nvme_bench.parse_size(text) == nbytes
+
+
+@pytest.mark.parametrize("text", ["", "G", "1.5G", "-1M", "0", "3X", "1MM"])
+def test_bad_sizes_are_refused(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="is not a size"):
+        nvme_bench.parse_size(text)
+
+
+def test_default_run_writes_then_reads_and_leaves_nothing(disk, tmp_path, capsys):
+    out_json = tmp_path / "result.json"
+    code, out, _ = run(capsys, "--path", disk, "--size", "8M", "--small-requests", 300,
+                       "--json", out_json)
+    assert code == 0
+    assert "GB/s = 1e9 bytes/s" in out and "4 KiB random reads" in out
+    assert list(disk.iterdir()) == []
+    result = json.loads(out_json.read_text())
+    assert result["size_bytes"] == 8 << 20 and result["o_direct"] is True
+    report = result["report"]
+    assert list(report["sequential"]) == ["write", "read"]
+    ours = f"aio/{report['config']['backend']}"
+    for op in ("write", "read"):
+        (first,) = report["sequential"][op][ours]
+        assert first["nbytes"] == 8 << 20 and first["gbps"] > 0
+        assert 0 < first["p50_s"] <= first["p99_s"]
+    (small,) = report["small"][ours]
+    assert small["requests"] == 300 and small["request_nbytes"] == 4096 and small["us_per_request"] > 0
+
+
+def test_read_only_repeats_and_reports_the_range(disk, capsys, tmp_path):
+    out_json = tmp_path / "r.json"
+    code, out, _ = run(capsys, "--path", disk, "--size", "4M", "--read", "--repeat", 2,
+                       "--small-requests", 0, "--backend", "threads", "--json", out_json)
+    assert code == 0 and "median [min-max] of 2" in out
+    report = json.loads(out_json.read_text())["report"]
+    assert list(report["sequential"]) == ["read"] and len(report["sequential"]["read"]["aio/threads"]) == 2
+    assert "small" not in report
+
+
+def test_sweep_prints_a_table_and_the_best_aio_block(disk, capsys, tmp_path):
+    out_json = tmp_path / "sweep.json"
+    code, out, _ = run(capsys, "--path", disk, "--size", "4M", "--sweep", "--block-size", "64K,256K",
+                       "--queue-depth", "2", "--threads", "1,2", "--backend", "threads",
+                       "--small-requests", 0, "--json", out_json)
+    assert code == 0
+    result = json.loads(out_json.read_text())
+    assert len(result["sweep"]) == 4
+    assert {tuple(row["config"].values()) for row in result["sweep"]} == {
+        (bs, 2, threads, "threads") for bs in (64 << 10, 256 << 10) for threads in (1, 2)}
+    block = result["best"]["aio"]
+    assert set(block) == {"block_size", "queue_depth", "intra_op_parallelism", "thread_count",
+                          "backend", "single_submit", "overlap_events"}
+    assert block["thread_count"] == block["intra_op_parallelism"]
+    assert block["single_submit"] is False and block["overlap_events"] is True
+    printed = out[out.index('{\n  "aio"'):]
+    assert json.loads(printed[:printed.index("\n}") + 2]) == result["best"]
+    assert list(disk.iterdir()) == []
+
+
+def test_sweep_fills_in_the_grid_for_options_not_given():
+    args = nvme_bench.build_parser().parse_args(["--path", ".", "--sweep", "--threads", "1"])
+    configs = nvme_bench._grid(args)
+    assert {c.threads for c in configs} == {1}
+    assert {c.block_size for c in configs} == {256 << 10, 1 << 20, 4 << 20}
+    assert {c.queue_depth for c in configs} == {4, 16, 64}
+    assert len(configs) == 9 * len(aio.available_backends())
+
+
+def test_mix_reports_read_write_and_combined(disk, capsys, tmp_path):
+    out_json = tmp_path / "mix.json"
+    code, out, _ = run(capsys, "--path", disk, "--size", "8M", "--mix", "--json", out_json)
+    assert code == 0 and "combined" in out
+    (mix,) = json.loads(out_json.read_text())["mix"]
+    assert mix["layers"] >= bench.MIN_LAYERS
+    assert mix["read_nbytes"] == 2 * mix["write_nbytes"]  # forward + backward reads, one write-back
+    assert mix["combined_gbps"] == pytest.approx(mix["read_gbps"] + mix["write_gbps"])
+    assert list(disk.iterdir()) == []
+
+
+@pytest.mark.skipif(bench.find_fio() is None, reason="fio is not installed")
+def test_fio_comparison_gives_ratios_and_the_overhead(disk, capsys, tmp_path):
+    out_json = tmp_path / "fio.json"
+    code, out, _ = run(capsys, "--path", disk, "--size", "4M", "--fio", "--small-requests", 200,
+                       "--queue-depth", 4, "--json", out_json)
+    assert code == 0 and "per-request overhead" in out
+    report = json.loads(out_json.read_text())["report"]
+    for op in ("write", "read"):
+        assert set(report["ratio_ours_over_fio"][op]) == {"fio/io_uring", "fio/libaio"}
+        assert report["sequential"][op]["fio/libaio"][0]["nbytes"] == 4 << 20
+    assert report["small"]["fio/libaio"][0]["requests"] == 200
+    assert report["overhead_us"]["reference"].startswith("fio/")
+    assert list(disk.iterdir()) == []
+
+
+def test_missing_path_is_refused_clearly(tmp_path, capsys):
+    code, _, err = run(capsys, "--path", tmp_path / "absent", "--size", "4M")
+    assert code == 2 and "no such directory" in err
+    (tmp_path / "file").write_text("x")
+    code, _, err = run(capsys, "--path", tmp_path / "file", "--size", "4M")
+    assert code == 2 and "no such directory" in err
+    code, _, err = run(capsys, "--size", "4M")
+    assert code == 2 and "--path" in err
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
+def test_unwritable_path_is_refused_clearly(disk, capsys):
+    disk.chmod(0o500)
+    try:
+        code, _, err = run(capsys, "--path", disk, "--size", "4M")
+    finally:
+        disk.chmod(0o700)
+    assert code == 2 and "not writable" in err
+
+
+def test_a_size_that_does_not_fit_is_refused_before_writing(disk, capsys):
+    code, _, err = run(capsys, "--path", disk, "--size", "1000T")
+    assert code == 2 and "does not fit" in err and "pass a smaller --size" in err
+    assert list(disk.iterdir()) == []
+
+
+def test_interrupt_removes_the_temporary_directory(disk, capsys, monkeypatch):
+    def interrupted(*args, **kwargs):
+        assert len(list(disk.iterdir())) == 1  # the work directory exists meanwhile
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "sequential", interrupted)
+    code, _, err = run(capsys, "--path", disk, "--size", "4M")
+    assert code == 130 and "interrupted" in err
+    assert list(disk.iterdir()) == []
+
+
+def test_pick_best_prefers_less_memory_within_noise():
+    small = bench.EngineConfig(block_size=1 << 20, queue_depth=8)
+    large = bench.EngineConfig(block_size=4 << 20, queue_depth=64)
+    assert bench.pick_best([(large, 2.00), (small, 1.92)]) == small
+    assert bench.pick_best([(large, 2.00), (small, 1.50)]) == large
+
+
+def test_mix_uses_real_layer_shapes_when_they_fit():
+    specs, layers = bench.plan_layers(2 << 30)
+    shapes = {spec.shape for spec in specs}
+    assert {(4096, 4096), (11008, 4096), (4096, 11008), (4096,)} == shapes
+    assert layers == 5
+    assert {spec.dtype for spec in specs} == {torch.bfloat16, torch.float32}

@@ -1,0 +1,167 @@
+"""Store host <-> NVMe throughput against raw aio on the same files, in the same run.
+
+Streams N tensors through a small host tier, the way the optimizer and the parameter
+prefetcher do (fetch i while i+1.. are read ahead and i-1 is written back), once through
+aio.Handle directly and once through TensorStore with the same engine settings, and prints both
+and their ratio. A ratio near 1.0 means the store adds no cost over the disk.
+
+    python -m tools.bench_store --path /tmp --tensors 16 --tensor-size 64M
+    python -m tools.bench_store --path /nvme --mode optimizer --params 50M --tile 4M
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+import tempfile
+import time
+
+import torch
+
+import aio
+from infinity.optim.swapped import SwappedOptimizer
+from infinity.store import TensorStore
+from tools.nvme_bench import parse_size
+
+GB = 1e9
+
+
+def raw_stream(handle: aio.Handle, swap: aio.SwapFile, extents: list[aio.Extent], nbytes: int,
+               window: int, modify: bool) -> float:
+    """Read every extent with `window` reads ahead (and write each back if `modify`); GB/s."""
+    buffers = [aio.aligned_empty(nbytes) for _ in range(window + 2)]
+    reads: dict[int, aio.Request] = {}
+    writes: dict[int, aio.Request] = {}
+    start = time.perf_counter()
+    for i in range(len(extents)):
+        for j in range(i, min(i + window + 1, len(extents))):
+            if j not in reads:
+                slot = j % len(buffers)
+                if slot in writes:  # the buffer is still being written back
+                    writes.pop(slot).wait()
+                reads[j] = swap.read(handle, extents[j], buffers[slot])
+        reads.pop(i).wait()
+        if modify:
+            buf = buffers[i % len(buffers)]
+            buf[:8].add_(1)
+            writes[i % len(buffers)] = swap.write(handle, extents[i], buf)
+    handle.wait_all()
+    moved = len(extents) * nbytes * (2 if modify else 1)
+    return moved / (time.perf_counter() - start) / GB
+
+
+def store_stream(store: TensorStore, keys: list[str], nbytes: int, window: int, modify: bool) -> float:
+    """The same pattern through the store's fetch / prefetch / release; GB/s."""
+    start = time.perf_counter()
+    for i, key in enumerate(keys):
+        store.prefetch(keys[i + 1:i + 1 + window])
+        t = store.fetch(key, "host").result()
+        if modify:
+            t[:8].add_(1)
+        store.release(key, "host", dirty=modify)
+    store.flush()
+    moved = len(keys) * nbytes * (2 if modify else 1)
+    return moved / (time.perf_counter() - start) / GB
+
+
+def bench_stream(args: argparse.Namespace, directory: str) -> dict:
+    """Raw and store runs alternate, so drift of a shared disk hits both alike."""
+    n, nbytes, window = args.tensors, args.tensor_size, args.window
+    raw: dict[bool, list[float]] = {False: [], True: []}
+    ours: dict[bool, list[float]] = {False: [], True: []}
+    budgets = {"host": (window + 2) * nbytes + (1 << 20), "nvme": n * nbytes + (1 << 20)}
+    with aio.Handle(**_engine(args)) as handle, \
+            aio.SwapFile(f"{directory}/raw.swap", n * nbytes) as swap, \
+            TensorStore(budgets, nvme_path=directory, aio_handle=handle, keep_timeline=False) as store:
+        extents = [swap.allocate(nbytes) for _ in range(n)]
+        keys = [f"t{i}" for i in range(n)]
+        fill = aio.aligned_empty(nbytes).fill_(7)
+        for e, key in zip(extents, keys):
+            swap.write(handle, e, fill).wait()
+            store.put(key, fill, "nvme")
+        for _ in range(args.repeat):
+            for modify in (False, True):
+                raw[modify].append(raw_stream(handle, swap, extents, nbytes, window, modify))
+                ours[modify].append(store_stream(store, keys, nbytes, window, modify))
+    results = {}
+    for modify, label in ((False, "read stream"), (True, "read+write stream")):
+        best_raw, best_store = max(raw[modify]), max(ours[modify])
+        results[label] = {"raw_gbps": best_raw, "store_gbps": best_store, "ratio": best_store / best_raw}
+    return results
+
+
+def bench_optimizer(args: argparse.Namespace, directory: str) -> dict:
+    """One SwappedOptimizer step against the floor: 24 bytes/param over the raw read+write stream."""
+    params = [torch.zeros(args.params)]
+    params[0].grad = torch.full_like(params[0], 1e-3)
+    tile_nbytes = 12 * args.tile
+    tiles = -(-args.params // args.tile)
+    with aio.Handle(**_engine(args)) as handle:
+        with aio.SwapFile(f"{directory}/raw.swap", tiles * tile_nbytes) as swap:
+            extents = [swap.allocate(tile_nbytes) for _ in range(tiles)]
+            for e in extents:
+                swap.write(handle, e, aio.aligned_empty(tile_nbytes).zero_()).wait()
+            raw_gbps = max(raw_stream(handle, swap, extents, tile_nbytes, 1, True) for _ in range(args.repeat))
+        budgets = {"host": 4 * tile_nbytes + (1 << 20), "nvme": tiles * tile_nbytes + (1 << 20)}
+        with TensorStore(budgets, nvme_path=directory, aio_handle=handle, keep_timeline=False) as store:
+            opt = SwappedOptimizer(params, store, tile_numel=args.tile)
+            times = []
+            for _ in range(args.repeat + 1):
+                start = time.perf_counter()
+                opt.step()
+                store.flush()
+                times.append(time.perf_counter() - start)
+    step_s = min(times[1:])  # the first step warms the arena and caches
+    floor_s = 24 * args.params / (raw_gbps * GB)
+    return {"optimizer step": {"params": args.params, "tile": args.tile, "step_s": step_s,
+                               "raw_gbps": raw_gbps, "floor_s": floor_s, "ratio": step_s / floor_s}}
+
+
+def _engine(args: argparse.Namespace) -> dict:
+    return {"block_size": args.block_size, "queue_depth": args.queue_depth, "threads": args.threads,
+            "backend": args.backend}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--path", required=True, help="directory on the disk to measure")
+    parser.add_argument("--mode", choices=["stream", "optimizer"], default="stream",
+                        help="stream: store vs raw aio; optimizer: SwappedOptimizer step vs the I/O floor")
+    parser.add_argument("--tensors", type=int, default=16, help="tensors streamed (stream mode)")
+    parser.add_argument("--tensor-size", type=parse_size, default="64M", help="bytes per tensor")
+    parser.add_argument("--window", type=int, default=2, help="tensors read ahead")
+    parser.add_argument("--params", type=parse_size, default="50M", help="parameters (optimizer mode)")
+    parser.add_argument("--tile", type=parse_size, default="4M", help="elements per optimizer tile")
+    parser.add_argument("--block-size", type=parse_size, default="1M", help="aio block size")
+    parser.add_argument("--queue-depth", type=int, default=32, help="aio queue depth")
+    parser.add_argument("--threads", type=int, default=1, help="aio queues")
+    parser.add_argument("--backend", default="auto", help="aio backend")
+    parser.add_argument("--repeat", type=int, default=2, help="runs per figure; the best is kept")
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        directory = tempfile.mkdtemp(prefix="infinity-bench-store-", dir=args.path)
+    except OSError as exc:
+        print(f"error: cannot use --path {args.path}: {exc.strerror}", file=sys.stderr)
+        return 2
+    try:
+        run = bench_stream if args.mode == "stream" else bench_optimizer
+        results = run(args, directory)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    for label, r in results.items():
+        print(f"{label:>18}: " + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                                            for k, v in r.items()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
