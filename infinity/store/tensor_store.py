@@ -489,7 +489,10 @@ class TensorStore:
                 self._settle(copy)
 
     def _pick_victim(self, tier: Tier, exclude: Entry) -> Entry | None:
-        """The evictable entry on `tier` used farthest in the future, else least recently."""
+        """The evictable entry on `tier` used farthest in the future, else least recently.
+
+        Copies with a move still in flight come last: evicting one would wait for its I/O
+        (e.g. the write-back just started), while an idle one goes at once."""
         best, best_rank = None, None
         for entry in self._entries.values():
             copy = entry.copies.get(tier)
@@ -497,7 +500,8 @@ class TensorStore:
                 continue
             if tier == entry.home and self._tier_below(tier) is None:
                 continue
-            rank = (entry.next_use, -copy.last_use)
+            idle = all(m is None or m.done() for m in (copy.filling, copy.draining))
+            rank = (idle, entry.next_use, -copy.last_use)
             if best_rank is None or rank > best_rank:
                 best, best_rank = entry, rank
         return best
