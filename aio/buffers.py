@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -10,7 +11,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-PAGE_NBYTES = 4096
+PAGE_NBYTES = max(4096, os.sysconf("SC_PAGE_SIZE"))  # O_DIRECT and SwapFile extents align to it
 
 
 def aligned_empty(nbytes: int, alignment: int = PAGE_NBYTES, *, pin: bool | None = None) -> torch.Tensor:

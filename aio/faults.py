@@ -32,7 +32,7 @@ class Fault:
             raise ValueError(f"Fault.kind must be 'errno', 'short' or 'hang', got {self.kind!r}")
         if self.nth < 0:
             raise ValueError(f"Fault.nth must be >= 0, got {self.nth}")
-        if self.kind == "errno" and self.errno <= 0:
+        if self.kind == "errno" and not 0 < self.errno <= 4095:
             raise ValueError(f"Fault.errno must be a positive errno, got {self.errno}")
         if self.kind == "short" and self.nbytes <= 0:
             raise ValueError(f"Fault.nbytes must be > 0, got {self.nbytes}")

@@ -79,7 +79,8 @@ class Handle:
         self.threads = threads
         self._native = _native.NativeHandle(self.backend, block_size, queue_depth, threads)
         self._files = FileTable()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _closed and _in_flight together
+        self._close_lock = threading.Lock()  # a second close() waits for the first
         self._in_flight: set[Request] = set()
         self._closed = False
         for fault in faults:
@@ -105,13 +106,18 @@ class Handle:
         if raw.nbytes == 0:
             return Request(None, None, None, None, op, path, offset, 0)
         opened = self._files.acquire(path, writable=op == "write")
-        try:
-            native = self._native.submit(op, opened.target, raw.address, raw.nbytes, offset)
-        except OSError as exc:
-            self._files.release(opened)
-            raise AIOError(exc.errno, exc.strerror, path, op=op, offset=offset, nbytes=raw.nbytes) from None
-        request = Request(self, native, raw.keepalive, opened, op, path, offset, raw.nbytes)
+        # Submitting and recording the request under the lock that close() takes to set _closed:
+        # a request is either refused or seen by close(), never lost between the two.
         with self._lock:
+            if self._closed:
+                self._files.release(opened)
+                raise ValueError("I/O on a closed aio.Handle")
+            try:
+                native = self._native.submit(op, opened.target, raw.address, raw.nbytes, offset)
+            except OSError as exc:
+                self._files.release(opened)
+                raise AIOError(exc.errno, exc.strerror, path, op=op, offset=offset, nbytes=raw.nbytes) from None
+            request = Request(self, native, raw.keepalive, opened, op, path, offset, raw.nbytes)
             self._in_flight.add(request)
         return request
 
@@ -149,16 +155,18 @@ class Handle:
     def close(self) -> None:
         """Stop the engine: pieces not yet started (and injected hangs) fail with ECANCELED,
         pieces in flight are waited for, files are closed. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._native.shutdown()
-        with self._lock:
-            pending = list(self._in_flight)
-        for request in pending:
-            request.done()  # every request is done after shutdown; this frees it
-        self._native.destroy()
-        self._files.close()
+        with self._close_lock:
+            with self._lock:
+                if self._closed:
+                    return
+                self._closed = True  # from here on _submit refuses, so _in_flight is complete
+            self._native.shutdown()
+            with self._lock:
+                pending = list(self._in_flight)
+            for request in pending:
+                request.done()  # every request is done after shutdown; this frees it
+            self._native.destroy()
+            self._files.close()
 
     def __enter__(self) -> Handle:
         return self

@@ -123,8 +123,10 @@ static int uring_create(uint32_t depth, struct backend **out)
         ret = -errno;
         goto err;
     }
-    if (!(p.features & IORING_FEAT_SINGLE_MMAP)) {
-        ret = -EOPNOTSUPP; /* kernels before 5.4: kernel AIO serves them */
+    /* IORING_OP_READ / IORING_OP_WRITE came in 5.6 with IORING_FEAT_RW_CUR_POS; 5.4 and 5.5
+     * have SINGLE_MMAP but fail every piece (and the wake-up read) with EINVAL. */
+    if (!(p.features & IORING_FEAT_SINGLE_MMAP) || !(p.features & IORING_FEAT_RW_CUR_POS)) {
+        ret = -EOPNOTSUPP; /* kernels before 5.6: kernel AIO serves them */
         goto err;
     }
     be->sq_ring_size = p.sq_off.array + p.sq_entries * sizeof(unsigned);
@@ -185,8 +187,13 @@ static int uring_submit(struct backend *be, struct piece **pieces, int n)
         sqe_publish(be);
     }
     ret = flush(be, 0, 0);
-    if (ret < 0 && ret != -EINTR && ret != -EAGAIN && ret != -EBUSY && i == 0)
+    if (ret < 0 && ret != -EINTR && ret != -EAGAIN && ret != -EBUSY) {
+        /* A hard failure took none of them: take them back out of the SQ (nothing but this
+         * thread writes it, and without SQPOLL the kernel reads it only in io_uring_enter). */
+        __atomic_store_n(be->sq_tail, *be->sq_tail - (unsigned)i, __ATOMIC_RELEASE);
+        be->to_submit -= (unsigned)i;
         return ret;
+    }
     return i; /* entries left in the SQ by a busy kernel go with the next flush */
 }
 

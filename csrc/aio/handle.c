@@ -45,6 +45,8 @@ struct queue {
     int stop;
     pthread_t thread;
     int thread_started;
+    struct completion *done;       /* depth + 2, for the progress thread */
+    struct piece **batch;          /* depth, for the progress thread */
 };
 
 struct inf_aio_request {
@@ -62,12 +64,13 @@ struct inf_aio_handle {
     uint32_t nqueues_started;
     atomic_uint next_queue;
     atomic_int shut;
+    pthread_mutex_t shut_lock;     /* serializes shutdown: every caller returns once it is done */
     pthread_mutex_t req_lock;
     pthread_cond_t req_cond;       /* broadcast whenever a request becomes done */
     pthread_mutex_t fault_lock;
     struct fault faults[MAX_FAULTS];
-    atomic_int nfaults;
-    atomic_uint_fast64_t seq[3];   /* piece submissions so far: reads, writes, both */
+    int nfaults;                   /* under fault_lock, like faults and seq */
+    uint64_t seq[3];               /* piece submissions so far: reads, writes, both */
 };
 
 static const struct backend_ops *backend_ops_for(int backend)
@@ -186,11 +189,11 @@ static const struct fault *fault_match(struct inf_aio_handle *h, int op, struct 
     uint64_t seq_op, seq_any;
     int i;
 
-    seq_op = atomic_fetch_add_explicit(&h->seq[op], 1, memory_order_relaxed);
-    seq_any = atomic_fetch_add_explicit(&h->seq[2], 1, memory_order_relaxed);
-    if (atomic_load_explicit(&h->nfaults, memory_order_acquire) == 0)
-        return NULL;
+    /* Counting and matching under one lock, so a fault added meanwhile counts from a number
+     * no piece has taken yet. */
     pthread_mutex_lock(&h->fault_lock);
+    seq_op = h->seq[op]++;
+    seq_any = h->seq[2]++;
     for (i = 0; i < h->nfaults; i++) {
         const struct fault *f = &h->faults[i];
         if ((f->op == -1 && f->nth == seq_any) || (f->op == op && f->nth == seq_op)) {
@@ -276,8 +279,8 @@ static void *queue_progress_main(void *arg)
 {
     struct queue *q = arg;
     uint32_t depth = q->handle->config.queue_depth;
-    struct completion *done = calloc(depth + 2, sizeof(*done));
-    struct piece **batch = calloc(depth, sizeof(*batch));
+    struct completion *done = q->done;
+    struct piece **batch = q->batch;
     int n, i;
 
     pthread_mutex_lock(&q->lock);
@@ -319,8 +322,6 @@ static void *queue_progress_main(void *arg)
         }
     }
     pthread_mutex_unlock(&q->lock);
-    free(done);
-    free(batch);
     return NULL;
 }
 
@@ -366,6 +367,7 @@ int inf_aio_handle_create(const struct inf_aio_config *config, struct inf_aio_ha
     if (!h)
         return -ENOMEM;
     h->config = *config;
+    pthread_mutex_init(&h->shut_lock, NULL);
     pthread_mutex_init(&h->req_lock, NULL);
     pthread_mutex_init(&h->fault_lock, NULL);
     ret = cond_init_monotonic(&h->req_cond);
@@ -383,6 +385,12 @@ int inf_aio_handle_create(const struct inf_aio_config *config, struct inf_aio_ha
         q->ops = ops;
         pthread_mutex_init(&q->lock, NULL);
         pthread_cond_init(&q->idle_cond, NULL);
+        q->done = calloc(config->queue_depth + 2, sizeof(*q->done));
+        q->batch = calloc(config->queue_depth, sizeof(*q->batch));
+        if (!q->done || !q->batch) {
+            ret = -ENOMEM;
+            goto err;
+        }
         ret = ops->create(config->queue_depth, &q->be);
         if (ret < 0)
             goto err;
@@ -405,8 +413,9 @@ void inf_aio_handle_shutdown(struct inf_aio_handle *h)
 {
     uint32_t i;
 
+    pthread_mutex_lock(&h->shut_lock);
     if (atomic_exchange(&h->shut, 1))
-        return;
+        goto out; /* a concurrent caller already stopped everything: we held shut_lock meanwhile */
     for (i = 0; i < h->nqueues_started; i++) {
         struct queue *q = &h->queues[i];
 
@@ -419,6 +428,8 @@ void inf_aio_handle_shutdown(struct inf_aio_handle *h)
         pthread_join(h->queues[i].thread, NULL);
         h->queues[i].thread_started = 0;
     }
+out:
+    pthread_mutex_unlock(&h->shut_lock);
 }
 
 void inf_aio_handle_destroy(struct inf_aio_handle *h)
@@ -433,7 +444,12 @@ void inf_aio_handle_destroy(struct inf_aio_handle *h)
         pthread_mutex_destroy(&h->queues[i].lock);
         pthread_cond_destroy(&h->queues[i].idle_cond);
     }
+    for (i = 0; h->queues && i < h->config.queues; i++) {
+        free(h->queues[i].done);
+        free(h->queues[i].batch);
+    }
     free(h->queues);
+    pthread_mutex_destroy(&h->shut_lock);
     pthread_mutex_destroy(&h->req_lock);
     pthread_mutex_destroy(&h->fault_lock);
     pthread_cond_destroy(&h->req_cond);
@@ -445,15 +461,22 @@ static int64_t next_cut(int64_t pos, int64_t end, int64_t mid_start, int64_t mid
 {
     int64_t limit = pos < mid_start ? mid_start : pos < mid_end ? mid_end : end;
 
-    return pos + bs < limit ? pos + bs : limit;
+    return limit - pos > bs ? pos + bs : limit; /* pos + bs may not fit in an int64_t */
+}
+
+/* How many cuts next_cut makes in [from, to). */
+static uint64_t count_cuts(int64_t from, int64_t to, int64_t bs)
+{
+    return from < to ? ((uint64_t)(to - from) + (uint64_t)bs - 1) / (uint64_t)bs : 0;
 }
 
 int inf_aio_submit(struct inf_aio_handle *h, int op, const struct inf_aio_target *target,
                    void *buf, uint64_t nbytes, int64_t offset, struct inf_aio_request **out)
 {
-    int64_t bs = (int64_t)h->config.block_size, da, end, mid_start, mid_end, pos;
+    int64_t bs = (int64_t)h->config.block_size, da, end, mid_start, mid_end, mid_bs, pos;
     struct inf_aio_request *r;
     uint32_t n, i, nq = h->config.queues, first;
+    uint64_t up, npieces;
 
     if ((op != INF_AIO_OP_READ && op != INF_AIO_OP_WRITE) || nbytes == 0 || offset < 0 ||
         nbytes > (uint64_t)INT64_MAX - (uint64_t)offset || target->buffered_fd < 0 ||
@@ -464,12 +487,20 @@ int inf_aio_submit(struct inf_aio_handle *h, int op, const struct inf_aio_target
         return -ESHUTDOWN;
     da = target->direct_align;
     end = offset + (int64_t)nbytes;
-    mid_start = (offset + da - 1) / da * da;
+    up = ((uint64_t)offset + (uint64_t)da - 1) / (uint64_t)da * (uint64_t)da; /* no overflow */
     mid_end = end / da * da;
-    if (mid_start >= mid_end)
+    if (up >= (uint64_t)mid_end)
         mid_start = mid_end = offset;
-    for (n = 0, pos = offset; pos < end; n++)
-        pos = next_cut(pos, end, mid_start, mid_end, bs);
+    else
+        mid_start = (int64_t)up;
+    /* Middle pieces are whole multiples of the direct alignment, or every one after the first
+     * would be misaligned and go through the page cache. */
+    mid_bs = bs >= da ? bs / da * da : da;
+    npieces = count_cuts(offset, mid_start, bs) + count_cuts(mid_start, mid_end, mid_bs) +
+              count_cuts(mid_end, end, bs);
+    if (npieces > UINT32_MAX)
+        return -EINVAL;
+    n = (uint32_t)npieces;
 
     r = calloc(1, sizeof(*r));
     if (!r)
@@ -482,7 +513,7 @@ int inf_aio_submit(struct inf_aio_handle *h, int op, const struct inf_aio_target
     r->npieces = r->remaining = n;
     r->target = *target;
     for (i = 0, pos = offset; i < n; i++) {
-        int64_t cut = next_cut(pos, end, mid_start, mid_end, bs);
+        int64_t cut = next_cut(pos, end, mid_start, mid_end, pos >= mid_start && pos < mid_end ? mid_bs : bs);
         struct piece *p = &r->pieces[i];
 
         p->req = r;
@@ -563,18 +594,18 @@ int inf_aio_fault_add(struct inf_aio_handle *h, int op, uint64_t nth, int kind, 
     int ret = 0;
 
     if (op < -1 || op > INF_AIO_OP_WRITE || kind < INF_AIO_FAULT_ERRNO ||
-        kind > INF_AIO_FAULT_HANG || (kind != INF_AIO_FAULT_HANG && value <= 0))
+        kind > INF_AIO_FAULT_HANG || (kind != INF_AIO_FAULT_HANG && value <= 0) ||
+        (kind == INF_AIO_FAULT_ERRNO && value > 4095))
         return -EINVAL;
     pthread_mutex_lock(&h->fault_lock);
     if (h->nfaults == MAX_FAULTS) {
         ret = -ENOSPC;
     } else {
         /* nth counts from now; store it as an absolute submission number */
-        uint64_t base = atomic_load(&h->seq[op == -1 ? 2 : op]);
+        uint64_t base = h->seq[op == -1 ? 2 : op];
 
-        h->faults[h->nfaults] =
+        h->faults[h->nfaults++] =
             (struct fault){.op = op, .nth = base + nth, .kind = kind, .value = value};
-        atomic_store_explicit(&h->nfaults, h->nfaults + 1, memory_order_release);
     }
     pthread_mutex_unlock(&h->fault_lock);
     return ret;

@@ -76,3 +76,20 @@ def test_fault_validation():
         aio.Fault(op="seek")
     with pytest.raises(ValueError, match="nbytes"):
         aio.Fault(kind="short", nbytes=0)
+
+
+def test_fault_errno_must_be_a_real_errno():
+    with pytest.raises(ValueError, match="errno"):
+        aio.Fault(kind="errno", errno=1 << 32)
+
+
+def test_fault_added_while_io_runs_still_fires(backend, tmp_path):
+    """A fault counts from the moment it is added, even with pieces being submitted."""
+    with _faulty(backend) as h:
+        running = [h.write(torch.ones(1 << 20), tmp_path / f"bg{i}") for i in range(4)]
+        h.inject(aio.Fault(op="read", nth=0, kind="errno", errno=errno.EIO))
+        h.write(torch.ones(10), tmp_path / "x").wait()
+        with pytest.raises(aio.AIOError, match="EIO"):
+            h.read(torch.empty(10), tmp_path / "x").wait(timeout=30)
+        for r in running:
+            r.wait(timeout=30)

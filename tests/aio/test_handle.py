@@ -188,3 +188,47 @@ def test_read_only_directory(read_only_dir, run_unprivileged):
     """))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "ERR 13" in out.stdout and target in out.stdout and "open for write" in out.stdout
+
+
+def test_offset_near_the_limit_fails_fast(handle, tmp_path):
+    """Offsets whose end would overflow 64 bits are refused or fail, never hang."""
+    path = tmp_path / "x"
+    path.write_bytes(b"0" * 10)
+    with pytest.raises((aio.AIOError, ValueError)):
+        handle.read(bytearray(10), path, 2**63 - 11).wait(timeout=10)
+    with pytest.raises((aio.AIOError, ValueError, OverflowError)):
+        handle.read(bytearray(10), path, 2**63 - 5).wait(timeout=10)
+
+
+def test_close_racing_submitters_never_crashes(backend, tmp_path):
+    """Requests submitted while another thread closes are refused or finish; none is lost."""
+    import threading
+
+    for _ in range(5):
+        h = aio.Handle(backend=backend, block_size=64 << 10)
+        outcomes, stop = [], threading.Event()
+
+        def submit(i, h=h, outcomes=outcomes, stop=stop):
+            buf = torch.ones(64 << 10)
+            while not stop.is_set():
+                try:
+                    r = h.write(buf, tmp_path / f"c{i}")
+                except ValueError:  # closed
+                    return
+                try:
+                    outcomes.append(r.wait(timeout=30))
+                except aio.AIOError as exc:
+                    outcomes.append(exc.errno)
+
+        threads = [threading.Thread(target=submit, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        closers = [threading.Thread(target=h.close) for _ in range(2)]
+        for t in closers:
+            t.start()
+        for t in closers:
+            t.join()
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+        assert all(o in (256 << 10, 125) for o in outcomes)  # done, or ECANCELED by close
