@@ -46,7 +46,7 @@ ffibuilder.set_source(
     '#include "inf_adam.h"\n',
     sources=[_rel(os.path.join(ADAM_DIR, name)) for name in SOURCES],
     include_dirs=[_rel(ADAM_DIR)],
-    depends=[_rel(os.path.join(ADAM_DIR, h)) for h in ("inf_adam.h", "adam_kernel.h")],
+    depends=[_rel(os.path.join(ADAM_DIR, h)) for h in ("inf_adam.h", "adam_kernel.h", "adam_simd_body.h")],
     extra_compile_args=["-O3", "-std=c11", "-pthread", "-ffp-contract=off", "-fno-math-errno",
                         "-Wall", "-Wextra"],
     extra_link_args=["-pthread"],

@@ -33,6 +33,7 @@ ffibuilder.set_source(
     '#include "inf_aio.h"',
     sources=[str((HERE / "aio" / name).relative_to(HERE.parent)) for name in SOURCES],
     include_dirs=[str((HERE / "aio").relative_to(HERE.parent))],
+    depends=[str((HERE / "aio" / h).relative_to(HERE.parent)) for h in ("inf_aio.h", "backend.h")],
     extra_compile_args=["-O2", "-std=gnu11", "-pthread", "-Wall", "-Wextra", "-Wno-unused-parameter"],
     extra_link_args=["-pthread"],
 )
