@@ -145,7 +145,8 @@ class SwappedOptimizer:
                 self.store.prefetch(keys[t + 1:t + 2])
             tile = self.store.fetch(key, Tier.HOST).result()
             self._update_tile(t, tile, grads, steps, grad_scale)
-            self.store.set_next_use({key: t + len(keys)})  # needed again next step: evict it first
+            # Done for this step: needed again at the next one, after every tile still to come.
+            self.store.set_next_use({key: len(keys)})
             self.store.release(key, Tier.HOST, dirty=True)
         self.steps = steps
         return StepResult(True, norm, clip)

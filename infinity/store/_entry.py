@@ -61,6 +61,7 @@ class Copy:
     uses: int = 0  # fetches not yet released: neither evicted nor moved meanwhile
     pins: int = 0  # pin() calls not yet unpinned: never evicted
     last_use: int = 0  # store clock at the last fetch, for LRU
+    prefetched: bool = False  # brought in by prefetch() and not fetched since: needed soon
 
     @property
     def busy(self) -> bool:

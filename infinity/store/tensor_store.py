@@ -166,6 +166,7 @@ class TensorStore:
             entry = self._entry(key)
             copy = self._start_fetch(entry, tier)
             copy.uses += 1
+            copy.prefetched = False
             if next_use is not None:
                 entry.next_use = next_use
             return TensorFuture(self, entry, tier)
@@ -177,9 +178,10 @@ class TensorStore:
             for key in keys:
                 entry = self._entry(key)
                 try:
-                    self._start_fetch(entry, Tier.HOST if tier == Tier.DEVICE and Tier.HOST in self._arenas else tier)
+                    copy = self._start_fetch(entry, Tier.HOST if tier == Tier.DEVICE and Tier.HOST in self._arenas else tier)
                 except BudgetError:
                     return
+                copy.prefetched = copy.uses == 0
 
     def release(self, key: str, tier: Tier | str = Tier.HOST, *, dirty: bool = False) -> None:
         """End a fetch. With dirty=True the tensor was modified: it is written down to its home
@@ -491,8 +493,9 @@ class TensorStore:
     def _pick_victim(self, tier: Tier, exclude: Entry) -> Entry | None:
         """The evictable entry on `tier` used farthest in the future, else least recently.
 
-        Copies with a move still in flight come last: evicting one would wait for its I/O
-        (e.g. the write-back just started), while an idle one goes at once."""
+        Prefetched copies not yet fetched go last (evicting one wastes its read). Among copies
+        needed equally late, idle ones go first: evicting one with a move in flight would wait
+        for that I/O (e.g. a write-back just started)."""
         best, best_rank = None, None
         for entry in self._entries.values():
             copy = entry.copies.get(tier)
@@ -501,7 +504,7 @@ class TensorStore:
             if tier == entry.home and self._tier_below(tier) is None:
                 continue
             idle = all(m is None or m.done() for m in (copy.filling, copy.draining))
-            rank = (idle, entry.next_use, -copy.last_use)
+            rank = (not copy.prefetched, entry.next_use, idle, -copy.last_use)
             if best_rank is None or rank > best_rank:
                 best, best_rank = entry, rank
         return best
