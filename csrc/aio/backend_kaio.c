@@ -28,6 +28,7 @@ struct backend {
     struct iocb **cb_ptrs;
     struct io_event *events;       /* depth + 1 */
     struct iocb wake_cb;
+    int wake_armed;                /* the eventfd poll is in the kernel; re-armed by wait */
     struct completion refused;     /* a piece io_submit refused, reported by the next wait */
     int has_refused;
 };
@@ -52,7 +53,10 @@ static int arm_wake(struct backend *be)
     cb->aio_fildes = (uint32_t)be->efd;
     cb->aio_buf = POLLIN;
     cb->aio_data = WAKE_DATA;
-    return sys_io_submit(be->ctx, 1, &cb) == 1 ? 0 : -errno;
+    if (sys_io_submit(be->ctx, 1, &cb) != 1)
+        return -errno;
+    be->wake_armed = 1;
+    return 0;
 }
 
 static void kaio_destroy(struct backend *be)
@@ -151,6 +155,8 @@ static int kaio_wait(struct backend *be, struct completion *out, int max)
     }
     if (max > (int)be->depth + 1)
         max = (int)be->depth + 1;
+    if (!be->wake_armed)
+        arm_wake(be); /* a failed re-arm only delays wake-ups: pieces in flight still complete */
     do {
         got = sys_io_getevents(be->ctx, 1, max, be->events);
     } while (got < 0 && errno == EINTR);
@@ -162,6 +168,7 @@ static int kaio_wait(struct backend *be, struct completion *out, int max)
         if (ev->data == WAKE_DATA) {
             while (read(be->efd, &drained, sizeof(drained)) > 0)
                 ;
+            be->wake_armed = 0;
             arm_wake(be);
             out[n++] = (struct completion){.piece = NULL, .res = 0};
         } else {
