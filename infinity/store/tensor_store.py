@@ -350,8 +350,8 @@ class TensorStore:
             move = PendingMove(entry.key, src.tier, dst.tier, entry.nbytes, start, event=event)
             if event is None:
                 move.finish(self.moves)
-            else:
-                dst.filling = move
+            else:  # the source must not be freed or changed until the side stream has read it
+                dst.filling = src.draining = move
         dst.valid = True
 
     def _device_copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
@@ -405,6 +405,9 @@ class TensorStore:
                 raise ValueError(f"{entry.key!r} was modified on {tier.label} while in use on {t.label}")
         for t in [t for t in entry.copies if t < tier]:
             self._free_copy(entry, t)
+        if tier == Tier.DEVICE and self._copy_stream is not None and Tier.NVME in entry.copies \
+                and Tier.HOST not in entry.copies:
+            self._allocate(entry, Tier.HOST)  # accelerator memory reaches NVMe through the host
         src = entry.copies[tier]
         for t in sorted(t for t in entry.copies if t > tier):
             dst = entry.copies[t]
