@@ -231,3 +231,50 @@ def test_trace_and_counters(store, tmp_path):
     lanes = {e["args"]["name"] for e in events if e["ph"] == "M"}
     assert {"nvme->host", "host->device", "device->host", "host->nvme"} <= lanes
     assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")
+
+
+class _LazyEvent:
+    """Stands in for a CUDA event on a side stream: the copy happens only when waited for,
+    so any code that reads the destination (or reuses the source) too early sees wrong bytes."""
+
+    def __init__(self, dst, src):
+        self._dst, self._src = dst, src.clone()  # a stream reads its source at some later time
+        self._done = False
+
+    def synchronize(self):
+        if not self._done:
+            self._dst.copy_(self._src)
+            self._done = True
+
+    def query(self):
+        return self._done
+
+
+def test_async_device_copies_are_ordered(tmp_path, monkeypatch):
+    """The side-stream path (CUDA) run on the CPU with deferred copies: every tier path must
+    wait for its copy before the bytes are used, written down or freed."""
+    monkeypatch.setattr(TensorStore, "_device_copy", lambda self, dst, src: _LazyEvent(dst, src))
+    with TensorStore({"device": 1 * MiB, "host": 2 * MiB, "nvme": 64 * MiB}, nvme_path=tmp_path,
+                     device="cpu") as store:
+        store._copy_stream = object()  # take the accelerator paths: staging through host
+        data = _tensors(30, seed=9, max_numel=100_000)
+        for key, t in data.items():
+            store.put(key, t, "nvme")
+        rng = random.Random(9)
+        for _ in range(150):
+            key = rng.choice(list(data))
+            t = store.fetch(key, "device").result(timeout=30)
+            assert torch.equal(t, data[key])
+            modify = rng.random() < 0.4
+            if modify:
+                t.add_(1) if t.dtype != torch.int64 else t.add_(2)
+                data[key] = t.clone()
+            store.release(key, "device", dirty=modify)
+            if rng.random() < 0.2:
+                store.evict(key, "host")  # the write-back must then go device -> host -> nvme
+        store.flush()
+        for key, t in data.items():
+            store.evict(key, "device")
+            store.evict(key, "host")
+            assert torch.equal(store.fetch(key, "host").result(), t), key
+            store.release(key, "host")
