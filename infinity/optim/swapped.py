@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -58,13 +58,18 @@ class SwappedOptimizer:
         max_grad_norm: clip the global gradient norm to this (0: no clipping).
         threads: kernel threads (default: all cores).
         name: prefix of the store keys, so several optimizers can share a store.
+        param_keys: for each parameter, None (its values are `param.data`) or the store key of
+            an entry of the parameter's shape and dtype that holds its values (e.g. on NVMe):
+            master weights start from it and new values are written into it. The parameter
+            tensor still carries the shape and `.grad`. Such a parameter is fetched to the host
+            tier whole while its tiles are updated, so it must fit there beside 3 tiles.
     """
 
     def __init__(self, params: Iterable[torch.Tensor], store: TensorStore, *, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, adamw_mode: bool = True, tile_numel: int = 1 << 22,
                  max_grad_norm: float = 0.0, threads: int | None = None,
-                 name: str = "optim") -> None:
+                 name: str = "optim", param_keys: Sequence[str | None] | None = None) -> None:
         self.params = list(params)
         if not self.params:
             raise ValueError("SwappedOptimizer got no parameters")
@@ -74,6 +79,9 @@ class SwappedOptimizer:
                                  f"{getattr(p, 'device', type(p))}")
             if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
                 raise ValueError(f"param {i} has dtype {p.dtype}; expected float32, bfloat16 or float16")
+        self.param_keys = list(param_keys) if param_keys is not None else [None] * len(self.params)
+        if len(self.param_keys) != len(self.params):
+            raise ValueError(f"param_keys has {len(self.param_keys)} entries for {len(self.params)} params")
         if tile_numel < 1:
             raise ValueError(f"tile_numel must be >= 1, got {tile_numel}")
         if max_grad_norm < 0:
@@ -85,6 +93,10 @@ class SwappedOptimizer:
         self.steps = [0] * len(self.params)  # per parameter, as torch counts them
         self.tile_numel = tile_numel
         self.tiles = _cut_tiles([p.numel() for p in self.params], tile_numel)
+        self._by_param: dict[int, list[tuple[int, Segment]]] = {}  # param -> its (tile, segment)s
+        for t, segments in enumerate(self.tiles):
+            for seg in segments:
+                self._by_param.setdefault(seg.param, []).append((t, seg))
         self._check_budgets()
         self._write_initial_state()
 
@@ -110,11 +122,13 @@ class SwappedOptimizer:
             raise ValueError("SwappedOptimizer needs a store with an NVMe budget for its state")
 
     def _write_initial_state(self) -> None:
+        values = _ParamValues(self)
         for t, segments in enumerate(self.tiles):
             tile = torch.zeros(_TILE_ROWS, self._tile_numel(t))
-            for s in segments:
-                flat = self.params[s.param].detach().view(-1)
-                tile[0, s.tile_offset:s.tile_offset + s.numel] = flat[s.param_offset:s.param_offset + s.numel]
+            for seg in segments:
+                flat = values.get(seg.param)
+                tile[0, seg.tile_offset:seg.tile_offset + seg.numel] = flat[seg.param_offset:seg.param_offset + seg.numel]
+                values.segment_done(seg, dirty=False)
             self.store.put(self._key(t), tile, Tier.NVME)
 
     # -- the step -------------------------------------------------------------------------------
@@ -140,11 +154,12 @@ class SwappedOptimizer:
         keys = [self._key(t) for t in range(len(self.tiles))]
         self.store.set_next_use({key: t for t, key in enumerate(keys)})
         self.store.prefetch(keys[:1])
+        values = _ParamValues(self)
         for t, key in enumerate(keys):
             if t + 1 < len(keys):
                 self.store.prefetch(keys[t + 1:t + 2])
             tile = self.store.fetch(key, Tier.HOST).result()
-            self._update_tile(t, tile, grads, steps, grad_scale)
+            self._update_tile(t, tile, grads, steps, grad_scale, values)
             # Done for this step: needed again at the next one, after every tile still to come.
             self.store.set_next_use({key: len(keys)})
             self.store.release(key, Tier.HOST, dirty=True)
@@ -152,40 +167,40 @@ class SwappedOptimizer:
         return StepResult(True, norm, clip)
 
     def _update_tile(self, t: int, tile: torch.Tensor, grads: list[torch.Tensor | None],
-                     steps: list[int], grad_scale: float) -> None:
-        for s in self.tiles[t]:
-            grad = grads[s.param]
+                     steps: list[int], grad_scale: float, values: _ParamValues) -> None:
+        for seg in self.tiles[t]:
+            grad = grads[seg.param]
             if grad is None:
                 continue
-            p = self.params[s.param]
-            part = slice(s.param_offset, s.param_offset + s.numel)
-            cols = slice(s.tile_offset, s.tile_offset + s.numel)
-            master, out = tile[0, cols], p.data.view(-1)[part]
-            adam_step(master, grad.view(-1)[part], tile[1, cols], tile[2, cols], step=steps[s.param],
+            p = self.params[seg.param]
+            part = slice(seg.param_offset, seg.param_offset + seg.numel)
+            cols = slice(seg.tile_offset, seg.tile_offset + seg.numel)
+            master, out = tile[0, cols], values.get(seg.param)[part]
+            adam_step(master, grad.view(-1)[part], tile[1, cols], tile[2, cols], step=steps[seg.param],
                       lr=self.lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
                       weight_decay=self.weight_decay, adamw=self.adamw_mode, grad_scale=grad_scale,
                       out_lowp=None if p.dtype == torch.float32 else out, threads=self.threads)
             if p.dtype == torch.float32:
                 out.copy_(master)
+            values.segment_done(seg, dirty=True)
 
     # -- state, streamed ------------------------------------------------------------------------
 
     def iter_state(self) -> Iterator[tuple[int, dict[str, Any]]]:
         """Yield (param index, {"step", "master", "exp_avg", "exp_avg_sq"}) one parameter at a
         time: memory holds one parameter's state and one tile, whatever the model size."""
-        by_param: dict[int, list[tuple[int, Segment]]] = {}
-        for t, segments in enumerate(self.tiles):
-            for s in segments:
-                by_param.setdefault(s.param, []).append((t, s))
-        for i, p in enumerate(self.params):
-            state = {name: torch.empty(p.shape, dtype=torch.float32) for name in _STATE_NAMES}
-            for t, s in by_param.get(i, []):
-                tile = self.store.fetch(self._key(t), Tier.HOST).result()
-                for row, name in enumerate(_STATE_NAMES):
-                    state[name].view(-1)[s.param_offset:s.param_offset + s.numel] = \
-                        tile[row, s.tile_offset:s.tile_offset + s.numel]
-                self.store.release(self._key(t), Tier.HOST)
-            yield i, {"step": self.steps[i], **state}
+        for i in range(len(self.params)):
+            yield i, self._param_state(i)
+
+    def _param_state(self, i: int) -> dict[str, Any]:
+        state = {name: torch.empty(self.params[i].shape, dtype=torch.float32) for name in _STATE_NAMES}
+        for t, seg in self._by_param.get(i, []):
+            tile = self.store.fetch(self._key(t), Tier.HOST).result()
+            for row, name in enumerate(_STATE_NAMES):
+                state[name].view(-1)[seg.param_offset:seg.param_offset + seg.numel] = \
+                    tile[row, seg.tile_offset:seg.tile_offset + seg.numel]
+            self.store.release(self._key(t), Tier.HOST)
+        return {"step": self.steps[i], **state}
 
     def load_state(self, states: Iterable[tuple[int, dict[str, Any]]]) -> None:
         """Consume what iter_state yields (parameters in order), writing tiles as they fill.
@@ -219,16 +234,17 @@ class SwappedOptimizer:
         self.store.flush()
 
     def state_dict(self) -> dict[str, Any]:
-        """torch.optim.AdamW's format (state by parameter index plus one param group).
+        """torch.optim.AdamW's format: state by parameter index, plus one param group.
 
-        Materialises every moment in RAM: for large models use iter_state()."""
-        state = {i: {"step": torch.tensor(float(s["step"])), "exp_avg": s["exp_avg"],
-                     "exp_avg_sq": s["exp_avg_sq"]} for i, s in self.iter_state() if s["step"]}
+        The "state" mapping is lazy: each parameter's moments are read from NVMe when its
+        entry is accessed, so iterating it (as torch's load_state_dict and checkpoint writers
+        do) holds one parameter's state at a time. torch.save of it materialises everything.
+        """
         group = {"lr": self.lr, "betas": self.betas, "eps": self.eps,
                  "weight_decay": self.weight_decay, "amsgrad": False, "maximize": False,
                  "foreach": None, "capturable": False, "differentiable": False, "fused": None,
                  "decoupled_weight_decay": self.adamw_mode, "params": list(range(len(self.params)))}
-        return {"state": state, "param_groups": [group]}
+        return {"state": _LazyState(self), "param_groups": [group]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's Adam/AdamW format (master weights are taken from the parameters)."""
@@ -245,6 +261,50 @@ class SwappedOptimizer:
                               "exp_avg_sq": s["exp_avg_sq"]}
 
         self.load_state(states())
+
+
+class _LazyState(Mapping[int, dict[str, Any]]):
+    """torch-format optimizer state, read from the tiles one parameter at a time on access."""
+
+    def __init__(self, optimizer: SwappedOptimizer) -> None:
+        self._opt = optimizer
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if not isinstance(i, int) or not 0 <= i < len(self._opt.params) or not self._opt.steps[i]:
+            raise KeyError(i)
+        s = self._opt._param_state(i)
+        return {"step": torch.tensor(float(s["step"])), "exp_avg": s["exp_avg"], "exp_avg_sq": s["exp_avg_sq"]}
+
+    def __iter__(self) -> Iterator[int]:
+        return (i for i, step in enumerate(self._opt.steps) if step)
+
+    def __len__(self) -> int:
+        return sum(1 for step in self._opt.steps if step)
+
+
+class _ParamValues:
+    """Where each parameter's values are during one pass over the tiles: `param.data`, or its
+    store entry, fetched to the host when its first segment comes and released (written back
+    if changed) after its last, so a parameter spanning many tiles is read and written once."""
+
+    def __init__(self, optimizer: SwappedOptimizer) -> None:
+        self._opt = optimizer
+        self._held: dict[int, torch.Tensor] = {}
+
+    def get(self, i: int) -> torch.Tensor:
+        """The flat values of parameter i."""
+        key = self._opt.param_keys[i]
+        if key is None:
+            return self._opt.params[i].data.view(-1)
+        if i not in self._held:
+            self._held[i] = self._opt.store.fetch(key, Tier.HOST).result().view(-1)
+        return self._held[i]
+
+    def segment_done(self, seg: Segment, *, dirty: bool) -> None:
+        key = self._opt.param_keys[seg.param]
+        if key is not None and seg.param_offset + seg.numel == self._opt.params[seg.param].numel():
+            if self._held.pop(seg.param, None) is not None:
+                self._opt.store.release(key, Tier.HOST, dirty=dirty)
 
 
 def _cut_tiles(numels: list[int], tile_numel: int) -> list[list[Segment]]:

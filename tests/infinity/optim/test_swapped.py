@@ -202,3 +202,44 @@ def test_tiles_cover_every_element_once():
     seen = [(s.param, s.param_offset + k) for t in tiles for s in t for k in range(s.numel)]
     assert sorted(seen) == [(0, k) for k in range(5)] + [(2, k) for k in range(12)] + [(3, k) for k in range(3)]
     assert all(sum(s.numel for s in t) <= 4 for t in tiles)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_parameters_living_in_the_store(tmp_path, dtype):
+    """Values in store entries (home NVMe) get the same updates as host parameters, and a
+    parameter spanning many tiles is read and written once per step."""
+    host = _params(7, dtype)
+    shadow = [torch.empty_like(p) for p in host]  # shapes and grads only
+    with TensorStore({"host": 1 * MiB, "nvme": 32 * MiB}, nvme_path=tmp_path) as store:
+        keys = [f"param{i}" for i in range(len(host))]
+        for key, p in zip(keys, host):
+            store.put(key, p, "nvme")
+        ref = SwappedOptimizer(host, store, tile_numel=TILE, lr=1e-2, name="ref")
+        opt = SwappedOptimizer(shadow, store, tile_numel=TILE, lr=1e-2, param_keys=keys, name="opt")
+        for step in range(3):
+            for p, q, g in zip(host, shadow, _grads(host, step)):
+                p.grad, q.grad = g, g.clone()
+            store.moves._events.clear()
+            ref.step()
+            opt.step()
+            store.flush()
+            writes = [e[0] for e in store.moves._events if e[0] == "param0" and e[2].label == "nvme"]
+            assert len(writes) == 1  # param0 spans 20 tiles, written back once
+        for key, p in zip(keys, host):
+            assert torch.equal(store.fetch(key, "host").result(), p)
+            store.release(key, "host")
+
+
+def test_state_dict_is_lazy_and_complete(store):
+    params = _params(8)
+    opt = SwappedOptimizer(params, store, tile_numel=TILE)
+    for p, g in zip(params, _grads(params, 0)):
+        p.grad = g
+    params[3].grad = None  # never stepped: absent, as in torch
+    opt.step()
+    state = opt.state_dict()["state"]
+    assert not isinstance(state, dict) and len(state) == len(params) - 1 and 3 not in state
+    assert sorted(state) == [0, 1, 2, 4]
+    assert state[0]["exp_avg"].shape == params[0].shape and float(state[0]["step"]) == 1.0
+    with pytest.raises(KeyError):
+        state[3]
