@@ -7,9 +7,10 @@ Example (from the repository root):
 Each repeat fills the arena with blocks, writes them, frees some, and times ``Arena.compact()``:
 
 - ``half``: every other block is freed, so half the data moves and the gaps it slides over are
-  at least one block (plain copies, then gap-sized pieces once a block overlaps its target);
+  at least one block (no move overlaps itself; each lands on a hole or a source long read);
 - ``sliver``: big blocks separated by 4 KiB slivers; the slivers are freed, so almost all data
-  moves and the first few hundred moves overlap their target by all but a few KiB (memmove).
+  moves, the first moves overlap their own source by all but a few KiB, and each move lands on
+  the source of the one before until the gap has grown to twice the block size.
 
 GB/s is bytes moved over compaction time (median over repeats). "of memcpy" divides it by the
 bandwidth of torch ``copy_`` between two buffers as large as the bytes moved, timed in turns with

@@ -129,7 +129,7 @@ def test_explicit_compact_returns_bytes_moved_and_is_idempotent():
 
 @pytest.mark.parametrize("gap", [256, 4096, (1 << 20) + 256, 3 << 20])
 def test_large_overlapping_moves_keep_contents(gap):
-    """Blocks larger than the gap they slide over: memmove and gap-sized pieces both."""
+    """Blocks larger than the gap they slide over, from a gap of a few bytes to several MiB."""
     block_nbytes, tail = 5 << 20, 4096
     arena = Arena(gap + block_nbytes + tail, pinned=False)
     hole = arena.alloc(gap, torch.uint8)
