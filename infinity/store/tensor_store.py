@@ -18,6 +18,7 @@ import errno
 import logging
 import os
 import threading
+import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -135,7 +136,7 @@ class TensorStore:
             raise aio.AIOError(errno.ENOTDIR, "nvme_path is not a directory", directory, op="open NVMe tier")
         if not os.access(directory, os.W_OK | os.X_OK):
             raise aio.AIOError(errno.EACCES, "nvme_path is not writable", directory, op="open NVMe tier")
-        name = f"infinity-rank{rank}-pid{os.getpid()}-{id(object()):x}.swap"
+        name = f"infinity-rank{rank}-pid{os.getpid()}-{uuid.uuid4().hex[:12]}.swap"  # one per store
         return aio.SwapFile(os.path.join(directory, name), nbytes)
 
     # -- public verbs --------------------------------------------------------------------------

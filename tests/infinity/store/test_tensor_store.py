@@ -278,3 +278,17 @@ def test_async_device_copies_are_ordered(tmp_path, monkeypatch):
             store.evict(key, "host")
             assert torch.equal(store.fetch(key, "host").result(), t), key
             store.release(key, "host")
+
+
+def test_two_stores_share_a_directory(tmp_path):
+    with TensorStore({"nvme": MiB}, nvme_path=tmp_path) as a, TensorStore({"nvme": MiB}, nvme_path=tmp_path) as b:
+        a.put("x", torch.full((1000,), 1.0), "nvme")
+        b.put("x", torch.full((1000,), 2.0), "nvme")
+        assert len(os.listdir(tmp_path)) == 2
+    with TensorStore({"host": MiB, "nvme": MiB}, nvme_path=tmp_path) as a, \
+            TensorStore({"host": MiB, "nvme": MiB}, nvme_path=tmp_path) as b:
+        a.put("x", torch.full((1000,), 1.0), "nvme")
+        b.put("x", torch.full((1000,), 2.0), "nvme")
+        assert torch.all(a.fetch("x", "host").result() == 1.0)
+        assert torch.all(b.fetch("x", "host").result() == 2.0)
+    assert os.listdir(tmp_path) == []
