@@ -93,9 +93,9 @@ class SwapFile:
             self._check_open()
             fits = [(size, i) for i, (_, size) in enumerate(self._holes) if size >= capacity]
             if not fits:
-                largest = max((size for _, size in self._holes), default=0)
                 raise AIOError(errno.ENOSPC,
-                               f"swap file full: asked {capacity} bytes, largest hole {largest}, "
+                               f"swap file full: asked {capacity} bytes, largest hole "
+                               f"{self.largest_hole_nbytes()}, "
                                f"{self.free_nbytes()} free of {self.nbytes}",
                                self.path, op="allocate", nbytes=nbytes)
             size, i = min(fits)
@@ -125,6 +125,10 @@ class SwapFile:
 
     def free_nbytes(self) -> int:
         return sum(size for _, size in self._holes)
+
+    def largest_hole_nbytes(self) -> int:
+        """The largest extent that allocate() can hand out now."""
+        return max((size for _, size in self._holes), default=0)
 
     # -- I/O ----------------------------------------------------------------------------------
 

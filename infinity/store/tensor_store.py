@@ -150,11 +150,15 @@ class TensorStore:
             entry = Entry(key, tensor.shape, tensor.dtype, tensor.numel() * tensor.element_size(), tier)
             copy = self._allocate(entry, tier)
             start = self.moves.now()
-            if tier == Tier.NVME:
-                source = tensor.detach().to("cpu").contiguous()
-                self._swap.write(self._handle, copy.extent, source).wait()
-            else:
-                copy.block.tensor.copy_(tensor.detach())
+            try:
+                if tier == Tier.NVME:
+                    source = tensor.detach().to("cpu").contiguous()
+                    self._swap.write(self._handle, copy.extent, source).wait()
+                else:
+                    copy.block.tensor.copy_(tensor.detach())
+            except BaseException:
+                self._free_copy(entry, tier)  # the entry was never registered: give its space back
+                raise
             self.moves.record(key, Tier.HOST if tensor.device.type == "cpu" else Tier.DEVICE, tier,
                               entry.nbytes, start, self.moves.now())
             copy.valid = True
@@ -263,8 +267,8 @@ class TensorStore:
             for tier, budget in self.budgets.items():
                 copies = [e.copies[tier] for e in self._entries.values() if tier in e.copies]
                 if tier == Tier.NVME and self._swap is not None:
-                    free, largest = self._swap.free_nbytes(), self._swap.free_nbytes()
-                    used = self._swap.nbytes - free
+                    used = self._swap.nbytes - self._swap.free_nbytes()
+                    largest = self._swap.largest_hole_nbytes()
                 elif tier in self._arenas:
                     st = self._arenas[tier].stats()
                     used, largest = st.live_nbytes, st.largest_hole_nbytes

@@ -292,3 +292,15 @@ def test_two_stores_share_a_directory(tmp_path):
         assert torch.all(a.fetch("x", "host").result() == 1.0)
         assert torch.all(b.fetch("x", "host").result() == 2.0)
     assert os.listdir(tmp_path) == []
+
+
+def test_failed_put_gives_its_space_back(tmp_path):
+    handle = aio.Handle()
+    with TensorStore({"nvme": MiB}, nvme_path=tmp_path, aio_handle=handle) as s:
+        handle.inject(aio.Fault(op="write", nth=0, kind="errno", errno=errno.EIO))
+        with pytest.raises(aio.AIOError, match="EIO"):
+            s.put("x", torch.ones(200_000), "nvme")  # 800 KB of the 1 MiB tier
+        assert "x" not in s and s.stats()["tiers"]["nvme"].used_nbytes == 0
+        s.put("x", torch.ones(200_000), "nvme")  # the space is there again
+        assert s.stats()["tiers"]["nvme"].largest_free_nbytes < MiB - 800_000
+    handle.close()
