@@ -64,7 +64,11 @@ class TensorFuture:
         return self._tensor is not None or self._store._ready(self._entry, self._tier)
 
     def result(self, timeout: float | None = None) -> torch.Tensor:
-        """The tensor on the fetched tier, valid until release(); see [Note: fetched tensors stay put]."""
+        """The tensor on the fetched tier, valid until release(); see [Note: fetched tensors stay put].
+
+        Raises AIOTimeoutError after `timeout` seconds, or the AIOError of a failed read; the
+        fetch still counts as a use either way, so release() it.
+        """
         if self._tensor is None:
             self._tensor = self._store._complete(self._entry, self._tier, timeout)
         return self._tensor
@@ -397,7 +401,12 @@ class TensorStore:
                         self._fill(entry, copy, host)
                         continue
                     pending = host.filling
-            pending.wait(timeout)
+            try:
+                pending.wait(timeout)
+            except aio.AIOTimeoutError:
+                raise
+            except aio.AIOError:
+                pass  # settled below, which marks the copy and raises the error
             with self._lock:
                 self._settle_move(pending)
 

@@ -304,3 +304,18 @@ def test_failed_put_gives_its_space_back(tmp_path):
         s.put("x", torch.ones(200_000), "nvme")  # the space is there again
         assert s.stats()["tiers"]["nvme"].largest_free_nbytes < MiB - 800_000
     handle.close()
+
+
+def test_failed_read_is_raised_by_result_and_can_be_retried(tmp_path):
+    handle = aio.Handle()
+    with TensorStore({"host": MiB, "nvme": MiB}, nvme_path=tmp_path, aio_handle=handle) as s:
+        s.put("x", torch.arange(1000.0), "nvme")
+        handle.inject(aio.Fault(op="read", nth=0, kind="errno", errno=errno.EIO))
+        future = s.fetch("x", "host")
+        with pytest.raises(aio.AIOError, match="EIO"):
+            future.result(timeout=30)
+        s.release("x", "host")
+        assert s.tiers_of("x") == ["nvme"]  # the host copy never got its bytes
+        assert torch.equal(s.fetch("x", "host").result(timeout=30), torch.arange(1000.0))
+        s.release("x", "host")
+    handle.close()
