@@ -10,7 +10,7 @@ import re
 from cffi import FFI
 
 HERE = pathlib.Path(__file__).resolve().parent
-SOURCES = ["handle.c", "backend_kaio.c", "backend_uring.c", "backend_threads.c"]
+SOURCES = ["handle.c", "environment.c", "backend_kaio.c", "backend_uring.c", "backend_threads.c"]
 
 
 def _declarations(header: pathlib.Path) -> str:

@@ -47,6 +47,9 @@ struct backend_ops {
     int (*wake)(struct backend *be);
 };
 
+/* The ops of an INF_AIO_BACKEND_* id, or NULL (environment.c). */
+const struct backend_ops *inf_aio_backend_ops(int backend);
+
 extern const struct backend_ops inf_aio_kaio_ops;
 extern const struct backend_ops inf_aio_uring_ops;
 extern const struct backend_ops inf_aio_threads_ops;

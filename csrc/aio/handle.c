@@ -11,13 +11,10 @@
 #include "backend.h"
 
 #include <errno.h>
-#include <fcntl.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
-#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -72,31 +69,6 @@ struct inf_aio_handle {
     int nfaults;                   /* under fault_lock, like faults and seq */
     uint64_t seq[3];               /* piece submissions so far: reads, writes, both */
 };
-
-static const struct backend_ops *backend_ops_for(int backend)
-{
-    switch (backend) {
-    case INF_AIO_BACKEND_KAIO: return &inf_aio_kaio_ops;
-    case INF_AIO_BACKEND_URING: return &inf_aio_uring_ops;
-    case INF_AIO_BACKEND_THREADS: return &inf_aio_threads_ops;
-    default: return NULL;
-    }
-}
-
-int inf_aio_backend_probe(int backend)
-{
-    const struct backend_ops *ops = backend_ops_for(backend);
-    struct backend *be;
-    int ret;
-
-    if (!ops)
-        return -EINVAL;
-    ret = ops->create(1, &be);
-    if (ret < 0)
-        return ret;
-    ops->destroy(be);
-    return 0;
-}
 
 /* --- pieces and requests ----------------------------------------------------------------- */
 
@@ -354,7 +326,7 @@ static int cond_init_monotonic(pthread_cond_t *cond)
 
 int inf_aio_handle_create(const struct inf_aio_config *config, struct inf_aio_handle **out)
 {
-    const struct backend_ops *ops = backend_ops_for(config->backend);
+    const struct backend_ops *ops = inf_aio_backend_ops(config->backend);
     struct inf_aio_handle *h;
     uint32_t i;
     int ret;
@@ -609,22 +581,4 @@ int inf_aio_fault_add(struct inf_aio_handle *h, int op, uint64_t nth, int kind, 
     }
     pthread_mutex_unlock(&h->fault_lock);
     return ret;
-}
-
-int inf_aio_dio_alignment(int fd, uint32_t *mem_align, uint32_t *offset_align)
-{
-#ifdef STATX_DIOALIGN
-    struct statx sx;
-
-    if (statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &sx) == 0 && (sx.stx_mask & STATX_DIOALIGN) &&
-        sx.stx_dio_offset_align) {
-        *mem_align = sx.stx_dio_mem_align;
-        *offset_align = sx.stx_dio_offset_align;
-        return 0;
-    }
-#endif
-    (void)fd;
-    (void)mem_align;
-    (void)offset_align;
-    return -EOPNOTSUPP;
 }
