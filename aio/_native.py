@@ -78,15 +78,15 @@ class NativeHandle:
         out = ffi.new("struct inf_aio_handle **")
         _check(lib.inf_aio_handle_create(config, out), f"cannot start the {backend} engine")
         self._ptr = out[0]
+        self._submitted = ffi.new("struct inf_aio_request **")  # reused: see submit()
 
     def submit(self, op: str, target: Any, address: int, nbytes: int, offset: int) -> Any:
-        out = ffi.new("struct inf_aio_request **")
-        ret = lib.inf_aio_submit(
-            self._ptr, OP_IDS[op], target, ffi.cast("void *", address), nbytes, offset, out
-        )
+        """Not thread-safe: the caller serializes submissions (aio.Handle holds its lock)."""
+        ret = lib.inf_aio_submit(self._ptr, OP_IDS[op], target, ffi.cast("void *", address),
+                                 nbytes, offset, self._submitted)
         if ret < 0:
             raise OSError(-ret, os.strerror(-ret))
-        return out[0]
+        return self._submitted[0]
 
     def wait(self, request: Any, timeout_ns: int) -> Status | None:
         """The request's status once done, or None if timeout_ns (>= 0) passed first."""

@@ -48,7 +48,7 @@ def raw_buffer(obj: Any, *, writable: bool) -> RawBuffer:
     caller's back.
     """
     if isinstance(obj, torch.Tensor):
-        if obj.device.type != "cpu":
+        if not obj.is_cpu:
             raise TypeError(
                 f"I/O needs host memory, got a tensor on {obj.device}; copy it to a host buffer "
                 f"first (aio.aligned_empty gives a pinned one)"
@@ -60,7 +60,7 @@ def raw_buffer(obj: Any, *, writable: bool) -> RawBuffer:
                 f"I/O needs a contiguous tensor, got shape {tuple(obj.shape)} with strides "
                 f"{obj.stride()}; call .contiguous() into a buffer you keep"
             )
-        return RawBuffer(obj.data_ptr(), obj.numel() * obj.element_size(), obj)
+        return RawBuffer(obj.data_ptr(), obj.nbytes, obj)
     if isinstance(obj, np.ndarray):
         if not obj.flags.c_contiguous:
             raise ValueError(f"I/O needs a C-contiguous array, got strides {obj.strides}")
