@@ -3,6 +3,7 @@
 from aio.buffers import aligned_empty
 from aio.errors import AIOError, AIOTimeoutError
 from aio.faults import Fault
+from aio.free_list import FreeList
 from aio.handle import Handle, available_backends
 from aio.request import Request
 from aio.swap_file import Extent, SwapFile
@@ -12,6 +13,7 @@ __all__ = [
     "AIOTimeoutError",
     "Extent",
     "Fault",
+    "FreeList",
     "Handle",
     "Request",
     "SwapFile",

@@ -7,7 +7,6 @@ so transfers of a tensor into its extent go through O_DIRECT, and no two extents
 
 from __future__ import annotations
 
-import bisect
 import errno
 import logging
 import os
@@ -18,6 +17,7 @@ from typing import Any
 from aio import _native
 from aio.buffers import PAGE_NBYTES, raw_buffer
 from aio.errors import AIOError
+from aio.free_list import FreeList
 from aio.handle import Handle
 from aio.request import Request
 
@@ -59,7 +59,7 @@ class SwapFile:
         self.alignment = alignment
         self.nbytes = nbytes - nbytes % alignment
         self._lock = threading.Lock()
-        self._holes: list[tuple[int, int]] = [(0, self.nbytes)]  # (offset, size), by offset
+        self._free = FreeList(self.nbytes)
         self._live: dict[int, Extent] = {}
         self._closed = False
 
@@ -91,19 +91,12 @@ class SwapFile:
         capacity = max(self.alignment, -(-nbytes // self.alignment) * self.alignment)
         with self._lock:
             self._check_open()
-            fits = [(size, i) for i, (_, size) in enumerate(self._holes) if size >= capacity]
-            if not fits:
+            offset = self._free.take(capacity)
+            if offset is None:
                 raise AIOError(errno.ENOSPC,
                                f"swap file full: asked {capacity} bytes, largest hole "
-                               f"{self.largest_hole_nbytes()}, "
-                               f"{self.free_nbytes()} free of {self.nbytes}",
+                               f"{self._free.largest_nbytes}, {self._free.free_nbytes} free of {self.nbytes}",
                                self.path, op="allocate", nbytes=nbytes)
-            size, i = min(fits)
-            offset = self._holes[i][0]
-            if size == capacity:
-                del self._holes[i]
-            else:
-                self._holes[i] = (offset + capacity, size - capacity)
             extent = Extent(offset, nbytes, capacity)
             self._live[offset] = extent
             return extent
@@ -114,21 +107,14 @@ class SwapFile:
             if self._live.get(extent.offset) != extent:
                 raise ValueError(f"{extent} is not a live extent of {self.path} (freed twice?)")
             del self._live[extent.offset]
-            start, end = extent.offset, extent.offset + extent.capacity
-            i = bisect.bisect_left(self._holes, (start, 0))
-            if i < len(self._holes) and self._holes[i][0] == end:
-                end += self._holes.pop(i)[1]
-            if i > 0 and sum(self._holes[i - 1]) == start:
-                i -= 1
-                start = self._holes.pop(i)[0]
-            self._holes.insert(i, (start, end - start))
+            self._free.give(extent.offset, extent.capacity)
 
     def free_nbytes(self) -> int:
-        return sum(size for _, size in self._holes)
+        return self._free.free_nbytes
 
     def largest_hole_nbytes(self) -> int:
         """The largest extent that allocate() can hand out now."""
-        return max((size for _, size in self._holes), default=0)
+        return self._free.largest_nbytes
 
     # -- I/O ----------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ ALLOWED = {
     "tools": {"infinity", "aio"},
     "infinity.optim": {"infinity.store", "infinity.memory", "infinity.errors", "aio"},
     "infinity.store": {"infinity.memory", "infinity.errors", "aio"},
-    "infinity.memory": {"infinity.errors"},
+    "infinity.memory": {"infinity.errors", "aio"},
     "aio": set(),
 }
 

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
+from aio import FreeList
 from infinity.errors import BudgetError
 from infinity.memory._backing import Backing, is_power_of_two, resolve_device, round_up
-from infinity.memory._free_list import FreeList
 from infinity.memory._move import move_down
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,6 @@
-"""Hole bookkeeping for the arena: best-fit search and coalescing, offsets only, no memory.
+"""Hole bookkeeping for a range of bytes: best-fit search and coalescing, offsets only.
+
+Shared by `SwapFile` (extents of a file) and `infinity.memory.Arena` (blocks of memory).
 
 Holes are kept three ways so that every operation is a dict look-up or a binary search:
 by start (to find the hole after a freed range), by end (the hole before it) and in a list
@@ -14,7 +16,7 @@ import bisect
 class FreeList:
     """The free ranges of ``[0, capacity)``; callers keep offsets and sizes aligned.
 
-    Not thread-safe on its own; the arena calls it under its lock.
+    Not thread-safe on its own; its owners (SwapFile, Arena) call it under their locks.
     """
 
     __slots__ = ("capacity", "free_nbytes", "_by_start", "_by_end", "_by_size")
