@@ -20,9 +20,10 @@ import weakref
 
 import torch
 
+from aio.buffers import PAGE_NBYTES  # the machine's page: what O_DIRECT and registration want
+
 logger = logging.getLogger(__name__)
 
-PAGE_NBYTES = 4096
 
 
 def is_power_of_two(n: int) -> bool:

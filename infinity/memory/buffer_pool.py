@@ -18,8 +18,8 @@ from typing import NamedTuple
 
 import torch
 
+from aio.buffers import PAGE_NBYTES
 from infinity.memory._backing import (
-    PAGE_NBYTES,
     Backing,
     is_power_of_two,
     resolve_device,
