@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from aio._files import open_file
 from aio.buffers import aligned_empty
 from aio.handle import Handle
 from aio.swap_file import SwapFile
@@ -136,13 +137,12 @@ def drop_page_cache(path: str) -> None:
 
 
 def direct_io_supported(directory: str) -> bool:
-    """Whether files in `directory` can be opened with O_DIRECT (else reads may be cached)."""
+    """Whether files in `directory` are opened with O_DIRECT by the engine (else reads may be cached)."""
     probe = os.path.join(directory, ".odirect-probe")
     try:
-        os.close(os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600))
-        return True
-    except OSError:
-        return False
+        opened = open_file(probe, writable=True)  # the engine's own opener decides
+        opened.close()
+        return opened.direct_fd >= 0
     finally:
         if os.path.exists(probe):
             os.unlink(probe)

@@ -25,7 +25,7 @@ import torch
 import aio
 from infinity.optim.swapped import SwappedOptimizer
 from infinity.store import TensorStore
-from tools.nvme_bench import parse_size
+from tools.cli import parse_size
 
 GB = 1e9
 

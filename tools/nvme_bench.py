@@ -31,21 +31,11 @@ from tqdm import tqdm
 
 import aio
 from aio import bench
+from tools.cli import parse_size
 
 PROG = "infinity-nvme-bench"
-SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 SWEEP = {"block_size": [256 << 10, 1 << 20, 4 << 20], "queue_depth": [4, 16, 64], "threads": [1, 2]}
 MIX_PASSES = 2
-
-
-def parse_size(text: str) -> int:
-    """'2G' -> 2 * 2**30 bytes; K/M/G/T are binary (KiB...), an optional trailing 'B' or 'iB'."""
-    body = text.strip().upper().removesuffix("IB").removesuffix("B")
-    suffix = body[-1:] if body[-1:].isalpha() else ""
-    number = body[:len(body) - len(suffix)]
-    if suffix not in SUFFIXES or not number.isdigit() or int(number) == 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 4096, 256K, 1M or 2G")
-    return int(number) * SUFFIXES[suffix]
 
 
 def _listed(convert):

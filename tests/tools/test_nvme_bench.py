@@ -9,7 +9,7 @@ import torch
 
 import aio
 from aio import bench
-from tools import nvme_bench
+from tools import cli, nvme_bench
 
 
 @pytest.fixture
@@ -31,13 +31,13 @@ def run(capsys, *argv):
     ("1GiB", 1 << 30), ("8MB", 8 << 20), ("1T", 1 << 40),
 ])
 def test_sizes_accept_binary_suffixes(text, nbytes):
-    assert nvme_bench.parse_size(text) == nbytes
+    assert cli.parse_size(text) == nbytes
 
 
 @pytest.mark.parametrize("text", ["", "G", "1.5G", "-1M", "0", "3X", "1MM"])
 def test_bad_sizes_are_refused(text):
     with pytest.raises(argparse.ArgumentTypeError, match="is not a size"):
-        nvme_bench.parse_size(text)
+        cli.parse_size(text)
 
 
 def test_default_run_writes_then_reads_and_leaves_nothing(disk, tmp_path, capsys):
