@@ -67,6 +67,10 @@ class Copy:
     def busy(self) -> bool:
         return self.filling is not None or self.draining is not None
 
+    def moves_done(self) -> bool:
+        """No move into or out of this copy is still running (recorded or not)."""
+        return all(m is None or m.done() for m in (self.filling, self.draining))
+
     @property
     def evictable(self) -> bool:
         return self.uses == 0 and self.pins == 0

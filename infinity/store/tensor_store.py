@@ -379,7 +379,7 @@ class TensorStore:
             copy = entry.copies.get(tier)
             if copy is None or not copy.valid:
                 return False
-            return all(m is None or m.done() for m in (copy.filling, copy.draining))
+            return copy.moves_done()
 
     def _complete(self, entry: Entry, tier: Tier, timeout: float | None) -> torch.Tensor:
         """Wait for the fetched copy (I/O outside the lock) and return its tensor."""
@@ -520,8 +520,7 @@ class TensorStore:
                 continue
             if tier == entry.home and self._tier_below(tier) is None:
                 continue
-            idle = all(m is None or m.done() for m in (copy.filling, copy.draining))
-            rank = (not copy.prefetched, entry.next_use, idle, -copy.last_use)
+            rank = (not copy.prefetched, entry.next_use, copy.moves_done(), -copy.last_use)
             if best_rank is None or rank > best_rank:
                 best, best_rank = entry, rank
         return best

@@ -29,6 +29,13 @@ def _tensors(n, seed=0, max_numel=300_000):
     return out
 
 
+def _assert_holds(store, data, tier="host"):
+    """Every key reads back equal to its expected tensor (and is released again)."""
+    for key, t in data.items():
+        assert torch.equal(store.fetch(key, tier).result(timeout=30), t), key
+        store.release(key, tier)
+
+
 @pytest.fixture
 def store(tmp_path):
     with TensorStore({"device": 1 * MiB, "host": 2 * MiB, "nvme": 64 * MiB}, nvme_path=tmp_path,
@@ -54,12 +61,11 @@ def test_every_tier_path_under_budgets_ten_times_smaller_than_the_data(store):
             data[key] = t.clone()
         store.release(key, tier, dirty=modify)
     store.flush()
-    for key, t in data.items():  # everything written back and still right
+    for key in data:  # everything written back and still right
         store.evict(key, "device")
         store.evict(key, "host")
         assert store.tiers_of(key) == ["nvme"]
-        assert torch.equal(store.fetch(key, "host").result(), t)
-        store.release(key, "host")
+    _assert_holds(store, data)
     moves = store.stats()["moves"]
     assert moves["nvme->host"]["moves"] > 0 and moves["host->nvme"]["moves"] > 0
     assert moves["host->device"]["moves"] > 0
@@ -70,9 +76,7 @@ def test_host_home_moves_down_to_nvme_when_full_and_comes_back(store):
     for key, t in data.items():
         store.put(key, t, "host")  # more than the host budget: older ones move down
     assert any(store.tiers_of(k) == ["nvme"] for k in data)
-    for key, t in data.items():
-        assert torch.equal(store.fetch(key, "host").result(), t)
-        store.release(key, "host")
+    _assert_holds(store, data)
 
 
 def test_next_use_hints_pick_the_victim(tmp_path):
@@ -140,9 +144,7 @@ def test_concurrent_fetch_and_release_from_threads(store):
     for th in threads:
         th.join()
     assert not errors, errors
-    for key, t in data.items():
-        assert torch.equal(store.fetch(key, "host").result(), t)
-        store.release(key, "host")
+    _assert_holds(store, data)
 
 
 def test_pinned_set_over_budget_is_a_clear_error(tmp_path):
@@ -273,11 +275,10 @@ def test_async_device_copies_are_ordered(tmp_path, monkeypatch):
             if rng.random() < 0.2:
                 store.evict(key, "host")  # the write-back must then go device -> host -> nvme
         store.flush()
-        for key, t in data.items():
+        for key in data:
             store.evict(key, "device")
             store.evict(key, "host")
-            assert torch.equal(store.fetch(key, "host").result(), t), key
-            store.release(key, "host")
+        _assert_holds(store, data)
 
 
 def test_two_stores_share_a_directory(tmp_path):
