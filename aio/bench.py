@@ -33,7 +33,8 @@ import torch
 from aio._files import open_file
 from aio.buffers import aligned_empty
 from aio.handle import Handle
-from aio.swap_file import SwapFile
+from aio.request import Request
+from aio.swap_file import Extent, SwapFile
 
 logger = logging.getLogger(__name__)
 
@@ -405,6 +406,33 @@ def mix(handle: Handle, directory: str, nbytes: int, *, window: int = 2, passes:
     written = sum(write_back for _, write_back in schedule)
     return MixResult(handle.backend, layers, layer_nbytes, tensors, window, passes,
                      len(schedule) * layer_nbytes, written * layer_nbytes, seconds)
+
+
+def window_stream(handle: Handle, swap: SwapFile, extents: list[Extent], nbytes: int,
+               window: int, modify: bool) -> float:
+    """Read every extent with `window` reads ahead and, if `modify`, write each back while the
+    next ones are read: the access pattern of a prefetcher and an optimizer, on raw aio. GB/s.
+
+    The reference that store-level benchmarks compare against (tools/bench_store.py)."""
+    buffers = [aligned_empty(nbytes) for _ in range(window + 2)]
+    reads: dict[int, Request] = {}
+    writes: dict[int, Request] = {}
+    start = time.perf_counter()
+    for i in range(len(extents)):
+        for j in range(i, min(i + window + 1, len(extents))):
+            if j not in reads:
+                slot = j % len(buffers)
+                if slot in writes:  # the buffer is still being written back
+                    writes.pop(slot).wait()
+                reads[j] = swap.read(handle, extents[j], buffers[slot])
+        reads.pop(i).wait()
+        if modify:
+            buf = buffers[i % len(buffers)]
+            buf[:8].add_(1)
+            writes[i % len(buffers)] = swap.write(handle, extents[i], buf)
+    handle.wait_all()
+    moved = len(extents) * nbytes * (2 if modify else 1)
+    return moved / (time.perf_counter() - start) / GB
 
 
 # -- fio, the physical reference -----------------------------------------------------------------

@@ -23,35 +23,12 @@ import time
 import torch
 
 import aio
-from infinity.optim.swapped import SwappedOptimizer
+from aio import bench
+from infinity.optim import SwappedOptimizer
 from infinity.store import TensorStore
 from tools.cli import parse_size
 
-GB = 1e9
-
-
-def raw_stream(handle: aio.Handle, swap: aio.SwapFile, extents: list[aio.Extent], nbytes: int,
-               window: int, modify: bool) -> float:
-    """Read every extent with `window` reads ahead (and write each back if `modify`); GB/s."""
-    buffers = [aio.aligned_empty(nbytes) for _ in range(window + 2)]
-    reads: dict[int, aio.Request] = {}
-    writes: dict[int, aio.Request] = {}
-    start = time.perf_counter()
-    for i in range(len(extents)):
-        for j in range(i, min(i + window + 1, len(extents))):
-            if j not in reads:
-                slot = j % len(buffers)
-                if slot in writes:  # the buffer is still being written back
-                    writes.pop(slot).wait()
-                reads[j] = swap.read(handle, extents[j], buffers[slot])
-        reads.pop(i).wait()
-        if modify:
-            buf = buffers[i % len(buffers)]
-            buf[:8].add_(1)
-            writes[i % len(buffers)] = swap.write(handle, extents[i], buf)
-    handle.wait_all()
-    moved = len(extents) * nbytes * (2 if modify else 1)
-    return moved / (time.perf_counter() - start) / GB
+GB = bench.GB
 
 
 def store_stream(store: TensorStore, keys: list[str], nbytes: int, window: int, modify: bool) -> float:
@@ -86,11 +63,11 @@ def bench_stream(args: argparse.Namespace, directory: str) -> dict:
         for r in range(args.repeat):
             for modify in (False, True):
                 if r % 2 == 0:
-                    raw_gbps = raw_stream(handle, swap, extents, nbytes, window, modify)
+                    raw_gbps = bench.window_stream(handle, swap, extents, nbytes, window, modify)
                     store_gbps = store_stream(store, keys, nbytes, window, modify)
                 else:
                     store_gbps = store_stream(store, keys, nbytes, window, modify)
-                    raw_gbps = raw_stream(handle, swap, extents, nbytes, window, modify)
+                    raw_gbps = bench.window_stream(handle, swap, extents, nbytes, window, modify)
                 rounds[modify].append((raw_gbps, store_gbps))
     results = {}
     for modify, label in ((False, "read stream"), (True, "read+write stream")):
@@ -115,7 +92,7 @@ def bench_optimizer(args: argparse.Namespace, directory: str) -> dict:
             extents = [swap.allocate(tile_nbytes) for _ in range(tiles)]
             for e in extents:
                 swap.write(handle, e, aio.aligned_empty(tile_nbytes).zero_()).wait()
-            raw_gbps = max(raw_stream(handle, swap, extents, tile_nbytes, 1, True) for _ in range(args.repeat))
+            raw_gbps = max(bench.window_stream(handle, swap, extents, tile_nbytes, 1, True) for _ in range(args.repeat))
         budgets = {"host": 4 * tile_nbytes + (1 << 20), "nvme": tiles * tile_nbytes + (1 << 20)}
         with TensorStore(budgets, nvme_path=directory, aio_handle=handle, keep_timeline=False) as store:
             opt = SwappedOptimizer(params, store, tile_numel=args.tile)
@@ -154,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=4, help="rounds per figure (stream: medians; optimizer: best)")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
+    if args.mode == "stream" and args.tensors <= 2 * (args.window + 2):
+        parser.error(f"--tensors must be more than twice --window + 2 ({2 * (args.window + 2)}): with "
+                     f"fewer, the store's host tier holds them all and serves repeats from memory")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         directory = tempfile.mkdtemp(prefix="infinity-bench-store-", dir=args.path)
