@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from infinity.optim._native import adam_step
+from infinity.optim._native import adam_step, check_hyperparameters, check_threads
 from infinity.store import TensorStore, Tier
 
 logger = logging.getLogger(__name__)
@@ -86,6 +86,8 @@ class SwappedOptimizer:
             raise ValueError(f"tile_numel must be >= 1, got {tile_numel}")
         if max_grad_norm < 0:
             raise ValueError(f"max_grad_norm must be >= 0, got {max_grad_norm}")
+        check_hyperparameters(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay)
+        check_threads(threads)  # wrong values fail here, not at the first step
         self.lr, self.betas, self.eps = lr, (float(betas[0]), float(betas[1])), eps
         self.weight_decay, self.adamw_mode = weight_decay, adamw_mode
         self.max_grad_norm, self.threads = max_grad_norm, threads

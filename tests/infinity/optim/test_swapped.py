@@ -192,6 +192,10 @@ def test_bad_input(store):
         SwappedOptimizer([torch.ones(4, 4).t()], store)
     with pytest.raises(ValueError, match="at least 3 optimizer tiles"):
         SwappedOptimizer([torch.ones(10_000_000)], store, tile_numel=1 << 20)
+    with pytest.raises(ValueError, match="Invalid beta parameter at index 1"):
+        SwappedOptimizer([torch.ones(10)], store, betas=(0.9, 1.5))
+    with pytest.raises(ValueError, match="threads"):
+        SwappedOptimizer([torch.ones(10)], store, threads=0)
     opt = SwappedOptimizer([torch.ones(10)], store, name="small")
     with pytest.raises(ValueError, match="in order"):
         opt.load_state([(1, {})])
