@@ -22,6 +22,7 @@ from cffi import FFI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ADAM_DIR = os.path.join(HERE, "adam")
+COMMON_DIR = os.path.join(HERE, "common")
 SOURCES = ["adam.c", "adam_scalar.c", "adam_avx2.c", "adam_avx512.c"]
 ROOT = os.path.dirname(HERE)
 
@@ -44,9 +45,11 @@ ffibuilder.cdef(_cdef_text(os.path.join(ADAM_DIR, "inf_adam.h")))
 ffibuilder.set_source(
     "infinity.optim._adam_cffi",
     '#include "inf_adam.h"\n',
-    sources=[_rel(os.path.join(ADAM_DIR, name)) for name in SOURCES],
-    include_dirs=[_rel(ADAM_DIR)],
-    depends=[_rel(os.path.join(ADAM_DIR, h)) for h in ("inf_adam.h", "adam_kernel.h", "adam_simd_body.h")],
+    sources=[_rel(os.path.join(ADAM_DIR, name)) for name in SOURCES]
+    + [_rel(os.path.join(COMMON_DIR, "inf_pool.c"))],
+    include_dirs=[_rel(ADAM_DIR), _rel(COMMON_DIR)],
+    depends=[_rel(os.path.join(ADAM_DIR, h)) for h in ("inf_adam.h", "adam_kernel.h", "adam_simd_body.h")]
+    + [_rel(os.path.join(COMMON_DIR, "inf_pool.h"))],
     extra_compile_args=["-O3", "-std=c11", "-pthread", "-ffp-contract=off", "-fno-math-errno",
                         "-Wall", "-Wextra"],
     extra_link_args=["-pthread"],

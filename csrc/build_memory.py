@@ -18,18 +18,23 @@ from cffi import FFI
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 MEMORY_DIR = os.path.relpath(os.path.join(HERE, "memory"), ROOT)  # setuptools wants relative paths
+COMMON_DIR = os.path.relpath(os.path.join(HERE, "common"), ROOT)
+HEADERS = [os.path.join(COMMON_DIR, "inf_pool.h"), os.path.join(MEMORY_DIR, "inf_move.h")]
 
-with open(os.path.join(HERE, "memory", "inf_move.h"), encoding="utf-8") as header:
-    DECLARATIONS = re.sub(r"^\s*#.*$", "", header.read(), flags=re.MULTILINE)  # cdef has no cpp
+
+def _declarations(path: str) -> str:
+    with open(os.path.join(ROOT, path), encoding="utf-8") as header:
+        return re.sub(r"^\s*#.*$", "", header.read(), flags=re.MULTILINE)  # cdef has no cpp
+
 
 ffibuilder = FFI()
-ffibuilder.cdef(DECLARATIONS)
+ffibuilder.cdef("".join(_declarations(h) for h in HEADERS))
 ffibuilder.set_source(
     "infinity.memory._move_cffi",
-    '#include "inf_move.h"\n',
-    sources=[os.path.join(MEMORY_DIR, "inf_move.c")],
-    include_dirs=[MEMORY_DIR],
-    depends=[os.path.join(MEMORY_DIR, "inf_move.h")],
+    '#include "inf_pool.h"\n#include "inf_move.h"\n',
+    sources=[os.path.join(MEMORY_DIR, "inf_move.c"), os.path.join(COMMON_DIR, "inf_pool.c")],
+    include_dirs=[MEMORY_DIR, COMMON_DIR],
+    depends=HEADERS,
     extra_compile_args=["-O2", "-std=c11", "-pthread", "-Wall", "-Wextra"],
     extra_link_args=["-pthread"],
 )

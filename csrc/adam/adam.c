@@ -1,15 +1,15 @@
 /*
  * inf_adam driver: checks arguments, turns the double hyperparameters into the float
  * coefficients of one step, picks the inner loop for the instruction set, and spreads the array
- * over threads. Each call owns everything it uses; nothing outlives it.
+ * over the caller's pool of threads. Each call owns everything else it uses.
  */
 #include <errno.h>
 #include <math.h>
-#include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 
 #include "adam_kernel.h"
+#include "inf_pool.h"
 
 /* Elements per work item, between these bounds: at least 64 KiB of each float array so every
  * thread streams long runs (prefetchers stay warm, few hand-overs), at most 1 MiB so a few
@@ -22,8 +22,6 @@
 /* A copy at least this large is written with non-temporal stores: it outgrows the caches before
  * anyone reads it, so caching it only evicts state and costs a read of every line it writes. */
 #define INF_ADAM__STREAM_MIN_BYTES ((size_t)8 << 20)
-/* Upper bound on helper threads of one call; a larger request is clamped, not refused. */
-#define INF_ADAM__MAX_THREADS 256
 
 /* Work shared by the threads of one call: items are taken in order from `next`. */
 struct inf_adam__job {
@@ -162,20 +160,17 @@ static void inf_adam__drain(struct inf_adam__job *job)
     }
 }
 
-static void *inf_adam__worker(void *arg)
+static void inf_adam__drain_job(void *job)
 {
-    inf_adam__drain(arg);
-    return NULL;
+    inf_adam__drain(job);
 }
 
-/* Run the job on the calling thread plus up to threads - 1 helpers. A helper that cannot be
- * started is no error: the items it would have taken go to the threads that did start. */
-static void inf_adam__run(struct inf_adam__job *job, int threads)
+/* Run the job on the calling thread plus up to threads - 1 of the pool's workers (none without
+ * a pool); how many join never changes the result. */
+static void inf_adam__run(struct inf_adam__job *job, int threads, struct inf_pool *pool)
 {
-    pthread_t helpers[INF_ADAM__MAX_THREADS];
     size_t by_size = job->n / INF_ADAM__MIN_PER_THREAD;
-    int want = threads > INF_ADAM__MAX_THREADS ? INF_ADAM__MAX_THREADS : threads;
-    int started = 0;
+    int want = pool ? threads : 1;
 
     if ((size_t)want > by_size)
         want = by_size > 1 ? (int)by_size : 1;
@@ -185,14 +180,10 @@ static void inf_adam__run(struct inf_adam__job *job, int threads)
         job->chunk = INF_ADAM__CHUNK_MIN;
     if (job->chunk > INF_ADAM__CHUNK_MAX)
         job->chunk = INF_ADAM__CHUNK_MAX;
-    for (int t = 1; t < want; t++) {
-        if (pthread_create(&helpers[started], NULL, inf_adam__worker, job) != 0)
-            break;
-        started++;
-    }
-    inf_adam__drain(job);
-    for (int t = 0; t < started; t++)
-        pthread_join(helpers[t], NULL);
+    if (want > 1)
+        inf_pool_run(pool, inf_adam__drain_job, job, want);
+    else
+        inf_adam__drain(job);
 }
 
 int inf_adam_step(const struct inf_adam_params *params, float *param, const void *grad,
@@ -221,6 +212,6 @@ int inf_adam_step(const struct inf_adam_params *params, float *param, const void
     job.range = inf_adam__range_for(isa);
     job.n = n;
     atomic_init(&job.next, 0);
-    inf_adam__run(&job, params->threads);
+    inf_adam__run(&job, params->threads, params->pool);
     return 0;
 }

@@ -33,14 +33,17 @@
  * this CPU lacks. A failed call writes nothing. Nothing here prints, exits or keeps state.
  * Thread safety: every function is reentrant and may be called concurrently from any thread,
  * provided concurrent calls do not share output arrays. inf_adam_step runs on the calling thread
- * plus at most params->threads - 1 helper threads (one per 64 Ki elements, so none for small
- * arrays), which it joins before it returns; how the array is split never changes the result.
+ * plus at most params->threads - 1 workers of params->pool (one per 64 Ki elements, so none for
+ * small arrays; none without a pool), all done before it returns; how the array is split never
+ * changes the result. Concurrent calls sharing a pool take turns on its workers.
  */
 #ifndef INF_ADAM_H
 #define INF_ADAM_H
 
 #include <stddef.h>
 #include <stdint.h>
+
+struct inf_pool;  /* csrc/common/inf_pool.h: worker threads owned by the caller */
 
 /* Element type of the gradient and of the low-precision copy. */
 enum inf_adam_dtype {
@@ -70,6 +73,7 @@ struct inf_adam_params {
     int adamw;              /* nonzero: decoupled decay (AdamW); zero: L2 decay (Adam) */
     int isa;                /* enum inf_adam_isa */
     int threads;            /* >= 1; at most this many threads work on the array */
+    struct inf_pool *pool;  /* workers that join the calling thread; NULL: the calling thread only */
 };
 
 /* Update n elements in place: param, exp_avg and exp_avg_sq are float arrays, grad has type

@@ -1,5 +1,6 @@
 /* The moves of one compaction on several threads; see inf_move.h and [Note: only write-after-read]. */
 #include "inf_move.h"
+#include "inf_pool.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -171,8 +172,10 @@ static void inf_move__wait(struct inf_move__job *job, size_t lo, size_t hi)
 /* Take chains in order until none is left, and copy each chain's pieces in order. Progress is
  * certain: a piece waits only for earlier ones, so the earliest piece not done has all it waits
  * for done, and the thread that took it is not waiting. */
-static void inf_move__drain(struct inf_move__job *job)
+static void inf_move__drain(void *arg)
 {
+    struct inf_move__job *job = arg;
+
     for (;;) {
         size_t c = atomic_fetch_add_explicit(&job->next, 1, memory_order_relaxed);
 
@@ -192,22 +195,16 @@ static void inf_move__drain(struct inf_move__job *job)
     }
 }
 
-static void *inf_move__worker(void *arg)
-{
-    inf_move__drain(arg);
-    return NULL;
-}
-
 /* 0 once every move is done; -errno, with nothing copied, when the job cannot be set up. */
 static int inf_move__parallel(uint8_t *base, const int64_t *dst, const int64_t *src,
-                              const int64_t *nbytes, size_t count, int threads)
+                              const int64_t *nbytes, size_t count, int threads,
+                              struct inf_pool *pool)
 {
-    pthread_t helpers[INF_MOVE__MAX_THREADS];
     struct inf_move__job job = {.base = base};
     size_t npieces = inf_move__count_pieces(dst, src, nbytes, count, threads);
     struct inf_move__piece *pieces = malloc(npieces * sizeof(*pieces));
     size_t *chains = malloc((npieces + 1) * sizeof(*chains));
-    int started = 0, ret = -ENOMEM;
+    int ret = -ENOMEM;
 
     job.done = calloc(npieces, sizeof(*job.done));
     if (!pieces || !chains || !job.done)
@@ -224,14 +221,7 @@ static int inf_move__parallel(uint8_t *base, const int64_t *dst, const int64_t *
     job.pieces = pieces;
     job.chains = chains;
     atomic_init(&job.next, 0);
-    for (int t = 1; t < threads; t++) {
-        if (pthread_create(&helpers[started], NULL, inf_move__worker, &job) != 0)
-            break;  /* the threads that did start take its chains */
-        started++;
-    }
-    inf_move__drain(&job);
-    for (int t = 0; t < started; t++)
-        pthread_join(helpers[t], NULL);
+    inf_pool_run(pool, inf_move__drain, &job, threads);
     pthread_cond_destroy(&job.cond);
     pthread_mutex_destroy(&job.lock);
     ret = 0;
@@ -243,7 +233,7 @@ err:
 }
 
 int inf_move_down_batch(uint8_t *base, size_t base_nbytes, const int64_t *dst, const int64_t *src,
-                        const int64_t *nbytes, size_t count, int threads)
+                        const int64_t *nbytes, size_t count, int threads, struct inf_pool *pool)
 {
     int64_t moved;
     int64_t want = threads < INF_MOVE__MAX_THREADS ? threads : INF_MOVE__MAX_THREADS;
@@ -253,7 +243,7 @@ int inf_move_down_batch(uint8_t *base, size_t base_nbytes, const int64_t *dst, c
         return ret;
     if (want > moved / INF_MOVE__MIN_PER_THREAD)
         want = moved / INF_MOVE__MIN_PER_THREAD;
-    if (want > 1 && inf_move__parallel(base, dst, src, nbytes, count, (int)want) == 0)
+    if (want > 1 && pool && inf_move__parallel(base, dst, src, nbytes, count, (int)want, pool) == 0)
         return 0;
     inf_move__sequential(base, dst, src, nbytes, count);  /* also when no job could be set up */
     return 0;

@@ -24,8 +24,9 @@
  * threads < 1, moves not of the shape above); a failed call copies nothing. Nothing here prints,
  * exits or keeps state; a helper thread or a scratch allocation that fails only means fewer
  * threads (down to the calling one), never an error.
- * Thread safety: reentrant. The call runs on the calling thread plus at most threads - 1 helper
- * threads (at most 63, and one per MiB moved, so none below 2 MiB), joined before it returns.
+ * Thread safety: reentrant. The call runs on the calling thread plus at most threads - 1 workers
+ * of the caller's pool (at most 63, and one per MiB moved, so none below 2 MiB; none when pool
+ * is NULL), all done before it returns.
  * No other thread may read or write the source or target ranges during the call.
  */
 #ifndef INF_MOVE_H
@@ -34,7 +35,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
+struct inf_pool;  /* csrc/common/inf_pool.h: worker threads owned by the caller */
+
 int inf_move_down_batch(uint8_t *base, size_t base_nbytes, const int64_t *dst, const int64_t *src,
-                        const int64_t *nbytes, size_t count, int threads);
+                        const int64_t *nbytes, size_t count, int threads, struct inf_pool *pool);
 
 #endif

@@ -8,6 +8,7 @@ from infinity.memory.buffer_pool import (
     PooledBuffer,
     iter_chunks,
 )
+from infinity.memory.thread_pool import ThreadPool
 
 __all__ = [
     "Arena",
@@ -17,5 +18,6 @@ __all__ = [
     "BufferPoolStats",
     "Chunk",
     "PooledBuffer",
+    "ThreadPool",
     "iter_chunks",
 ]

@@ -23,8 +23,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from infinity.memory.thread_pool import ThreadPool
 
 _BUILD_HINT = "run `python csrc/build_memory.py` from the repository root, or `pip install -e .`"
 try:
@@ -43,14 +47,16 @@ def move_down(
     *,
     scratch: torch.Tensor | None = None,
     threads: int | None = None,
+    pool: ThreadPool | None = None,
 ) -> None:
     """Move ``base[src[i]:src[i]+nbytes[i]]`` to ``base[dst[i]:...]`` for each i, in order.
 
     ``base`` is a contiguous 1-D uint8 tensor. The moves must have a compaction's shape:
     ``0 <= dst[i] <= src[i]``, and both sources and targets ascend without overlapping one
     another (each may overlap its own source and earlier sources). On the host a move list of
-    another shape raises ValueError before anything is copied; ``threads`` (default: torch's
-    intra-op thread count) caps the threads that copy. On a device the moves are trusted, and
+    another shape raises ValueError before anything is copied. The copies run on the calling
+    thread and on workers of ``pool`` (none without one), at most ``threads`` in all (default:
+    the pool's size). On a device the moves are trusted, and
     ``scratch`` (1-D uint8, same device) is needed for small overlapping gaps.
     """
     if not len(dst) == len(src) == len(nbytes):
@@ -62,7 +68,8 @@ def move_down(
         for at, start, n in zip(dst, src, nbytes, strict=True):
             copy_down(base, at, start, n, scratch)
         return
-    threads = torch.get_num_threads() if threads is None else threads
+    if threads is None:
+        threads = pool.threads if pool is not None else 1
     ret = lib.inf_move_down_batch(
         ffi.cast("uint8_t *", base.data_ptr()),
         base.numel(),
@@ -71,6 +78,7 @@ def move_down(
         ffi.new("int64_t[]", nbytes),
         len(dst),
         threads,
+        ffi.NULL if pool is None else pool.native,
     )
     if ret < 0:
         raise ValueError(

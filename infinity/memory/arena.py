@@ -29,6 +29,7 @@ from aio import FreeList
 from infinity.errors import BudgetError
 from infinity.memory._backing import Backing, is_power_of_two, resolve_device, round_up
 from infinity.memory._move import move_down
+from infinity.memory.thread_pool import ThreadPool
 
 logger = logging.getLogger(__name__)
 
@@ -364,7 +365,12 @@ class Arena:
                 runs.append((i, j, start - cursor))
             cursor += end - start
             i = j
-        move_down(self._base, dst, src, nbytes, scratch=self._scratch)
+        if self.device.type == "cpu":
+            # Compactions are rare: workers for this one alone cost nothing worth keeping them.
+            with ThreadPool(torch.get_num_threads()) as pool:
+                move_down(self._base, dst, src, nbytes, pool=pool)
+        else:
+            move_down(self._base, dst, src, nbytes, scratch=self._scratch)
         for first, stop, distance in runs:
             for block in live[first:stop]:
                 block._offset -= distance

@@ -15,6 +15,8 @@ import os
 import torch
 from torch.autograd.graph import increment_version
 
+from infinity.memory import ThreadPool
+
 try:
     from infinity.optim._adam_cffi import ffi, lib
 except ImportError as exc:  # pragma: no cover - depends on the build
@@ -22,6 +24,9 @@ except ImportError as exc:  # pragma: no cover - depends on the build
         "the CPU Adam kernel infinity.optim._adam_cffi is not built; run "
         "`python csrc/build_adam.py` from the repository root, or `pip install -e .`"
     ) from exc
+
+# The kernel gives each thread at least this many elements (INF_ADAM__MIN_PER_THREAD in adam.c).
+MIN_NUMEL_PER_THREAD = 65536
 
 ISAS: dict[str, int] = {
     "auto": lib.INF_ADAM_ISA_AUTO,
@@ -136,7 +141,7 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
               exp_avg_sq: torch.Tensor, *, step: int, lr: float, beta1: float, beta2: float,
               eps: float, weight_decay: float, adamw: bool, grad_scale: float = 1.0,
               out_lowp: torch.Tensor | None = None, threads: int | None = None,
-              isa: str = "auto") -> None:
+              pool: ThreadPool | None = None, isa: str = "auto") -> None:
     """One Adam (adamw=False, L2 decay) or AdamW step over one tensor, in place, in one pass.
 
     Parameters
@@ -152,9 +157,11 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     out_lowp:
         Optional bfloat16 / float16 tensor of param's shape that receives the new param, rounded
         to nearest even (equal to `param.to(out_lowp.dtype)`).
-    threads:
-        Most threads the kernel uses (default: every core this process may run on); small
-        tensors use fewer. Results do not depend on it.
+    threads, pool:
+        The kernel runs on the calling thread and on workers of `pool`, at most `threads` in all
+        (default: the pool's size; small tensors use fewer). Without a pool, a pool of `threads`
+        (default: every core this process may use) is made for this call alone: callers that
+        step many tensors keep one (`infinity.memory.ThreadPool`). Results depend on neither.
     isa:
         "auto", "scalar", "avx2" or "avx512"; results do not depend on it.
 
@@ -177,13 +184,20 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     check_hyperparameters(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     if not math.isfinite(grad_scale):
         raise ValueError(f"grad_scale must be finite, got {grad_scale}; skip the step on overflow")
-    threads = check_threads(threads)
+    threads = check_threads(pool.threads if threads is None and pool is not None else threads)
     resolve_isa(isa)
+    if pool is None and threads > 1 and param.numel() >= 2 * MIN_NUMEL_PER_THREAD:
+        with ThreadPool(threads) as own:
+            return adam_step(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1,
+                             beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
+                             grad_scale=grad_scale, out_lowp=out_lowp, threads=threads,
+                             pool=own, isa=isa)
 
     params = ffi.new("struct inf_adam_params *", {
         "lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay,
         "grad_scale": grad_scale, "step": step, "adamw": int(bool(adamw)), "isa": ISAS[isa],
         "threads": threads,
+        "pool": ffi.NULL if pool is None else ffi.cast("struct inf_pool *", pool.address),
     })
     out_ptr = ffi.NULL if out_lowp is None else ffi.cast("void *", out_lowp.data_ptr())
     out_dtype = lib.INF_ADAM_DTYPE_NONE if out_lowp is None else LOWP_DTYPES[out_lowp.dtype]

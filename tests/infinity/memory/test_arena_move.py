@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from infinity.memory._move import DIRECT_MIN_NBYTES, _bounce, copy_down, move_down
+from infinity.memory.thread_pool import ThreadPool
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -27,7 +28,8 @@ def _reference(base: torch.Tensor, moves: list[tuple[int, int, int]]) -> bytes:
 
 def _batch(base: torch.Tensor, moves: list[tuple[int, int, int]], threads: int) -> None:
     dst, src, nbytes = ([m[i] for m in moves] for i in range(3))
-    move_down(base, dst, src, nbytes, threads=threads)
+    with ThreadPool(max(threads, 1)) as pool:
+        move_down(base, dst, src, nbytes, threads=threads, pool=pool)
 
 
 def _check_batch(base: torch.Tensor, moves: list[tuple[int, int, int]], threads: int) -> None:
