@@ -67,6 +67,9 @@ class Handle:
 
     def __init__(self, block_size: int = 1 << 20, queue_depth: int = 32, threads: int = 1,
                  backend: str = "auto", *, faults: Iterable[Fault] = ()) -> None:
+        for name, value in (("block_size", block_size), ("queue_depth", queue_depth), ("threads", threads)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {value!r}")
         if not (0 < block_size <= 1 << 30 and block_size % 4096 == 0):
             raise ValueError(f"block_size must be a multiple of 4096 bytes up to 1 GiB, got {block_size}")
         if not 0 < queue_depth <= 4096:
