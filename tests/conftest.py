@@ -38,14 +38,14 @@ def read_only_dir():
 def run_unprivileged():
     """Run Python code in a child that drops root (root ignores file permissions).
 
-    The code runs after `import aio, infinity`, since nobody may not read root's site-packages.
+    The code runs after `import aio, infinity` and the modules in `preload`, since nobody may
+    not read root's Python installation.
     """
-    prologue = (
-        "import os, sys, aio, infinity, infinity.store\n"
-        "if os.geteuid() == 0:\n    os.setgid(65534); os.setuid(65534)\n"
-    )
-
-    def run(code: str) -> subprocess.CompletedProcess:
+    def run(code: str, preload: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+        prologue = (
+            f"import os, sys, {', '.join(('aio', 'infinity', 'infinity.store', *preload))}\n"
+            "if os.geteuid() == 0:\n    os.setgid(65534); os.setuid(65534)\n"
+        )
         return subprocess.run([sys.executable, "-c", prologue + code], capture_output=True,
                               text=True, timeout=60)
 
