@@ -59,7 +59,7 @@ class Handle:
     Notes
     -----
     Files are opened on first use (O_DIRECT where the file system allows) and kept open until
-    close(). Pieces that are aligned to the file system's direct-I/O alignment (at least a
+    close() or forget(file). Pieces that are aligned to the file system's direct-I/O alignment (at least a
     page) go through O_DIRECT; unaligned heads, tails and buffers go through the page cache,
     so nothing is ever written short. Use `aligned_empty` buffers and aligned offsets for full
     speed. Thread-safe.
