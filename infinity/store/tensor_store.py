@@ -84,7 +84,8 @@ class TensorStore:
         aio_handle: the I/O engine to use; by default one is made from `aio_options`.
         aio_options: keyword arguments for aio.Handle (block_size, queue_depth, threads, backend).
         device: the device tier's device; default CUDA when present, else host memory.
-        rank: data-parallel rank, part of the swap file's name.
+        rank: data-parallel rank, part of the swap file's name (used only where the file system
+            cannot create it unlinked at once, see aio.SwapFile).
 
     Thread-safe: every method takes the store's lock; I/O is waited for outside it where the
     caller waits (TensorFuture.result).
