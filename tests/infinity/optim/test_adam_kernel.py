@@ -226,6 +226,31 @@ def test_every_fp16_and_bf16_gradient_widens_exactly():
         assert moments[0][~finite].isnan().all()
 
 
-def test_empty_tensors_are_a_no_op():
+@pytest.mark.parametrize("shape", [(0,), (3, 0)], ids=["0", "3x0"])
+def test_empty_tensors_are_a_no_op(shape):
+    """Zero-element views inside live buffers: every path returns and touches no neighbour."""
+    gen = torch.Generator().manual_seed(13)
+    for isa, out_dtype in itertools.product(available_isas(), (None, torch.bfloat16)):
+        bufs = {k: torch.randn(64, generator=gen) for k in ("param", "grad", "exp_avg",
+                                                              "exp_avg_sq")}
+        bufs["out"] = torch.randn(64, generator=gen).to(torch.bfloat16)
+        before = {k: v.clone() for k, v in bufs.items()}
+        # empty views that start in the middle of each buffer, next to its non-empty elements
+        t = {k: v[32:32].view(shape) for k, v in bufs.items()}
+        out = None if out_dtype is None else t["out"]
+        adam_step(t["param"], t["grad"], t["exp_avg"], t["exp_avg_sq"], step=1, adamw=True,
+                  out_lowp=out, isa=isa, threads=2, **HYPER)
+        for k, v in bufs.items():
+            _assert_bits_equal(v, before[k], f"{isa} out={out_dtype} {k} buffer")
+            assert t[k].shape == shape
+
+
+def test_empty_tensors_are_still_checked():
+    """An empty tensor of the wrong dtype or shape is refused as a non-empty one would be."""
     empty = torch.empty(0)
-    adam_step(empty, empty.clone(), empty.clone(), empty.clone(), step=1, adamw=True, **HYPER)
+    with pytest.raises(TypeError, match="grad"):
+        adam_step(empty, torch.empty(0, dtype=torch.int32), empty.clone(), empty.clone(), step=1,
+                  adamw=True, **HYPER)
+    with pytest.raises(ValueError, match="exp_avg_sq"):
+        adam_step(empty, empty.clone(), empty.clone(), torch.empty(1, 0), step=1, adamw=True,
+                  **HYPER)
