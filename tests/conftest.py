@@ -1,13 +1,79 @@
-"""Shared test fixtures. Every test writes only under pytest's tmp_path."""
+"""Shared test fixtures. Every test writes only under pytest's tmp_path.
+
+The terminal summary says which native paths this run exercised: each ISA of the Adam kernel
+and each aio backend, and which this machine could not run (tests of those are skipped by name).
+"""
 
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+from collections import Counter, defaultdict
 
 import pytest
 import torch
+
+# test parameter name -> what it selects, every choice there is, why one is missing here
+NATIVE_PATHS = {
+    "isa": "Adam kernel ISA",
+    "backend": "aio backend",
+}
+_RUNS = pytest.StashKey[dict]()
+
+
+def _choices() -> dict[str, dict[str, str | None]]:
+    """For each tracked parameter: every choice -> None if this machine runs it, else why not.
+
+    Imported here, not at the top, so a broken native build fails tests, not pytest's start."""
+    from aio._native import probe
+    from aio.handle import BACKENDS
+    from infinity.optim import available_isas
+    from infinity.optim._native import ISAS
+
+    isas = {isa: None if isa in available_isas() else "not supported by this CPU"
+            for isa in ISAS if isa != "auto"}
+    probes = {backend: probe(backend) for backend in BACKENDS}
+    backends = {b: None if ret == 0 else f"unavailable here ({os.strerror(-ret)})"
+                for b, ret in probes.items()}
+    return {"isa": isas, "backend": backends}
+
+
+def pytest_configure(config):
+    config.stash[_RUNS] = {name: defaultdict(Counter) for name in NATIVE_PATHS}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Count outcomes per ISA / backend: a skip or error at setup, else the call's outcome."""
+    report = (yield).get_result()
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if report.when == "call" or (report.when == "setup" and not report.passed):
+        for name, runs in item.config.stash[_RUNS].items():
+            if name in params:
+                runs[params[name]][report.outcome] += 1
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """One line per native path family: what ran, what was skipped and why."""
+    terminalreporter.section("native paths exercised")
+    for name, choices in _choices().items():
+        runs = config.stash[_RUNS][name]
+        parts = []
+        for choice, missing in choices.items():
+            counts = ", ".join(f"{n} {outcome}" for outcome, n in sorted(runs[choice].items()))
+            if missing:
+                parts.append(f"{choice} {missing} ({counts or 'no test'})")
+            elif runs[choice]["passed"] or runs[choice]["failed"]:
+                parts.append(f"{choice} ran ({counts})")
+            else:
+                parts.append(f"{choice} not exercised by this run")
+        terminalreporter.write_line(f"{NATIVE_PATHS[name]}: " + "; ".join(parts))
+    import aio
+    from infinity.optim import resolve_isa
+
+    terminalreporter.write_line(f"Adam kernel 'auto' picks {resolve_isa('auto')}; aio backend "
+                                f"'auto' picks {aio.available_backends()[0]}")
 
 
 def pytest_collection_modifyitems(config, items):
