@@ -14,10 +14,11 @@ from collections import Counter, defaultdict
 import pytest
 import torch
 
-# test parameter name -> what it selects, every choice there is, why one is missing here
+# test parameter name (or "cuda" for tests marked requires_cuda) -> what it selects
 NATIVE_PATHS = {
     "isa": "Adam kernel ISA",
     "backend": "aio backend",
+    "cuda": "CUDA paths (requires_cuda)",
 }
 _RUNS = pytest.StashKey[dict]()
 
@@ -36,7 +37,8 @@ def _choices() -> dict[str, dict[str, str | None]]:
     probes = {backend: probe(backend) for backend in BACKENDS}
     backends = {b: None if ret == 0 else f"unavailable here ({os.strerror(-ret)})"
                 for b, ret in probes.items()}
-    return {"isa": isas, "backend": backends}
+    cuda = {"device": None if torch.cuda.is_available() else "not present"}
+    return {"isa": isas, "backend": backends, "cuda": cuda}
 
 
 def pytest_configure(config):
@@ -45,9 +47,11 @@ def pytest_configure(config):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """Count outcomes per ISA / backend: a skip or error at setup, else the call's outcome."""
+    """Count outcomes per ISA / backend / CUDA: a skip or error at setup, else the call's."""
     report = (yield).get_result()
-    params = getattr(getattr(item, "callspec", None), "params", {})
+    params = dict(getattr(getattr(item, "callspec", None), "params", {}))
+    if "requires_cuda" in item.keywords:
+        params["cuda"] = "device"
     if report.when == "call" or (report.when == "setup" and not report.passed):
         for name, runs in item.config.stash[_RUNS].items():
             if name in params:
