@@ -4,12 +4,12 @@ The terminal summary says which native paths this run exercised: each ISA of the
 and each aio backend, and which this machine could not run (tests of those are skipped by name).
 """
 
+import collections
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections import Counter, defaultdict
 
 import pytest
 import torch
@@ -42,7 +42,8 @@ def _choices() -> dict[str, dict[str, str | None]]:
 
 
 def pytest_configure(config):
-    config.stash[_RUNS] = {name: defaultdict(Counter) for name in NATIVE_PATHS}
+    config.stash[_RUNS] = {name: collections.defaultdict(collections.Counter)
+                          for name in NATIVE_PATHS}
 
 
 @pytest.hookimpl(hookwrapper=True)
