@@ -92,16 +92,14 @@ def _dynamic_import(call: ast.Call) -> tuple[str, str | None] | None:
     literal name; None for any other call."""
     func = call.func
     name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
-    if name not in ("import_module", "__import__") or not call.args:
+    if name not in ("import_module", "__import__"):
         return None
-    target = _literal(call.args[0])
+    keywords = {kw.arg: kw.value for kw in call.keywords}
+    target = _literal(call.args[0] if call.args else keywords.get("name"))
     if target is None:
         return None
     package = call.args[1] if name == "import_module" and len(call.args) > 1 else None
-    for kw in call.keywords:
-        if kw.arg == "package":
-            package = kw.value
-    return target, _literal(package)
+    return target, _literal(keywords.get("package", package))
 
 
 def _imports(path: pathlib.Path, root: pathlib.Path):
@@ -208,6 +206,8 @@ SYNTHETIC_CLEAN = {
     ("infinity/memory/up.py", "from importlib import import_module\n"
      "import_module('..store', package='infinity.memory')\n", "imports infinity.store"),
     ("infinity/memory/up.py", "__import__('tools')\n", "imports tools"),
+    ("infinity/memory/up.py", "import importlib\nimportlib.import_module(name='infinity.store')\n",
+     "imports infinity.store"),
     ("infinity/store/up.py", "import infinity.storage\n", "imports infinity.storage"),
     ("aio/up.py", "from infinity.errors import ConfigError\n", "imports infinity.errors"),
     ("infinity/errors.py", "from infinity import ConfigError\n", "imports infinity ("),
@@ -215,7 +215,7 @@ SYNTHETIC_CLEAN = {
     ("infinity/engine.py", "", "infinity/engine.py belongs to no package"),
     ("infinity/memory/up.py", "import infinity.nowhere\n", "imports infinity.nowhere"),
 ], ids=["upward", "relative-upward", "relative-from-package", "importlib", "import_module-relative",
-        "dunder-import", "prefix-without-dot", "aio-knows-no-infinity", "front-door",
+        "dunder-import", "import_module-keyword", "prefix-without-dot", "aio-knows-no-infinity", "front-door",
         "unlisted-package", "unlisted-module", "missing-module"])
 def test_layering_checker_catches(tmp_path, rel, text, complaint):
     root = _tree(tmp_path, SYNTHETIC_CLEAN)
