@@ -118,15 +118,15 @@ def test_bad_hyperparameters_are_named(kw, match):
     _refused(ValueError, match, _tensors(), **kw)
 
 
-@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
-def test_isa_names_resolve(isa):
+@pytest.mark.parametrize("name", ["scalar", "avx2", "avx512"])
+def test_isa_names_resolve(name):
     """Each ISA resolves to itself where the CPU runs it, else is refused by name."""
     assert resolve_isa("auto") == available_isas()[-1]
-    if isa in available_isas():
-        assert resolve_isa(isa) == isa
+    if name in available_isas():
+        assert resolve_isa(name) == name
     else:
-        with pytest.raises(ValueError, match=f"isa='{isa}' is not supported by this CPU"):
-            resolve_isa(isa)
+        with pytest.raises(ValueError, match=f"isa='{name}' is not supported by this CPU"):
+            resolve_isa(name)
 
 
 def _c_params(**kw: object) -> object:
