@@ -1,7 +1,8 @@
 """Shared test fixtures. Every test writes only under pytest's tmp_path.
 
-The terminal summary says which native paths this run exercised: each ISA of the Adam kernel
-and each aio backend, and which this machine could not run (tests of those are skipped by name).
+The terminal summary says which native paths this run exercised: each ISA of the Adam kernel,
+each aio backend and the CUDA paths, and which this machine could not run (tests of those are
+skipped, saying why).
 """
 
 import collections
@@ -62,7 +63,15 @@ def pytest_runtest_makereport(item, call):
 def pytest_terminal_summary(terminalreporter, config):
     """One line per native path family: what ran, what was skipped and why."""
     terminalreporter.section("native paths exercised")
-    for name, choices in _choices().items():
+    try:
+        import aio
+        from infinity.optim import resolve_isa
+
+        all_choices = _choices()
+    except ImportError as exc:  # a broken build: the failed tests say the rest
+        terminalreporter.write_line(f"native modules not importable: {exc}")
+        return
+    for name, choices in all_choices.items():
         runs = config.stash[_RUNS][name]
         parts = []
         for choice, missing in choices.items():
@@ -74,9 +83,6 @@ def pytest_terminal_summary(terminalreporter, config):
             else:
                 parts.append(f"{choice} not exercised by this run")
         terminalreporter.write_line(f"{NATIVE_PATHS[name]}: " + "; ".join(parts))
-    import aio
-    from infinity.optim import resolve_isa
-
     terminalreporter.write_line(f"Adam kernel 'auto' picks {resolve_isa('auto')}; aio backend "
                                 f"'auto' picks {aio.available_backends()[0]}")
 
