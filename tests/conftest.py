@@ -1,5 +1,11 @@
-"""Shared test fixtures. Every test writes only under pytest's tmp_path."""
+"""Shared test fixtures. Every test writes only under pytest's tmp_path.
 
+The terminal summary says which native paths this run exercised: each ISA of the Adam kernel,
+each aio backend and the CUDA paths, and which this machine could not run (tests of those are
+skipped, saying why).
+"""
+
+import collections
 import os
 import shutil
 import subprocess
@@ -9,6 +15,77 @@ import time
 
 import pytest
 import torch
+
+# test parameter name (or "cuda" for tests marked requires_cuda) -> what it selects
+NATIVE_PATHS = {
+    "isa": "Adam kernel ISA",
+    "backend": "aio backend",
+    "cuda": "CUDA paths (requires_cuda)",
+}
+_RUNS = pytest.StashKey[dict]()
+
+
+def _choices() -> dict[str, dict[str, str | None]]:
+    """For each tracked parameter: every choice -> None if this machine runs it, else why not.
+
+    Imported here, not at the top, so a broken native build fails tests, not pytest's start."""
+    from aio._native import probe
+    from aio.handle import BACKENDS
+    from infinity.optim import available_isas
+    from infinity.optim._native import ISAS
+
+    isas = {isa: None if isa in available_isas() else "not supported by this CPU"
+            for isa in ISAS if isa != "auto"}
+    probes = {backend: probe(backend) for backend in BACKENDS}
+    backends = {b: None if ret == 0 else f"unavailable here ({os.strerror(-ret)})"
+                for b, ret in probes.items()}
+    cuda = {"device": None if torch.cuda.is_available() else "not present"}
+    return {"isa": isas, "backend": backends, "cuda": cuda}
+
+
+def pytest_configure(config):
+    config.stash[_RUNS] = {name: collections.defaultdict(collections.Counter)
+                          for name in NATIVE_PATHS}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Count outcomes per ISA / backend / CUDA: a skip or error at setup, else the call's."""
+    report = (yield).get_result()
+    params = dict(getattr(getattr(item, "callspec", None), "params", {}))
+    if "requires_cuda" in item.keywords:
+        params["cuda"] = "device"
+    if report.when == "call" or (report.when == "setup" and not report.passed):
+        for name, runs in item.config.stash[_RUNS].items():
+            if name in params:
+                runs[params[name]][report.outcome] += 1
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """One line per native path family: what ran, what was skipped and why."""
+    terminalreporter.section("native paths exercised")
+    try:
+        import aio
+        from infinity.optim import resolve_isa
+
+        all_choices = _choices()
+    except ImportError as exc:  # a broken build: the failed tests say the rest
+        terminalreporter.write_line(f"native modules not importable: {exc}")
+        return
+    for name, choices in all_choices.items():
+        runs = config.stash[_RUNS][name]
+        parts = []
+        for choice, missing in choices.items():
+            counts = ", ".join(f"{n} {outcome}" for outcome, n in sorted(runs[choice].items()))
+            if missing:
+                parts.append(f"{choice} {missing} ({counts or 'no test'})")
+            elif runs[choice]["passed"] or runs[choice]["failed"]:
+                parts.append(f"{choice} ran ({counts})")
+            else:
+                parts.append(f"{choice} not exercised by this run")
+        terminalreporter.write_line(f"{NATIVE_PATHS[name]}: " + "; ".join(parts))
+    terminalreporter.write_line(f"Adam kernel 'auto' picks {resolve_isa('auto')}; aio backend "
+                                f"'auto' picks {aio.available_backends()[0]}")
 
 
 def pytest_collection_modifyitems(config, items):

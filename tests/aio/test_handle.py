@@ -1,9 +1,11 @@
 """Round trips, integrity under concurrency, and the errors callers see."""
 
+import errno
 import hashlib
 import os
 import random
 import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -201,34 +203,61 @@ def test_offset_near_the_limit_fails_fast(handle, tmp_path):
 
 
 def test_close_racing_submitters_never_crashes(backend, tmp_path):
-    """Requests submitted while another thread closes are refused or finish; none is lost."""
-    import threading
+    """Requests submitted while other threads close are refused, finish, or fail ECANCELED;
+    no submitter crashes, hangs or loses a request.
 
-    for _ in range(5):
-        h = aio.Handle(backend=backend, block_size=64 << 10)
-        outcomes, stop = [], threading.Event()
+    Each round, every submitter has submitted and one request has completed before the closers
+    start; one request is stuck on an injected hang, so close() must cancel it. Submitters go
+    on until refused.
+    """
+    submitters, nbytes = 3, 256 << 10
+    for round_ in range(5):
+        h = aio.Handle(backend=backend, block_size=64 << 10,
+                       faults=[aio.Fault(op="write", nth=1, kind="hang")])
+        outcomes, crashes = [], []
+        submitted = [threading.Event() for _ in range(submitters)]
+        completed = threading.Event()
 
-        def submit(i, h=h, outcomes=outcomes, stop=stop):
-            buf = torch.ones(64 << 10)
-            while not stop.is_set():
-                try:
-                    r = h.write(buf, tmp_path / f"c{i}")
-                except ValueError:  # closed
-                    return
-                try:
-                    outcomes.append(r.wait(timeout=30))
-                except aio.AIOError as exc:
-                    outcomes.append(exc.errno)
+        def submit(i, h=h, outcomes=outcomes, crashes=crashes, submitted=submitted,
+                   completed=completed):
+            buf = torch.ones(nbytes // 4)
+            try:
+                for _ in range(100_000):  # bounded: close() must refuse well before
+                    try:
+                        r = h.write(buf, tmp_path / f"c{i}")
+                    except ValueError:  # the handle is closed
+                        outcomes.append("refused")
+                        return
+                    submitted[i].set()
+                    try:
+                        outcomes.append(r.wait(timeout=30))
+                        completed.set()
+                    except aio.AIOError as exc:
+                        outcomes.append(exc.errno)
+                crashes.append(f"submitter {i} was never refused")
+            except BaseException as exc:  # anything else is a crash
+                crashes.append(f"submitter {i}: {exc!r}")
 
-        threads = [threading.Thread(target=submit, args=(i,)) for i in range(3)]
+        threads = [threading.Thread(target=submit, args=(i,)) for i in range(submitters)]
         for t in threads:
             t.start()
-        closers = [threading.Thread(target=h.close) for _ in range(2)]
+        assert all(e.wait(timeout=30) for e in submitted), "a submitter never submitted"
+        assert completed.wait(timeout=30), "no request completed before close"
+        def close(h=h, crashes=crashes):
+            try:
+                h.close()
+            except BaseException as exc:  # close() must not raise here
+                crashes.append(f"close: {exc!r}")
+
+        closers = [threading.Thread(target=close) for _ in range(2)]
         for t in closers:
             t.start()
-        for t in closers:
-            t.join()
-        stop.set()
-        for t in threads:
+        for t in closers + threads:
             t.join(timeout=60)
-        assert all(o in (256 << 10, 125) for o in outcomes)  # done, or ECANCELED by close
+        hung = [t.name for t in closers + threads if t.is_alive()]
+        assert not hung, f"round {round_}: threads still running after 60 s: {hung}"
+        assert not crashes, f"round {round_}: " + "; ".join(crashes)
+        unexpected = [o for o in outcomes if o not in (nbytes, errno.ECANCELED, "refused")]
+        assert not unexpected, f"round {round_}: unexpected outcomes {unexpected}"
+        assert outcomes.count("refused") == submitters, outcomes  # each ends refused
+        assert nbytes in outcomes and errno.ECANCELED in outcomes, outcomes

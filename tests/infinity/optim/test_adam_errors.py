@@ -118,13 +118,15 @@ def test_bad_hyperparameters_are_named(kw, match):
     _refused(ValueError, match, _tensors(), **kw)
 
 
-def test_isa_names_resolve():
-    assert resolve_isa("scalar") == "scalar"
+@pytest.mark.parametrize("name", ["scalar", "avx2", "avx512"])
+def test_isa_names_resolve(name):
+    """Each ISA resolves to itself where the CPU runs it, else is refused by name."""
     assert resolve_isa("auto") == available_isas()[-1]
-    for isa in ("avx2", "avx512"):
-        if isa not in available_isas():
-            with pytest.raises(ValueError, match=f"isa='{isa}' is not supported by this CPU"):
-                resolve_isa(isa)
+    if name in available_isas():
+        assert resolve_isa(name) == name
+    else:
+        with pytest.raises(ValueError, match=f"isa='{name}' is not supported by this CPU"):
+            resolve_isa(name)
 
 
 def _c_params(**kw: object) -> object:

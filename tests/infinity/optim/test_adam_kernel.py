@@ -1,7 +1,9 @@
 """The native Adam kernel: every ISA path and thread count agree bit for bit, and agree with torch.
 
 Each case checks all sizes and paths against the scalar single-thread run, so a vector tail, a
-chunk boundary between threads or a conversion that differs shows up as a bit difference.
+chunk boundary between threads or a conversion that differs shows up as a bit difference. Cases
+are parametrized over every ISA the kernel has; one this CPU cannot run is skipped by name (the
+test summary lists which ISAs ran).
 """
 
 import itertools
@@ -10,11 +12,21 @@ import pytest
 import torch
 
 from infinity.optim import adam_step, available_isas
+from infinity.optim._native import ISAS
 
 SIZES = (1, 7, 15, 17, 33, 1_000_003)
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OUT_DTYPES = (None, torch.bfloat16, torch.float16)
 HYPER = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.05}
+ALL_ISAS = [name for name in ISAS if name != "auto"]
+
+
+@pytest.fixture(params=ALL_ISAS)
+def isa(request) -> str:
+    """Each ISA the kernel has; skipped, saying so, where this CPU cannot run it."""
+    if request.param not in available_isas():
+        pytest.skip(f"{request.param} not supported by this CPU")
+    return request.param
 
 
 def _offset_copy(t: torch.Tensor) -> torch.Tensor:
@@ -57,11 +69,11 @@ def _assert_bits_equal(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 @pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "adam"])
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=["noout", "bf16out", "fp16out"])
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=["fp32grad", "bf16grad", "fp16grad"])
-def test_paths_and_threads_are_bit_identical(grad_dtype, out_dtype, adamw):
+def test_paths_and_threads_are_bit_identical(grad_dtype, out_dtype, adamw, isa):
     for n in SIZES:
         state = _random_state(n, grad_dtype, seed=n)
         ref = _run(state, out_dtype, adamw=adamw, isa="scalar", threads=1)
-        for isa, threads in itertools.product(available_isas(), (1, 2)):
+        for threads in (1, 2):
             got = _run(state, out_dtype, adamw=adamw, isa=isa, threads=threads)
             for key in ref:
                 _assert_bits_equal(got[key], ref[key], f"n={n} {isa} threads={threads} {key}")
@@ -70,20 +82,19 @@ def test_paths_and_threads_are_bit_identical(grad_dtype, out_dtype, adamw):
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_large_copy_written_with_streaming_stores_is_identical(out_dtype):
+def test_large_copy_written_with_streaming_stores_is_identical(out_dtype, isa):
     """Past 8 MiB the copy is written with non-temporal stores where aligned; bits must not move."""
     n = (4 << 20) + 19
     state = _random_state(n, torch.float32, seed=2)
     ref = _run(state, out_dtype, adamw=True, isa="scalar", threads=1)
-    for isa, threads in itertools.product(available_isas(), (1, 2)):
-        for aligned in (True, False):
-            t = {k: v.clone() for k, v in state.items()}
-            out = torch.empty(n + 1, dtype=out_dtype)
-            out = out[:n] if aligned else out[1:]
-            adam_step(t["param"], t["grad"], t["exp_avg"], t["exp_avg_sq"], step=3, adamw=True,
-                      out_lowp=out, isa=isa, threads=threads, **HYPER)
-            _assert_bits_equal(out, ref["out"], f"{isa} threads={threads} aligned={aligned}")
-            _assert_bits_equal(t["param"], ref["param"], f"{isa} threads={threads} param")
+    for threads, aligned in itertools.product((1, 2), (True, False)):
+        t = {k: v.clone() for k, v in state.items()}
+        out = torch.empty(n + 1, dtype=out_dtype)
+        out = out[:n] if aligned else out[1:]
+        adam_step(t["param"], t["grad"], t["exp_avg"], t["exp_avg_sq"], step=3, adamw=True,
+                  out_lowp=out, isa=isa, threads=threads, **HYPER)
+        _assert_bits_equal(out, ref["out"], f"{isa} threads={threads} aligned={aligned}")
+        _assert_bits_equal(t["param"], ref["param"], f"{isa} threads={threads} param")
 
 
 def _torch_reference(param: torch.Tensor, grads: list[torch.Tensor], *, adamw: bool,
@@ -122,15 +133,14 @@ def test_hundred_steps_match_torch(grad_dtype, adamw):
     _assert_parity(p, _torch_reference(param, grads, adamw=adamw))
 
 
-def test_grad_scale_is_one_multiplier_before_everything():
+def test_grad_scale_is_one_multiplier_before_everything(isa):
     state = _random_state(1031, torch.bfloat16, seed=3)
     scale = (1.0 / 1024.0) * 0.37  # 1 / loss_scale times a clip factor
     scaled = dict(state, grad=state["grad"].float() * scale)
-    for isa in available_isas():
-        got = _run(state, torch.bfloat16, adamw=True, isa=isa, threads=1, grad_scale=scale)
-        want = _run(scaled, torch.bfloat16, adamw=True, isa=isa, threads=1)
-        for key in ("param", "exp_avg", "exp_avg_sq", "out"):
-            _assert_bits_equal(got[key], want[key], f"{isa} {key}")
+    got = _run(state, torch.bfloat16, adamw=True, isa=isa, threads=1, grad_scale=scale)
+    want = _run(scaled, torch.bfloat16, adamw=True, isa=isa, threads=1)
+    for key in ("param", "exp_avg", "exp_avg_sq", "out"):
+        _assert_bits_equal(got[key], want[key], f"{isa} {key}")
 
 
 def test_grad_scale_matches_torch_fed_unscaled_grads():
@@ -179,53 +189,81 @@ def _special_floats() -> torch.Tensor:
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_lowp_copy_rounds_like_torch_and_quiets_nan(out_dtype):
-    """lr=0 and a zero gradient leave param as is, so out is exactly the conversion."""
-    values = _special_floats()
+def _lowp_copy(values: torch.Tensor, out_dtype: torch.dtype, isa: str) -> torch.Tensor:
+    """out_lowp of a step with lr=0 and a zero gradient, which leaves param as it is."""
     n = values.numel()
     nan = values.isnan()
-    outs = []
-    for isa in available_isas():
-        p = values.clone()
-        out = torch.empty(n, dtype=out_dtype)
-        adam_step(p, torch.zeros(n), torch.zeros(n), torch.zeros(n), step=1, lr=0.0, beta1=0.9,
-                  beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True, out_lowp=out, isa=isa)
-        # arithmetic quiets a signalling NaN; everything else comes through unchanged
-        _assert_bits_equal(p[~nan], values[~nan], f"{isa} param unchanged")
-        assert p[nan].isnan().all()
-        outs.append(out)
-    for out in outs[1:]:
-        _assert_bits_equal(out, outs[0], "out across ISAs (NaN payloads included)")
-    _assert_bits_equal(outs[0][~nan], values[~nan].to(out_dtype), "out vs torch .to()")
-    got_nan = outs[0][nan]
+    p = values.clone()
+    out = torch.empty(n, dtype=out_dtype)
+    adam_step(p, torch.zeros(n), torch.zeros(n), torch.zeros(n), step=1, lr=0.0, beta1=0.9,
+              beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True, out_lowp=out, isa=isa)
+    # arithmetic quiets a signalling NaN; everything else comes through unchanged
+    _assert_bits_equal(p[~nan], values[~nan], f"{isa} param unchanged")
+    assert p[nan].isnan().all()
+    return out
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_lowp_copy_rounds_like_torch_and_quiets_nan(out_dtype, isa):
+    """lr=0 and a zero gradient leave param as is, so out is exactly the conversion."""
+    values = _special_floats()
+    nan = values.isnan()
+    out = _lowp_copy(values, out_dtype, isa)
+    _assert_bits_equal(out, _lowp_copy(values, out_dtype, "scalar"),
+                       f"{isa} out vs scalar (NaN payloads included)")
+    _assert_bits_equal(out[~nan], values[~nan].to(out_dtype), "out vs torch .to()")
+    got_nan = out[nan]
     assert got_nan.isnan().all()
     assert torch.equal(got_nan.view(torch.int16) < 0, values[nan].signbit())
     quiet_bit = 0x0040 if out_dtype == torch.bfloat16 else 0x0200
     assert ((got_nan.view(torch.int16) & quiet_bit) != 0).all()
 
 
-def test_every_fp16_and_bf16_gradient_widens_exactly():
-    """All 65536 patterns as gradients: same first moment on every path and as from .float()."""
+def test_every_fp16_and_bf16_gradient_widens_exactly(isa):
+    """All 65536 patterns as gradients: same first moment as the scalar path and as .float()."""
     bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
     n = bits.numel()
     for dtype in (torch.float16, torch.bfloat16):
         grad = bits.view(dtype)
-        moments = []
-        for isa in available_isas():
-            m = torch.zeros(n)
-            adam_step(torch.zeros(n), grad, m, torch.zeros(n), step=1, isa=isa, adamw=True,
-                      **HYPER)
-            moments.append(m)
-        for m in moments[1:]:
-            _assert_bits_equal(m, moments[0], f"{dtype} first moment across ISAs")
+        moments = {}
+        for path in (isa, "scalar"):
+            moments[path] = torch.zeros(n)
+            adam_step(torch.zeros(n), grad, moments[path], torch.zeros(n), step=1, isa=path,
+                      adamw=True, **HYPER)
+        _assert_bits_equal(moments[isa], moments["scalar"], f"{dtype} {isa} vs scalar")
         m_ref = torch.zeros(n)
         adam_step(torch.zeros(n), grad.float(), m_ref, torch.zeros(n), step=1, adamw=True,
                   **HYPER)
         finite = ~grad.isnan()
-        _assert_bits_equal(moments[0][finite], m_ref[finite], f"{dtype} widening vs .float()")
-        assert moments[0][~finite].isnan().all()
+        _assert_bits_equal(moments[isa][finite], m_ref[finite], f"{dtype} widening vs .float()")
+        assert moments[isa][~finite].isnan().all()
 
 
-def test_empty_tensors_are_a_no_op():
+@pytest.mark.parametrize("shape", [(0,), (3, 0)], ids=["0", "3x0"])
+def test_empty_tensors_are_a_no_op(shape, isa):
+    """Zero-element views inside live buffers: the call returns and touches no neighbour."""
+    gen = torch.Generator().manual_seed(13)
+    for out_dtype in (None, torch.bfloat16):
+        bufs = {k: torch.randn(64, generator=gen) for k in ("param", "grad", "exp_avg",
+                                                              "exp_avg_sq")}
+        bufs["out"] = torch.randn(64, generator=gen).to(torch.bfloat16)
+        before = {k: v.clone() for k, v in bufs.items()}
+        # empty views that start in the middle of each buffer, next to its non-empty elements
+        t = {k: v[32:32].view(shape) for k, v in bufs.items()}
+        out = None if out_dtype is None else t["out"]
+        adam_step(t["param"], t["grad"], t["exp_avg"], t["exp_avg_sq"], step=1, adamw=True,
+                  out_lowp=out, isa=isa, threads=2, **HYPER)
+        for k, v in bufs.items():
+            _assert_bits_equal(v, before[k], f"{isa} out={out_dtype} {k} buffer")
+            assert t[k].shape == shape
+
+
+def test_empty_tensors_are_still_checked():
+    """An empty tensor of the wrong dtype or shape is refused as a non-empty one would be."""
     empty = torch.empty(0)
-    adam_step(empty, empty.clone(), empty.clone(), empty.clone(), step=1, adamw=True, **HYPER)
+    with pytest.raises(TypeError, match="grad"):
+        adam_step(empty, torch.empty(0, dtype=torch.int32), empty.clone(), empty.clone(), step=1,
+                  adamw=True, **HYPER)
+    with pytest.raises(ValueError, match="exp_avg_sq"):
+        adam_step(empty, empty.clone(), empty.clone(), torch.empty(1, 0), step=1, adamw=True,
+                  **HYPER)
