@@ -14,6 +14,7 @@ LAYERS = ["tools", "infinity.engine", "infinity.zero", "infinity.optim", "infini
           "infinity.store", "infinity.memory", "aio"]
 ALLOWED = {
     "tools": {"infinity", "aio"},
+    "infinity.config": {"infinity.optim", "infinity.errors", "aio"},
     "infinity.optim": {"infinity.store", "infinity.memory", "infinity.errors", "aio"},
     "infinity.store": {"infinity.memory", "infinity.errors", "aio"},
     "infinity.memory": {"infinity.errors", "aio"},
