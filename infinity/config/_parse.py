@@ -72,6 +72,7 @@ def read(cls: type[Section], raw: Any, path: str, notes: Notes) -> Tree:
                           f"expected here")
     valid = _valid_keys(cls)
     values: dict[str, Any] = {}
+    written_as: dict[str, str] = {}  # field -> the key (or alias) that set it
     # "type" first: it decides which class reads "params".
     for key in sorted(raw, key=lambda k: k != "type"):
         if not isinstance(key, str) or key not in valid:
@@ -82,16 +83,22 @@ def read(cls: type[Section], raw: Any, path: str, notes: Notes) -> Tree:
             continue
         name = cls.ALIASES.get(key, key)
         if name in values:
-            raise ConfigError(f"{where} sets {join(path, name)}, which is also given: keep one")
+            raise ConfigError(f"{join(path, name)} is given twice, as {join(path, key)} and as "
+                              f"{join(path, written_as[name])}: keep one")
+        written_as[name] = key
         if name in cls.NOT_HONOURED:
             notes.not_honoured.append(f"{where} ({cls.NOT_HONOURED[name]})")
         values[name] = _read_value(cls, name, raw[key], where, values, notes)
     if hasattr(cls, "params_class") and "type" not in values:
-        raise ConfigError(f"{join(path, 'type')} is missing: {cls.type_error('')}")
+        raise _missing_type(cls, path)
     reason = getattr(cls, "SECTION_REASON", None)
     if reason is not None and raw:
         notes.not_honoured.append(f"{path} ({reason})")
     return Tree(cls, values)
+
+
+def _missing_type(cls: type[Section], path: str) -> ConfigError:
+    return ConfigError(f"{join(path, 'type')} is missing: {cls.type_error('')}")
 
 
 def _read_value(cls: type[Section], name: str, value: Any, where: str, done: dict[str, Any],
@@ -104,6 +111,8 @@ def _read_value(cls: type[Section], name: str, value: Any, where: str, done: dic
                 raise FieldError(where, value, cls.type_error(str(value)))
             return canonical
         if name == "params":
+            if "type" not in done:
+                raise _missing_type(cls, where.rpartition(".")[0])
             return read(cls.params_class(done["type"]), value, where, notes)
     sub = _section_of(annotation)
     if value == "auto" and isinstance(value, str):

@@ -43,7 +43,7 @@ class FieldError(ConfigError):
 
     def __init__(self, key: str, value: Any, allowed: str) -> None:
         self.key, self.value, self.allowed = key, value, allowed
-        super().__init__(f"{key} = {value!r}: {allowed}")
+        super().__init__(f"{key} = {value!r}; allowed: {allowed}")
 
     def under(self, prefix: str) -> FieldError:
         """The same error with the key path of the section in front."""
