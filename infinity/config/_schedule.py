@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from infinity.config._sections import SchedulerConfig, WarmupCosineLRParams, WarmupLRParams
 from infinity.errors import ConfigError
-from infinity.optim.lr_schedule import LRSchedule, WarmupCosineLR, WarmupDecayLR, WarmupLR
+from infinity.optim import LRSchedule, WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 
 def build_lr_schedule(scheduler: SchedulerConfig, *, optimizer_lr: float,

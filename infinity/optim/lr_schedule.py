@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "LRSchedule", "WARMUP_TYPES"]
+__all__ = ["LRSchedule", "WARMUP_TYPES", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR"]
 
 WARMUP_TYPES = ("log", "linear")
 
