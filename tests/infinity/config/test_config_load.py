@@ -265,3 +265,22 @@ def test_nvme_path_is_checked_and_created_nowhere(tmp_path):
     load_config({"zero_optimization": {
         "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(existing)}}})
     assert list(existing.iterdir()) == [], "the write probe leaves nothing behind"
+
+
+def test_docs_list_every_key_accepted_but_not_honoured():
+    import pathlib
+
+    import infinity.config as c
+    from infinity.config._sections import _WarmupParams
+    docs = (pathlib.Path(__file__).parents[3] / "docs" / "engine.md").read_text()
+    places = {"": c.Config, "zero_optimization": c.ZeroConfig,
+              "zero_optimization.offload_param": c.OffloadParamConfig,
+              "zero_optimization.offload_optimizer": c.OffloadOptimizerConfig,
+              "optimizer.params": c.AdamParams, "scheduler.params": _WarmupParams,
+              "fp16": c.FP16Config, "bf16": c.BF16Config, "aio": c.AioConfig}
+    missing = [f"{path}.{key}".lstrip(".")
+               for path, cls in places.items() for key in [*cls.NOT_HONOURED, *cls.OPAQUE]
+               if f"`{path}.{key}`".replace("`.", "`") not in docs]
+    missing += [name for name in ("activation_checkpointing", "flops_profiler", "tensorboard",
+                                  "csv_monitor", "wandb") if f"`{name}` (keys checked)" not in docs]
+    assert not missing, missing
