@@ -13,6 +13,7 @@ import torch
 
 from infinity.config._auto import fill_auto, fill_batch
 from infinity.config._config import Config
+from infinity.config._legacy import hoist_nested_aio, translate_cpu_offload
 from infinity.config._machine import total_memory_bytes
 from infinity.config._parse import Notes, Tree, build, read
 from infinity.config._paths import check_writable_dir
@@ -69,7 +70,7 @@ def load_config(config: dict[str, Any] | str | os.PathLike[str], *,
     """
     raw = _read_json(config)
     notes = Notes()
-    raw, nested_aio = _hoist_nested_aio(raw)
+    raw, nested_aio = hoist_nested_aio(translate_cpu_offload(raw, notes))
     tree = read(Config, raw, "", notes)
     if nested_aio is not None:
         tree.values["aio"] = read(AioConfig, nested_aio, "zero_optimization.aio", notes)
@@ -85,19 +86,6 @@ def load_config(config: dict[str, Any] | str | os.PathLike[str], *,
     if notes.not_honoured:
         logger.info("config: accepted, not honoured: %s", "; ".join(notes.not_honoured))
     return result
-
-
-def _hoist_nested_aio(raw: Any) -> tuple[Any, Any]:
-    """The Hugging Face docs' ZeRO-Infinity example puts `aio` inside `zero_optimization`; take
-    it from there (without modifying the caller's dict) as if it were at the top level."""
-    zero = raw.get("zero_optimization") if isinstance(raw, dict) else None
-    if not isinstance(zero, dict) or "aio" not in zero:
-        return raw, None
-    if "aio" in raw:
-        raise ConfigError("aio is given twice, at the top level and as zero_optimization.aio: "
-                          "keep one")
-    zero = {key: value for key, value in zero.items() if key != "aio"}
-    return {**raw, "zero_optimization": zero}, raw["zero_optimization"]["aio"]
 
 
 def _check_machine(config: Config) -> None:

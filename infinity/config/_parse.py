@@ -89,8 +89,10 @@ def read(cls: type[Section], raw: Any, path: str, notes: Notes) -> Tree:
         if name in cls.NOT_HONOURED:
             notes.not_honoured.append(f"{where} ({cls.NOT_HONOURED[name]})")
         values[name] = _read_value(cls, name, raw[key], where, values, notes)
-    if hasattr(cls, "params_class") and "type" not in values:
-        raise _missing_type(cls, path)
+    if hasattr(cls, "params_class"):
+        if "type" not in values:
+            raise _missing_type(cls, path)
+        values.setdefault("params", Tree(cls.params_class(values["type"]), {}))
     reason = getattr(cls, "SECTION_REASON", None)
     if reason is not None and raw:
         notes.not_honoured.append(f"{path} ({reason})")
@@ -120,7 +122,8 @@ def _read_value(cls: type[Section], name: str, value: Any, where: str, done: dic
             raise FieldError(where, value, "an explicit value: \"auto\" is not allowed here")
         return AUTO
     if sub is not None:
-        return read(sub, value, where, notes)
+        # null for a section means its defaults (DeepSpeed's Optional sections)
+        return read(sub, {} if value is None else value, where, notes)
     return convert(value, annotation, where)
 
 

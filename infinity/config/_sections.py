@@ -137,6 +137,9 @@ class WarmupLRParams(_WarmupParams):
 class WarmupDecayLRParams(WarmupLRParams):
     """`scheduler.params` of WarmupDecayLR: WarmupLR, then linear decay to 0 at total_num_steps."""
 
+    warmup_max_lr: float | None = 1e-3
+    """Learning rate after warmup. Default 0.001 (DeepSpeed's WarmupDecayLR, unlike WarmupLR,
+    does not default to the optimizer's lr)."""
     total_num_steps: int | None = None
     """Step at which the learning rate reaches 0. Required; null ("auto": the Trainer's
     max_steps) must be given when the schedule is built."""

@@ -284,3 +284,41 @@ def test_docs_list_every_key_accepted_but_not_honoured():
     missing += [name for name in ("activation_checkpointing", "flops_profiler", "tensorboard",
                                   "csv_monitor", "wandb") if f"`{name}` (keys checked)" not in docs]
     assert not missing, missing
+
+
+def test_warmup_decay_default_top_is_deepspeeds_not_the_optimizers():
+    from infinity.config import build_lr_schedule
+    config = load_config({"optimizer": {"type": "AdamW", "params": {"lr": 5e-4}},
+                          "scheduler": {"type": "WarmupDecayLR",
+                                        "params": {"total_num_steps": 100,
+                                                   "warmup_num_steps": 10}}})
+    assert config.scheduler.params.warmup_max_lr == 1e-3
+    warmup_only = load_config({"scheduler": {"type": "WarmupLR"}}).scheduler
+    assert warmup_only.params.warmup_max_lr is None  # the optimizer's lr, when built
+    assert build_lr_schedule(warmup_only, optimizer_lr=5e-4).lr_at(5000) == 5e-4
+
+
+def test_scheduler_without_params_gets_its_types_defaults():
+    params = load_config({"scheduler": {"type": "WarmupCosineLR"}}).scheduler.params
+    assert (params.warmup_min_ratio, params.cos_min_ratio, params.total_num_steps) == \
+        (0.0, 1e-4, None)
+
+
+def test_null_subsection_means_its_defaults():
+    zero = load_config({"zero_optimization": {"stage": 3, "offload_param": None}})
+    assert zero.zero_optimization.offload_param.device == "none"
+
+
+def test_deprecated_cpu_offload_keys():
+    zero = load_config({"zero_optimization": {
+        "stage": 3, "cpu_offload": True, "cpu_offload_param": True,
+        "cpu_offload_use_pin_memory": False}}).zero_optimization
+    assert zero.offload_optimizer.device == zero.offload_param.device == "cpu"
+    assert not zero.offload_optimizer.pin_memory and not zero.offload_param.pin_memory
+    off = load_config({"zero_optimization": {"stage": 2, "cpu_offload": False}})
+    assert off.zero_optimization.offload_optimizer.device == "none"
+    with pytest.raises(ConfigError, match="zero_optimization.cpu_offload .*keep offload_optimizer"):
+        load_config({"zero_optimization": {"cpu_offload": True,
+                                           "offload_optimizer": {"device": "cpu"}}})
+    with pytest.raises(ConfigError, match="zero_optimization.cpu_offload_param = 'yes'"):
+        load_config({"zero_optimization": {"cpu_offload_param": "yes"}})
