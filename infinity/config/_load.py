@@ -42,14 +42,15 @@ def _read_json(config: dict[str, Any] | str | os.PathLike[str]) -> Any:
                               f"({exc.strerror})", path) from None
 
 
-def load_config(config: dict[str, Any] | str | os.PathLike[str], *,
+def load_config(config: Config | dict[str, Any] | str | os.PathLike[str], *,
                 model: torch.nn.Module | None = None, world_size: int = 1) -> Config:
     """Parse and validate a DeepSpeed-style config; fill "auto" from `model` and the machine.
 
     Parameters
     ----------
     config:
-        The JSON as a dict (not modified), or the path of a JSON file.
+        The JSON as a dict (not modified), or the path of a JSON file; a `Config` is returned
+        as it is.
     model:
         Used for "auto" bucket sizes (`model.config.hidden_size`, as the Hugging Face
         integration reads it); without one those get DeepSpeed's defaults.
@@ -68,6 +69,8 @@ def load_config(config: dict[str, Any] | str | os.PathLike[str], *,
     Logs at most two info lines: the values filled for "auto" or absent keys, and the keys
     accepted but not honoured (docs/engine.md says why for each).
     """
+    if isinstance(config, Config):
+        return config  # already loaded: initialize() may be handed one
     raw = _read_json(config)
     notes = Notes()
     raw, nested_aio = hoist_nested_aio(translate_cpu_offload(raw, notes))

@@ -322,3 +322,8 @@ def test_deprecated_cpu_offload_keys():
                                            "offload_optimizer": {"device": "cpu"}}})
     with pytest.raises(ConfigError, match="zero_optimization.cpu_offload_param = 'yes'"):
         load_config({"zero_optimization": {"cpu_offload_param": "yes"}})
+
+
+def test_a_loaded_config_passes_through():
+    config = load_config({"train_micro_batch_size_per_gpu": 2})
+    assert load_config(config) is config
