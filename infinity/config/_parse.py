@@ -117,7 +117,7 @@ def _read_value(cls: type[Section], name: str, value: Any, where: str, done: dic
                 raise _missing_type(cls, where.rpartition(".")[0])
             return read(cls.params_class(done["type"]), value, where, notes)
     sub = _section_of(annotation)
-    if value == "auto" and isinstance(value, str):
+    if isinstance(value, str) and value == "auto":
         if name in cls.NO_AUTO or sub is not None:
             raise FieldError(where, value, "an explicit value: \"auto\" is not allowed here")
         return AUTO
