@@ -66,6 +66,8 @@ class OptimizerConfig(Section):
     """The hyperparameters."""
 
     NO_AUTO: ClassVar[frozenset[str]] = frozenset({"type"})
+    OPAQUE: ClassVar[dict[str, str]] = {
+        "legacy_fusion": "DeepSpeed's fused fp16 optimizer wrapper does not exist here"}
     TYPES: ClassVar[dict[str, str]] = {"adam": "Adam", "adamw": "AdamW"}
 
     @classmethod

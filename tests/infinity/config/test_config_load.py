@@ -225,14 +225,14 @@ def test_every_field_has_a_docstring():
 
 
 def test_not_honoured_keys_are_logged_once(caplog):
-    raw = {"zero_optimization": {"stage": 3, "overlap_comm": True, "sub_group_size": 1e9,
+    raw = {"zero_optimization": {"stage": 3, "overlap_comm": True, "allgather_bucket_size": 1e9,
                                  "offload_param": {"device": "cpu", "buffer_count": 5}},
            "tensorboard": {"enabled": True}, "communication_data_type": "fp32"}
     with caplog.at_level(logging.INFO, logger="infinity.config"):
         config = load_config(raw)
     lines = [r.getMessage() for r in caplog.records if "not honoured" in r.getMessage()]
     assert len(lines) == 1
-    for key in ("zero_optimization.overlap_comm", "zero_optimization.sub_group_size",
+    for key in ("zero_optimization.overlap_comm", "zero_optimization.allgather_bucket_size",
                 "zero_optimization.offload_param.buffer_count", "tensorboard",
                 "communication_data_type"):
         assert key in lines[0]
@@ -273,7 +273,7 @@ def test_docs_list_every_key_accepted_but_not_honoured():
     import infinity.config as c
     from infinity.config._sections import _WarmupParams
     docs = (pathlib.Path(__file__).parents[3] / "docs" / "engine.md").read_text()
-    places = {"": c.Config, "zero_optimization": c.ZeroConfig,
+    places = {"": c.Config, "optimizer": c.OptimizerConfig, "zero_optimization": c.ZeroConfig,
               "zero_optimization.offload_param": c.OffloadParamConfig,
               "zero_optimization.offload_optimizer": c.OffloadOptimizerConfig,
               "optimizer.params": c.AdamParams, "scheduler.params": _WarmupParams,
