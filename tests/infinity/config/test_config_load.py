@@ -74,13 +74,16 @@ def test_host_memory_budget_accepts_bytes_and_unit_strings():
         == 10**9
 
 
-def test_host_memory_budget_auto_and_absent_follow_the_machine():
-    total = load_config({}).infinity.host_memory_budget
-    auto = load_config({"infinity": {"host_memory_budget": "auto"}}).infinity.host_memory_budget
-    null = load_config({"infinity": {"host_memory_budget": None}}).infinity.host_memory_budget
-    assert total > 0 and auto > 0 and null > 0
-    # all 80% of what is available now, which moves a little between calls
-    assert abs(total - auto) < 2**30 and abs(total - null) < 2**30
+def test_host_memory_budget_auto_and_absent_follow_the_machine(monkeypatch):
+    import infinity.config._auto as auto
+    from infinity.config._machine import available_memory_bytes, total_memory_bytes
+    assert 0 < available_memory_bytes() <= total_memory_bytes()
+    monkeypatch.setattr(auto, "available_memory_bytes", lambda: 10 * 2**30)
+    for infinity in ({}, {"host_memory_budget": "auto"}, {"host_memory_budget": None}):
+        config = load_config({"infinity": infinity})
+        assert config.infinity.host_memory_budget == 8 * 2**30
+    assert "infinity.host_memory_budget=8589934592 (80% of available memory)" in \
+        config.auto_filled
 
 
 def test_aio_maps_onto_handle_options_and_thread_count_alias():
