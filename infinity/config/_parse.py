@@ -61,7 +61,7 @@ def _section_of(annotation: Any) -> type[Section] | None:
 
 
 def _valid_keys(cls: type[Section]) -> set[str]:
-    names = {f.name for f in dataclasses.fields(cls)} - getattr(cls, "INTERNAL", frozenset())
+    names = {f.name for f in dataclasses.fields(cls)} - cls.INTERNAL
     return names | set(cls.ALIASES) | set(cls.OPAQUE)
 
 
@@ -93,9 +93,8 @@ def read(cls: type[Section], raw: Any, path: str, notes: Notes) -> Tree:
         if "type" not in values:
             raise _missing_type(cls, path)
         values.setdefault("params", Tree(cls.params_class(values["type"]), {}))
-    reason = getattr(cls, "SECTION_REASON", None)
-    if reason is not None and raw:
-        notes.not_honoured.append(f"{path} ({reason})")
+    if cls.SECTION_REASON is not None and raw:
+        notes.not_honoured.append(f"{path} ({cls.SECTION_REASON})")
     return Tree(cls, values)
 
 

@@ -332,3 +332,19 @@ def test_deprecated_cpu_offload_keys():
 def test_a_loaded_config_passes_through():
     config = load_config({"train_micro_batch_size_per_gpu": 2})
     assert load_config(config) is config
+
+
+def test_a_cgroup_limit_caps_the_machine(tmp_path, monkeypatch):
+    import infinity.config._machine as machine
+    (tmp_path / "memory.max").write_text("1073741824\n")
+    (tmp_path / "memory.current").write_text("805306368\n")
+    monkeypatch.setattr(machine, "_CGROUP", tmp_path)
+    assert machine.total_memory_bytes() == 1 << 30
+    assert machine.available_memory_bytes() == 1 << 28
+    (tmp_path / "memory.max").write_text("max\n")
+    assert machine.total_memory_bytes() > 1 << 30  # no limit: the physical memory
+    with pytest.raises(ConfigError, match="infinity.host_memory_budget"):
+        monkeypatch.setattr(machine, "_CGROUP", tmp_path / "limited")
+        (tmp_path / "limited").mkdir()
+        (tmp_path / "limited" / "memory.max").write_text(str(1 << 30))
+        load_config({"infinity": {"host_memory_budget": "2GiB"}})
