@@ -30,8 +30,8 @@ LAYERS: dict[str, set[str]] = {
                             "infinity.errors", "aio"},
     "infinity.zero": {"infinity.config", "infinity.store", "infinity.memory", "infinity.errors",
                       "aio"},
+    "infinity.config": {"infinity.optim", "infinity.errors", "aio"},  # optim: LR schedules; aio: its options
     "infinity.optim": {"infinity.store", "infinity.memory", "infinity.errors", "aio"},
-    "infinity.config": {"infinity.errors", "aio"},  # aio: to validate the aio options
     "infinity.store": {"infinity.memory", "infinity.errors", "aio"},
     "infinity.memory": {"infinity.errors", "aio"},
     "infinity.errors": set(),
