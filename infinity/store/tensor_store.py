@@ -79,7 +79,8 @@ class TensorStore(StoreCore):
         aio_handle: the I/O engine to use; by default one is made from `aio_options`.
         aio_options: keyword arguments for aio.Handle (block_size, queue_depth, threads, backend).
         device: the device tier's device; default CUDA when present, else host memory.
-        rank: data-parallel rank, part of the swap file's name.
+        rank: data-parallel rank, part of the swap file's name (used only where the file system
+            cannot create it unlinked at once, see aio.SwapFile).
         keep_timeline: record every move for write_trace (counters are kept either way).
 
     The store has a clock, `clock`: the number of fetches so far. Next-use hints are distances
