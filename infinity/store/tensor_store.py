@@ -84,7 +84,8 @@ class TensorStore(StoreCore):
         keep_timeline: record every move for write_trace (counters are kept either way).
         checksum: record a crc32c of every tensor written to NVMe and check it on every read
             back; a mismatch (the swap file changed behind the store) is an AIOError naming
-            the key, the file and the offset, and the read copy is not used.
+            the key, the file and the offset, and the read copy is not used. Off by default:
+            it costs 10-20% of an optimizer step (docs/performance.md).
 
     The store has a clock, `clock`: the number of fetches so far. Next-use hints are distances
     on it: `set_next_use({key: d})` means "needed at the d-th fetch from now".
@@ -97,7 +98,7 @@ class TensorStore(StoreCore):
     def __init__(self, budgets: Mapping[Tier | str, int], *, nvme_path: str | os.PathLike[str] | None = None,
                  aio_handle: aio.Handle | None = None, aio_options: Mapping[str, Any] | None = None,
                  device: str | torch.device | None = None, rank: int = 0,
-                 keep_timeline: bool = True, checksum: bool = True) -> None:
+                 keep_timeline: bool = True, checksum: bool = False) -> None:
         budgets = {Tier.of(t): int(n) for t, n in budgets.items()}
         for tier, nbytes in budgets.items():
             if nbytes < 0:
