@@ -230,6 +230,9 @@ class StoreCore:
         if self._copy_stream is None:
             dst.copy_(src)
             return None
+        # The side stream must see what the caller's stream did to src (e.g. the update before a
+        # dirty release) before it reads it.
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._copy_stream):
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
