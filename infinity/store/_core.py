@@ -283,6 +283,7 @@ class StoreCore:
         else:
             copy = Copy(tier, block=self._arena_alloc(entry, tier))
         entry.copies[tier] = copy
+        self._refresh(entry)  # evictable at once: a step that fails before filling it leaks nothing
         return copy
 
     def _swap_alloc(self, entry: Entry) -> aio.Extent:
