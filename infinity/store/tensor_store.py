@@ -535,14 +535,14 @@ class TensorStore:
         """Drop entry's copy on `tier`; a home copy first moves down. Lock held."""
         copy = entry.copies[tier]
         self._settle(copy)
-        if tier == entry.home:
-            below = self._tier_below(tier)
+        if tier == entry.home or entry.valid_below(tier) is None:  # also: the only current bytes
+            below = self._tier_below(tier)  # after a failed write-back are written down first
             if below is None:
                 raise BudgetError(f"cannot evict {entry.key!r} from {tier.label}: no slower tier to move it to")
             dst = entry.copies.get(below) or self._allocate(entry, below)
             self._fill(entry, dst, copy)
             self._settle(dst)
-            entry.home = below
+            entry.home = max(entry.home, below)
         self._free_copy(entry, tier)
 
     def _free_copy(self, entry: Entry, tier: Tier) -> None:
