@@ -76,5 +76,6 @@ def test_retry_after_a_fault_at_every_position_gives_one_step(tmp_path, op):
         if _run_with_fault(tmp_path / str(nth), op, nth) != 2:
             break
         nth += 1
-    # every read / write of step 3 (its step() and flush()) was failed once, and more after it
-    assert nth >= 16, nth
+    # every read / write of step 3 (its step() and flush()) was failed once, and more after it:
+    # at least one piece per tile read (4 of 20 stay cached on the host) or written
+    assert nth >= (16 if op == "read" else 20), nth
