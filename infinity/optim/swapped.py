@@ -397,13 +397,17 @@ class SwappedOptimizer(StreamedState):
             values.modified(seg.param)
 
     def _rewrite_if_unsaved(self, key: str) -> None:
-        """Start the write-back again of an entry whose last one failed (no valid NVMe copy;
-        the store kept the changed host copy). Entries at home on the host are refreshed too,
-        which costs no I/O."""
-        if not self.store.budgets.get(Tier.NVME) or "nvme" in self.store.tiers_of(key):
+        """Start the write-back again of an entry whose last one failed (the store kept the
+        changed host copy)."""
+        if not self.store.unsaved(key):
             return
-        self.store.fetch(key, Tier.HOST).result()
-        self.store.release(key, Tier.HOST, dirty=True)
+        future = self.store.fetch(key, Tier.HOST)
+        done = False
+        try:
+            future.result()
+            done = True
+        finally:
+            self.store.release(key, Tier.HOST, dirty=done)
 
     def flush(self) -> None:
         """Wait for every write-back of the state; one that failed earlier is started again

@@ -56,6 +56,7 @@ def _run_with_fault(tmp_path, op, nth):
         assert _retried(lambda: opt.step().applied, fired, step)
         assert _copies_in_use(store) == []  # released on the failing path too
         _retried(opt.flush, fired, step)
+        assert [k for k in list(store._entries) if store.unsaved(k)] == []  # all written back
         assert opt.steps == [step + 1] and opt.completed_steps == step + 1
         assert torch.equal(ours, ref), f"step {step}: {(ours != ref).sum()} elements differ"
     (_, state), = _retried(lambda: list(opt.iter_state()), fired, "state")

@@ -181,6 +181,7 @@ def _unit_run_with_fault(path, op, nth):
             retried(lambda u=u, grads=grads: opt.step_unit(u, grads[u]), step)
         opt.finish_step()
         retried(opt.flush, step)
+        assert [k for k in list(store._entries) if store.unsaved(k)] == []  # all written back
     for u, spec in enumerate(specs):
         assert torch.equal(retried(lambda key=spec.values_key: _values(store, key), "check"), masters[u].to(spec.dtype)), u
     states = retried(lambda: list(opt.iter_state()), "check")
