@@ -295,13 +295,16 @@ class SwappedOptimizer(StreamedState):
         return self._completed + 1
 
     @torch.no_grad()
-    def step_unit(self, u: int, grad: torch.Tensor, *, grad_scale: float = 1.0) -> None:
+    def step_unit(self, u: int, grad: torch.Tensor, *, grad_scale: float = 1.0,
+                  check_finite: bool = True) -> None:
         """Update unit u's tiles for the step being built.
 
         `grad`: 1-D contiguous CPU tensor of the unit's numel (float32/bfloat16/float16),
         multiplied by `grad_scale` (clip factor / loss scale, decided by the caller) inside the
         kernel. Non-finite gradients raise ValueError before anything is updated: overflow and
-        skipped steps are decided by the caller over all units. Retry-safe (see
+        skipped steps are decided by the caller over all units. The check is one pass over the
+        gradient (a sum); `check_finite=False` skips it for a caller that has checked already
+        (e.g. from the gradient norm it computes for clipping). Retry-safe (see
         [Note: retry-safe steps]); safe for different units from different threads at once.
         """
         self._unit(u, "step_unit")
@@ -309,7 +312,9 @@ class SwappedOptimizer(StreamedState):
         check_grad(f"unit {u}'s gradient", grad, self._numels[u])
         if grad.dim() != 1:
             raise ValueError(f"unit {u}'s gradient must be 1-D, got shape {tuple(grad.shape)}")
-        if not math.isfinite(float(grad.sum(dtype=torch.float32))):
+        # Any inf/nan makes the sum non-finite; float16 is summed in float32 not to overflow.
+        if check_finite and not math.isfinite(
+                float(grad.sum(dtype=torch.float32 if grad.dtype == torch.float16 else None))):
             raise ValueError(f"unit {u}'s gradient has non-finite values (inf/nan); check for "
                              f"overflow before stepping and skip the whole step")
         target = self._completed + 1

@@ -296,7 +296,7 @@ def test_bad_input(tmp_path):
                            (torch.ones(200)[::2], "contiguous")):
             with pytest.raises((ValueError, TypeError), match=match):
                 opt.step_unit(0, bad)
-        for value in (float("nan"), float("inf")):
+        for value in (float("nan"), float("inf"), -float("inf")):
             bad = grad.clone()
             bad[3] = value
             with pytest.raises(ValueError, match="unit 0's gradient has non-finite values"):
@@ -306,8 +306,22 @@ def test_bad_input(tmp_path):
         with pytest.raises(TypeError, match="param mode"):
             opt.step()
         assert opt._tile_steps == [0] * len(opt.tiles)  # nothing was updated
+        bad = grad.clone()
+        bad[0] = float("nan")
+        opt.step_unit(0, bad, check_finite=False)  # the caller checked (or chose not to)
+        assert _values(store, "unit0").isnan().any()
         param_mode = SwappedOptimizer([torch.ones(10)], store, name="p")
         with pytest.raises(TypeError, match="unit mode"):
             param_mode.step_unit(0, torch.ones(10))
         with pytest.raises(TypeError, match="unit mode"):
             param_mode.finish_step()
+
+
+def test_large_finite_fp16_gradients_are_not_an_overflow(tmp_path):
+    """Summed in float16 these would overflow to inf; the finite check sums in float32."""
+    with _store(tmp_path) as store:
+        _, specs = _put_units(store, [torch.float16], numels=[100])
+        opt = SwappedOptimizer.from_units(specs, store, lr=1e-3)
+        opt.step_unit(0, torch.full((100,), 60000.0, dtype=torch.float16), grad_scale=1 / 65536)
+        opt.finish_step()
+        assert opt.completed_steps == 1
