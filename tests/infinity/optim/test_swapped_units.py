@@ -99,6 +99,7 @@ def test_units_stepped_from_several_threads(tmp_path, put_units, values_of):
     numels = NUMELS * 2
     with _store(tmp_path / "a") as store, _store(tmp_path / "b") as serial_store:
         _, specs = put_units(store, dtypes, numels)
+        store.put("other", torch.ones(3000), "nvme")
         _, serial_specs = put_units(serial_store, dtypes, numels)
         opt = SwappedOptimizer.from_units(specs, store, lr=1e-2, tile_numel=TILE, threads=1)
         serial = SwappedOptimizer.from_units(serial_specs, serial_store, lr=1e-2, tile_numel=TILE)
@@ -116,6 +117,9 @@ def test_units_stepped_from_several_threads(tmp_path, put_units, values_of):
             workers = [threading.Thread(target=work, args=(range(k, len(specs), 4),)) for k in range(4)]
             for w in workers:
                 w.start()
+            while any(w.is_alive() for w in workers):  # the caller uses the store meanwhile
+                store.fetch("other", "host").result()
+                store.release("other", "host", dirty=True)
             for w in workers:
                 w.join(timeout=60)
             assert not any(w.is_alive() for w in workers) and errors == []
