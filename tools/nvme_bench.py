@@ -30,7 +30,7 @@ from typing import Any
 from tqdm import tqdm
 
 import aio
-from aio import bench
+from tools import _nvme_bench_lib as bench
 from tools.cli import parse_size
 
 PROG = "infinity-nvme-bench"
