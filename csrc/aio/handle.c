@@ -11,10 +11,12 @@
 #include "backend.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -442,6 +444,26 @@ static uint64_t count_cuts(int64_t from, int64_t to, int64_t bs)
     return from < to ? ((uint64_t)(to - from) + (uint64_t)bs - 1) / (uint64_t)bs : 0;
 }
 
+/*
+ * [Note: preallocating extending writes]
+ * Concurrent O_DIRECT pieces that extend a file make the file system allocate blocks piece by
+ * piece in completion order: a 22 MiB file written at queue depth 32 on ext4 came out in 2-4
+ * extents, out of order on disk, and writing 8 such new files took 0.19 s against 0.12 s when
+ * each was preallocated first (medians of 6 alternating rounds). So a write reaching past the
+ * end of the file first asks for its whole range with fallocate, which also sets the new size
+ * at once. Best effort: where fallocate is unsupported or fails (a full disk), the pieces run
+ * as before and report their own errors; a write that then fails leaves the file at its new
+ * size, the unwritten part reading as zeros.
+ */
+static void preallocate_if_extending(const struct inf_aio_target *t, int64_t offset, uint64_t nbytes)
+{
+    struct stat st;
+
+    if (fstat(t->buffered_fd, &st) == 0 && S_ISREG(st.st_mode) &&
+        st.st_size < offset + (int64_t)nbytes)
+        (void)fallocate(t->buffered_fd, 0, (off_t)offset, (off_t)nbytes);
+}
+
 int inf_aio_submit(struct inf_aio_handle *h, int op, const struct inf_aio_target *target,
                    void *buf, uint64_t nbytes, int64_t offset, struct inf_aio_request **out)
 {
@@ -457,6 +479,8 @@ int inf_aio_submit(struct inf_aio_handle *h, int op, const struct inf_aio_target
         return -EINVAL;
     if (atomic_load(&h->shut))
         return -ESHUTDOWN;
+    if (op == INF_AIO_OP_WRITE)
+        preallocate_if_extending(target, offset, nbytes);
     da = target->direct_align;
     end = offset + (int64_t)nbytes;
     up = ((uint64_t)offset + (uint64_t)da - 1) / (uint64_t)da * (uint64_t)da; /* no overflow */
