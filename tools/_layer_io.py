@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import shutil
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -221,6 +223,15 @@ class LayerFiles:
                 bench.drop_page_cache(path)
 
 
+def extents(paths: Sequence[str]) -> list[int] | None:
+    """Extents of each file as `filefrag` counts them, or None where it is not installed."""
+    filefrag = shutil.which("filefrag")
+    if filefrag is None:
+        return None
+    out = subprocess.run([filefrag, *paths], capture_output=True, text=True, check=False).stdout
+    return [int(line.rsplit(":", 1)[1].split()[0]) for line in out.splitlines() if "extent" in line]
+
+
 def fetch(files: LayerFiles) -> tuple[int, int]:
     """Forward: each layer waited for just before use, the next one in flight meanwhile."""
     groups: dict[int, Any] = {}
@@ -276,6 +287,8 @@ def measure(config: bench.EngineConfig, directory: str, nbytes: int, rounds: int
     runs: list[Run] = []
     try:
         files = [LayerFiles(tool, directory, shapes) for tool in tools]
+        info["extents"] = {f.tool.name: extents([p for layer in f.paths for p in layer])
+                           for f in files if f.tool.files_of == f.tool.name}
         for round_ in range(rounds):
             for tool_files in files if round_ % 2 == 0 else files[::-1]:
                 for pattern, runner in RUNNERS.items():

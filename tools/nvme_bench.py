@@ -248,6 +248,10 @@ def _layer_report(args, config: bench.EngineConfig, workdir: str) -> dict[str, A
           f"{info['window']} layers in flight; block {config.block_size >> 10} KiB, queue depth "
           f"{config.queue_depth}, threads {config.threads}; median [min-max] of {args.repeat} rounds, "
           "tools alternating")
+    for tool, counts in info["extents"].items():
+        if counts:
+            print(f"  {tool}: files written in {min(counts)}-{max(counts)} extents "
+                  f"(median {bench.summarize(counts).median:.0f}, filefrag)")
     if info["deepspeed_skipped"]:
         print(f"  deepspeed: not measured ({info['deepspeed_skipped']})")
     ours, rows, ratios = info["tools"][0], [], {}

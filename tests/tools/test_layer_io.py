@@ -64,6 +64,9 @@ def test_every_tool_runs_both_patterns_every_round_and_moves_what_it_should(tmp_
     runs, info = layer_io.measure(bench.EngineConfig(queue_depth=4), str(tmp_path), SMALL, 2)
     assert info["tools"][1:] == [f"{info['tools'][0]} 4K pages", "deepspeed"]
     assert info["deepspeed_skipped"] is None
+    assert set(info["extents"]) == {info["tools"][0], "deepspeed"}  # the 4K-pages tool writes none
+    for counts in info["extents"].values():
+        assert counts is None or (len(counts) == layer_io.LAYERS * 7 and min(counts) >= 1)
     layer = sum(h * w * 2 for h, w in map(tuple, info["shapes"]))
     assert len(runs) == 2 * 3 * 2
     for run in runs:
