@@ -55,9 +55,10 @@ def aligned_empty(nbytes: int, alignment: int = PAGE_NBYTES, *, pin: bool | None
 # faulted in one 4 KiB page at a time is scattered over physical memory, so a 1 MiB piece
 # (256 pages) becomes a request of 1016 KiB plus one of 8 KiB, and adjacent pieces never merge.
 # On a virtual disk each request is a round trip to the host: reading TinyLlama-like layers
-# into such buffers took 0.67 s against 0.47 s into huge-page buffers, which reach the device
-# as requests of 1.7-2.7 MiB on average (docs/performance.md, "NVMe I/O"). Huge pages make
-# every 2 MiB of the buffer one contiguous run. Where the kernel has no transparent huge pages
+# into such buffers took 0.70-0.79 s against 0.46 s into huge-page buffers, which reach the
+# device as requests of 2.6-3.7 MiB on average (docs/performance.md, "Layer fetch and optimizer
+# patterns"; `infinity-nvme-bench --mix`). Huge pages make every 2 MiB of the buffer one
+# contiguous run. Where the kernel has no transparent huge pages
 # the advice is refused and the buffer is ordinary memory.
 
 

@@ -448,10 +448,9 @@ static uint64_t count_cuts(int64_t from, int64_t to, int64_t bs)
  * [Note: preallocating extending writes]
  * Concurrent O_DIRECT pieces that extend a file make the file system allocate blocks piece by
  * piece in completion order: a 22 MiB file written at queue depth 32 on ext4 came out in 2-4
- * extents, out of order on disk, and writing 8 such new files took 0.19 s against 0.12 s when
- * each was preallocated first (medians of 6 alternating rounds). So a write reaching past the
- * end of the file first asks for its whole range with fallocate, which also sets the new size
- * at once. Best effort: where fallocate is unsupported or fails (a full disk), the pieces run
+ * extents, out of order on disk (`infinity-nvme-bench --mix` prints the extents of the files it
+ * writes: 1 each with this). So a write reaching past the end of the file first asks for its
+ * whole range with fallocate, which also sets the new size at once. Best effort: where fallocate is unsupported or fails (a full disk), the pieces run
  * as before and report their own errors; a write that then fails leaves the file at its new
  * size, the unwritten part reading as zeros.
  */
