@@ -446,13 +446,10 @@ static uint64_t count_cuts(int64_t from, int64_t to, int64_t bs)
 
 /*
  * [Note: preallocating extending writes]
- * Concurrent O_DIRECT pieces that extend a file make the file system allocate blocks piece by
- * piece in completion order: a 22 MiB file written at queue depth 32 on ext4 came out in 2-4
- * extents, out of order on disk (`infinity-nvme-bench --mix` prints the extents of the files it
- * writes: 1 each with this). So a write reaching past the end of the file first asks for its
- * whole range with fallocate, which also sets the new size at once. Best effort: where fallocate is unsupported or fails (a full disk), the pieces run
- * as before and report their own errors; a write that then fails leaves the file at its new
- * size, the unwritten part reading as zeros.
+ * O_DIRECT pieces extending a file get blocks in completion order (2-4 extents, out of order,
+ * for 22 MiB on ext4), so a write past the end of the file first fallocates its whole range,
+ * which also sets the new size. Best effort: where that fails the pieces report their own
+ * errors; a write failing after it leaves the file at its new size, reading zeros there.
  */
 static void preallocate_if_extending(const struct inf_aio_target *t, int64_t offset, uint64_t nbytes)
 {
