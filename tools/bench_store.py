@@ -25,9 +25,9 @@ import time
 import torch
 
 import aio
-from aio import bench
 from infinity.optim import SwappedOptimizer
 from infinity.store import TensorStore
+from tools import _nvme_bench_lib as bench
 from tools.cli import parse_size
 
 GB = bench.GB
