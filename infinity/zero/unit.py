@@ -1,0 +1,174 @@
+"""FetchUnit: the parameters of one module, flattened into one 1-D store entry (FSDP's
+FlatParameter), and how a model is cut into units.
+
+Each unit holds parameters of one dtype and one requires_grad, so a unit is also the unit of the
+optimizer (a frozen parameter never shares a flat gradient with a trained one). Parameters at or
+below the persistence threshold are gathered into "resident" units (one per dtype and
+requires_grad) that stay fetched from their first use to the optimizer step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from infinity.store import TensorFuture, TensorStore, Tier
+from infinity.zero._common import UnitState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ParamSlot:
+    """Where one parameter lives inside its unit's flat tensor."""
+
+    param: torch.nn.Parameter
+    name: str  # qualified name in the model, for messages
+    offset: int  # first element in the flat tensor
+    shape: torch.Size
+
+
+@dataclass(slots=True, eq=False)
+class FetchUnit:
+    """One store entry of flattened parameters, fetched and released as a whole.
+
+    The store entry (`key`) holds the values; between uses each parameter's `.data` is an empty
+    placeholder. `grad` is the unit's flat host gradient buffer (accumulated across micro-batches).
+    """
+
+    index: int
+    key: str  # store key of the 1-D values entry
+    name: str  # module that owns the parameters ("<resident>" for persistent ones)
+    slots: list[ParamSlot]
+    numel: int
+    dtype: torch.dtype
+    requires_grad: bool
+    persistent: bool
+    # - Lifecycle (see UnitState)
+    state: UnitState = UnitState.RELEASED
+    users: int = 0  # module uses in progress (forward calls, one backward hold)
+    future: TensorFuture | None = None  # set while FETCHING or READY
+    flat: torch.Tensor | None = None  # 1D, set while READY
+    # - Backward bookkeeping, reset by every backward
+    held_for_backward: bool = False
+    grads_seen: int = 0  # params whose grad became final in this backward
+    # - Gradient accumulated over the micro-batches of one step, grad dtype
+    grad: torch.Tensor | None = None  # 1D, host
+    has_grad: bool = False
+    last_pos: int = field(default=-1)  # trace position of the latest use in this pass
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def expect(self, *states: UnitState) -> None:
+        """Raise if the unit is not in one of `states` (a wrong transition is a bug, say which)."""
+        if self.state not in states:
+            raise RuntimeError(f"unit {self.name!r} is {self.state.value}, expected "
+                               f"{' or '.join(s.value for s in states)}")
+
+    def bind(self, flat: torch.Tensor) -> None:
+        """Point every parameter at its view of the fetched flat tensor."""
+        self.flat = flat
+        for s in self.slots:
+            s.param.data = flat[s.offset:s.offset + s.shape.numel()].view(s.shape)
+
+    def unbind(self, placeholder: torch.Tensor) -> None:
+        """Give every parameter the empty placeholder; the flat tensor is no longer referenced."""
+        self.flat = None
+        for s in self.slots:
+            s.param.data = placeholder
+
+    def take_grads(self) -> None:
+        """Add the parameters' gradients into the flat buffer and drop them (bounded memory)."""
+        if self.grad is None:
+            self.grad = torch.zeros(self.numel, dtype=self.dtype)
+        for s in self.slots:
+            g = s.param.grad
+            if g is None:
+                continue
+            self.grad[s.offset:s.offset + s.shape.numel()].add_(g.detach().reshape(-1).to("cpu"))
+            s.param.grad = None
+            self.has_grad = True
+
+    def zero_grad(self) -> None:
+        if self.grad is not None and self.has_grad:
+            self.grad.zero_()
+        self.has_grad = False
+
+
+def _groups(params: list[tuple[str, torch.nn.Parameter]]) -> dict[tuple[torch.dtype, bool], list]:
+    groups: dict[tuple[torch.dtype, bool], list] = {}
+    for name, p in params:
+        groups.setdefault((p.dtype, p.requires_grad), []).append((name, p))
+    return groups
+
+
+def _suffix(dtype: torch.dtype, requires_grad: bool, several: bool) -> str:
+    return f"[{str(dtype).removeprefix('torch.')},{'train' if requires_grad else 'frozen'}]" if several else ""
+
+
+def build_units(model: torch.nn.Module, store: TensorStore, *, home: Tier, persistence_numel: int,
+                device: torch.device, prefix: str = "param") -> tuple[list[FetchUnit], dict[torch.nn.Module, list[FetchUnit]]]:
+    """Cut `model` into fetch units, move their values into `store` (at home on `home`) and
+    leave empty placeholders in the parameters.
+
+    A parameter belongs to the first module (in `named_modules` order) that holds it directly,
+    so tied and shared parameters are one unit; every module holding it maps to that unit.
+    Returns (units, module -> units it uses directly).
+    """
+    owned: dict[int, FetchUnit] = {}
+    per_module: dict[torch.nn.Module, list[tuple[str, torch.nn.Parameter]]] = {}
+    resident: list[tuple[str, torch.nn.Parameter]] = []
+    for mname, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            if id(p) in owned:
+                continue
+            qualified = f"{mname}.{pname}" if mname else pname
+            if p.device.type == "meta":
+                raise ValueError(f"parameter {qualified!r} is on the meta device; materialise the model first")
+            owned[id(p)] = None  # claimed here; its unit is filled in below
+            if p.numel() <= persistence_numel:
+                resident.append((qualified, p))
+            else:
+                per_module.setdefault(module, []).append((qualified, p))
+    units: list[FetchUnit] = []
+    named = {m: n for n, m in model.named_modules()}
+    batches = [(named[m] or "<root>", params, False) for m, params in per_module.items()]
+    batches.append(("<resident>", resident, True))
+    for name, params, persistent in batches:
+        groups = _groups(params)
+        for (dtype, requires_grad), members in groups.items():
+            key = f"{prefix}/{name}{_suffix(dtype, requires_grad, len(groups) > 1 or persistent)}"
+            units.append(_make_unit(len(units), key, name, members, dtype, requires_grad, persistent,
+                                    store, home, device))
+            for s in units[-1].slots:
+                owned[id(s.param)] = units[-1]
+    uses: dict[torch.nn.Module, list[FetchUnit]] = {}
+    for module in model.modules():
+        mine = []
+        for p in module.parameters(recurse=False):
+            unit = owned[id(p)]
+            if not unit.persistent and unit not in mine:
+                mine.append(unit)
+        if mine:
+            uses[module] = mine
+    logger.info("zero: %d fetch units (%d resident) over %d parameters", len(units),
+                sum(u.persistent for u in units), len(owned))
+    return units, uses
+
+
+def _make_unit(index: int, key: str, name: str, members: list[tuple[str, torch.nn.Parameter]],
+               dtype: torch.dtype, requires_grad: bool, persistent: bool, store: TensorStore,
+               home: Tier, device: torch.device) -> FetchUnit:
+    slots, offset = [], 0
+    for qualified, p in members:
+        slots.append(ParamSlot(p, qualified, offset, p.shape))
+        offset += p.numel()
+    flat = torch.cat([p.detach().reshape(-1).to("cpu") for _, p in members])
+    store.put(key, flat, home)
+    unit = FetchUnit(index, key, name, slots, offset, dtype, requires_grad, persistent)
+    unit.unbind(torch.empty(0, dtype=dtype, device=device))
+    return unit
