@@ -14,6 +14,8 @@ LAYERS = ["tools", "infinity.engine", "infinity.zero", "infinity.optim", "infini
           "infinity.store", "infinity.memory", "aio"]
 ALLOWED = {
     "tools": {"infinity", "aio"},
+    "infinity.engine": {"infinity.zero", "infinity.optim", "infinity.config", "infinity.store", "infinity.memory", "infinity.errors", "aio"},
+    "infinity.zero": {"infinity.store", "infinity.memory", "infinity.errors", "aio"},
     "infinity.optim": {"infinity.store", "infinity.memory", "infinity.errors", "aio"},
     "infinity.store": {"infinity.memory", "infinity.errors", "aio"},
     "infinity.memory": {"infinity.errors", "aio"},

@@ -5,7 +5,8 @@ from infinity.zero._common import PrefetchStats, UnitState
 from infinity.zero.coordinator import ParamCoordinator
 from infinity.zero.hooks import ModelHooks
 from infinity.zero.trace import Trace, TraceBook
-from infinity.zero.unit import FetchUnit, ParamSlot, build_units
+from infinity.zero.unit import FetchUnit, ParamSlot, place_units, plan_units
 
 __all__ = ["FetchUnit", "ModelHooks", "ParamCoordinator", "ParamSlot", "PrefetchStats", "Trace",
-           "TraceBook", "UnitState", "build_units"]
+           "TraceBook", "UnitState", "place_units",
+           "plan_units"]

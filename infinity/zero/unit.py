@@ -110,65 +110,67 @@ def _suffix(dtype: torch.dtype, requires_grad: bool, several: bool) -> str:
     return f"[{str(dtype).removeprefix('torch.')},{'train' if requires_grad else 'frozen'}]" if several else ""
 
 
-def build_units(model: torch.nn.Module, store: TensorStore, *, home: Tier, persistence_numel: int,
-                device: torch.device, prefix: str = "param") -> tuple[list[FetchUnit], dict[torch.nn.Module, list[FetchUnit]]]:
-    """Cut `model` into fetch units, move their values into `store` (at home on `home`) and
-    leave empty placeholders in the parameters.
+def plan_units(model: torch.nn.Module, *, persistence_numel: int,
+               prefix: str = "param") -> tuple[list[FetchUnit], dict[torch.nn.Module, list[FetchUnit]]]:
+    """Cut `model` into fetch units (nothing is moved yet; see `place_units`).
 
     A parameter belongs to the first module (in `named_modules` order) that holds it directly,
     so tied and shared parameters are one unit; every module holding it maps to that unit.
-    Returns (units, module -> units it uses directly).
+    Parameters of at most `persistence_numel` elements go to resident units.
+    Returns (units, module -> non-resident units it uses directly).
     """
-    owned: dict[int, FetchUnit] = {}
+    owner: dict[int, FetchUnit | None] = {}
     per_module: dict[torch.nn.Module, list[tuple[str, torch.nn.Parameter]]] = {}
     resident: list[tuple[str, torch.nn.Parameter]] = []
     for mname, module in model.named_modules():
         for pname, p in module.named_parameters(recurse=False):
-            if id(p) in owned:
+            if id(p) in owner:
                 continue
             qualified = f"{mname}.{pname}" if mname else pname
             if p.device.type == "meta":
                 raise ValueError(f"parameter {qualified!r} is on the meta device; materialise the model first")
-            owned[id(p)] = None  # claimed here; its unit is filled in below
+            owner[id(p)] = None  # claimed here; its unit is filled in below
             if p.numel() <= persistence_numel:
                 resident.append((qualified, p))
             else:
                 per_module.setdefault(module, []).append((qualified, p))
-    units: list[FetchUnit] = []
-    named = {m: n for n, m in model.named_modules()}
-    batches = [(named[m] or "<root>", params, False) for m, params in per_module.items()]
+    names = {m: n for n, m in model.named_modules()}
+    batches = [(names[m] or "<root>", params, False) for m, params in per_module.items()]
     batches.append(("<resident>", resident, True))
+    units: list[FetchUnit] = []
     for name, params, persistent in batches:
         groups = _groups(params)
         for (dtype, requires_grad), members in groups.items():
             key = f"{prefix}/{name}{_suffix(dtype, requires_grad, len(groups) > 1 or persistent)}"
-            units.append(_make_unit(len(units), key, name, members, dtype, requires_grad, persistent,
-                                    store, home, device))
-            for s in units[-1].slots:
-                owned[id(s.param)] = units[-1]
+            slots, offset = [], 0
+            for qualified, p in members:
+                slots.append(ParamSlot(p, qualified, offset, p.shape))
+                offset += p.numel()
+            units.append(FetchUnit(len(units), key, name, slots, offset, dtype, requires_grad, persistent))
+            for s in slots:
+                owner[id(s.param)] = units[-1]
     uses: dict[torch.nn.Module, list[FetchUnit]] = {}
     for module in model.modules():
         mine = []
         for p in module.parameters(recurse=False):
-            unit = owned[id(p)]
+            unit = owner[id(p)]
             if not unit.persistent and unit not in mine:
                 mine.append(unit)
         if mine:
             uses[module] = mine
     logger.info("zero: %d fetch units (%d resident) over %d parameters", len(units),
-                sum(u.persistent for u in units), len(owned))
+                sum(u.persistent for u in units), len(owner))
     return units, uses
 
 
-def _make_unit(index: int, key: str, name: str, members: list[tuple[str, torch.nn.Parameter]],
-               dtype: torch.dtype, requires_grad: bool, persistent: bool, store: TensorStore,
-               home: Tier, device: torch.device) -> FetchUnit:
-    slots, offset = [], 0
-    for qualified, p in members:
-        slots.append(ParamSlot(p, qualified, offset, p.shape))
-        offset += p.numel()
-    flat = torch.cat([p.detach().reshape(-1).to("cpu") for _, p in members])
-    store.put(key, flat, home)
-    unit = FetchUnit(index, key, name, slots, offset, dtype, requires_grad, persistent)
-    unit.unbind(torch.empty(0, dtype=dtype, device=device))
-    return unit
+def place_units(units: list[FetchUnit], store: TensorStore, *, home: Tier, device: torch.device) -> None:
+    """Move each unit's values into `store` (at home on `home`) and leave empty placeholders
+    (on `device`) in the parameters; the original tensors are freed unit by unit."""
+    placeholders: dict[torch.dtype, torch.Tensor] = {}
+    for unit in units:
+        flat = torch.cat([s.param.detach().reshape(-1).to("cpu") for s in unit.slots])
+        store.put(unit.key, flat, home)
+        del flat
+        if unit.dtype not in placeholders:
+            placeholders[unit.dtype] = torch.empty(0, dtype=unit.dtype, device=device)
+        unit.unbind(placeholders[unit.dtype])

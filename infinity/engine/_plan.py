@@ -1,0 +1,90 @@
+"""The memory plan: where parameters live and the byte budget of each store tier, decided and
+checked at initialize (never mid-step).
+
+[Note: memory plan] Host RAM holds, beside the store's host tier: one flat gradient buffer per
+trained unit (grad dtype) and, with no optimizer offload, the Adam moments (8 B/element, plus a
+4 B/element fp32 master for low-precision units). The host tier holds the parameters whose home
+is the host, else a working set of parameters (resident units, three of the largest unit, the
+prefetch bucket), plus the optimizer state for offload_optimizer "cpu", else a few optimizer
+tiles. NVMe holds parameters and/or optimizer state per the offload devices, with slack for
+alignment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from infinity.errors import BudgetError
+from infinity.store import Tier
+from infinity.zero import FetchUnit
+
+_PAGE = 4096
+_TILE_SLACK = 64 << 10  # per optimizer tile: alignment and row padding
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _PAGE) * _PAGE
+
+
+def _state_nbytes(unit: FetchUnit) -> int:
+    """Adam state of one unit: moments, plus an fp32 master for low-precision values."""
+    return unit.numel * (8 if unit.dtype == torch.float32 else 12)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    fetch_tier: Tier  # where modules compute from
+    param_home: Tier  # where unit values live between uses
+    state_tier: Tier | None  # optimizer state in the store (None: host tensors outside it)
+    budgets: dict[Tier, int]  # store budget per tier, bytes
+    outside_store_nbytes: int  # gradient buffers and in-RAM optimizer state
+
+
+def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optimizer: str,
+                accelerator: bool, prefetch_numel: int, tile_numel: int,
+                host_memory_budget: int | None) -> MemoryPlan:
+    """Budgets for the store from the unit sizes and the offload devices; see [Note: memory plan].
+
+    Raises BudgetError when `host_memory_budget` cannot hold the smallest working set.
+    """
+    fetch_tier = Tier.DEVICE if accelerator else Tier.HOST
+    param_home = {"none": fetch_tier, "cpu": Tier.HOST, "nvme": Tier.NVME}[offload_param]
+    state_tier = {"none": None, "cpu": Tier.HOST, "nvme": Tier.NVME}[offload_optimizer]
+    trained = [u for u in units if u.requires_grad]
+    everything = sum(_aligned(u.nbytes) for u in units)
+    resident = sum(_aligned(u.nbytes) for u in units if u.persistent)
+    largest = max((_aligned(u.nbytes) for u in units if not u.persistent), default=0)
+    elt = max((u.nbytes // max(u.numel, 1) for u in units), default=4)
+    working = min(everything, resident + 3 * largest + _aligned(prefetch_numel * elt))
+    tile = min(tile_numel, max((u.numel for u in trained), default=0)) * 12 + _TILE_SLACK
+    state = sum(_state_nbytes(u) + _TILE_SLACK * -(-u.numel // tile_numel) for u in trained)
+    grads = sum(_aligned(u.nbytes) for u in trained)
+    outside = grads + (state if state_tier is None else 0)
+
+    budgets: dict[Tier, int] = {}
+    if accelerator:
+        budgets[Tier.DEVICE] = everything if param_home == Tier.DEVICE else working
+    # Host-homed values sit in the host tier whole; NVMe-homed ones pass through a working set;
+    # device-homed ones only visit the host while the optimizer updates them.
+    host_params = {Tier.HOST: everything, Tier.NVME: working, Tier.DEVICE: 2 * largest}[param_home]
+    host_state = {None: largest, Tier.HOST: state, Tier.NVME: 4 * tile + largest}[state_tier]
+    host_minimum = (resident + 2 * largest if param_home == Tier.NVME else host_params) + \
+        {None: largest, Tier.HOST: state, Tier.NVME: 3 * tile + largest}[state_tier]
+    host = host_params + host_state
+    if host_memory_budget is not None:
+        available = int(host_memory_budget) - outside
+        if available < host_minimum:
+            raise BudgetError(
+                f"host_memory_budget {int(host_memory_budget)} bytes cannot hold this model's plan: "
+                f"{outside} bytes of gradients/optimizer state in RAM plus at least {host_minimum} "
+                f"bytes of parameters and optimizer tiles in the host tier; raise the budget or "
+                f"offload more (offload_param/offload_optimizer device 'nvme')")
+        host = available
+    budgets[Tier.HOST] = host
+    nvme = (everything if param_home == Tier.NVME else 0) + (state if state_tier == Tier.NVME else 0)
+    if nvme:
+        budgets[Tier.NVME] = nvme + nvme // 8 + (16 << 20)
+    return MemoryPlan(fetch_tier, param_home, state_tier, budgets, outside)
