@@ -21,12 +21,14 @@ import logging
 import threading
 import time
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 import torch
 
 from infinity.errors import BudgetError
 from infinity.store import TensorStore, Tier
 from infinity.zero._common import PrefetchStats, UnitState
+from infinity.zero.saved_views import ViewIndex, pack_saved, unpack_saved
 from infinity.zero.trace import PassCursor, TraceBook
 from infinity.zero.unit import FetchUnit
 
@@ -64,6 +66,7 @@ class ParamCoordinator:
         self._book = TraceBook([u.numel for u in self.units], max_traces)
         self._cursor: PassCursor | None = None
         self._live_numel = 0  # elements of non-persistent units FETCHING or READY
+        self._views = ViewIndex()  # READY units by address; see [Note: saved parameter views]
         self._lock = threading.RLock()
 
     # -- passes --------------------------------------------------------------------------------
@@ -153,6 +156,16 @@ class ParamCoordinator:
                 if u.state is not UnitState.RELEASED:
                     self._release_unit(u)
 
+    def pack(self, t: torch.Tensor) -> Any:
+        """Autograd pack hook: see [Note: saved parameter views]."""
+        with self._lock:
+            return pack_saved(self._views, t)
+
+    def unpack(self, saved: Any) -> torch.Tensor:
+        """Autograd unpack hook: see [Note: saved parameter views]."""
+        with self._lock:
+            return unpack_saved(self, saved)
+
     # -- internals (lock held) -------------------------------------------------------------------
 
     def _finish_grads(self, unit: FetchUnit) -> None:
@@ -213,10 +226,12 @@ class ParamCoordinator:
             self.stats.stall_s += time.perf_counter() - start
         u.bind(flat)
         u.state = UnitState.READY
+        self._views.add(u)
 
     def _release_unit(self, u: FetchUnit) -> None:
         u.expect(UnitState.FETCHING, UnitState.READY)
         if u.state is UnitState.READY:
+            self._views.remove(u)
             u.unbind(self._placeholders[u.dtype])
         u.future = None
         u.state = UnitState.RELEASED

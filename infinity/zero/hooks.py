@@ -1,7 +1,8 @@
 """The hooks that drive the coordinator, one state object per managed module.
 
-- root forward pre-hook: begin a pass (keyed by train/eval and grad mode); root forward
-  post-hook: end it when no backward will follow (grad disabled);
+- root forward pre-hook: begin a pass (keyed by train/eval and grad mode) and save parameter
+  views by position (see [Note: saved parameter views]); root forward post-hook (also on an
+  error): stop that, and end the pass when no backward will follow (grad disabled);
 - per module that uses units: forward pre-hook acquires them, forward post-hook releases them
   and, when grad is on, puts a hook on each output tensor that acquires them again when the
   outputs' gradients arrive (the module's backward is next), as FSDP2 does;
@@ -62,9 +63,10 @@ class ModelHooks:
     def __init__(self, model: torch.nn.Module, units: Sequence[FetchUnit],
                  uses: Mapping[torch.nn.Module, Sequence[FetchUnit]], coordinator: ParamCoordinator) -> None:
         self.coordinator = coordinator
+        self._saved_views: list[torch.autograd.graph.saved_tensors_hooks] = []
         self._handles: list[RemovableHandle] = [
             model.register_forward_pre_hook(self._begin_pass, prepend=True),
-            model.register_forward_hook(self._end_pass_without_backward),
+            model.register_forward_hook(self._end_forward, always_call=True),
         ]
         self._modules = [_ModuleState(m, us, coordinator) for m, us in uses.items()]
         for unit in units:
@@ -80,8 +82,14 @@ class ModelHooks:
 
     def _begin_pass(self, module: torch.nn.Module, args: Any) -> None:
         self.coordinator.begin_pass((module.training, torch.is_grad_enabled()))
+        # See [Note: saved parameter views]; left in _end_forward, which runs even on an error.
+        views = torch.autograd.graph.saved_tensors_hooks(self.coordinator.pack, self.coordinator.unpack)
+        views.__enter__()
+        self._saved_views.append(views)
 
-    def _end_pass_without_backward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+    def _end_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self._saved_views:
+            self._saved_views.pop().__exit__(None, None, None)
         if not torch.is_grad_enabled():
             self.coordinator.end_pass()
 
