@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import aio
+from infinity.optim._tiles import cut_tiles
 from infinity.optim.cpu_adam import CPUAdam
-from infinity.optim.swapped import SwappedOptimizer, _cut_tiles
+from infinity.optim.swapped import SwappedOptimizer
 from infinity.store import TensorStore
 
 MiB = 1 << 20
@@ -202,7 +203,7 @@ def test_bad_input(store):
 
 
 def test_tiles_cover_every_element_once():
-    tiles = _cut_tiles([5, 0, 12, 3], 4)
+    tiles = cut_tiles([5, 0, 12, 3], 4)
     seen = [(s.param, s.param_offset + k) for t in tiles for s in t for k in range(s.numel)]
     assert sorted(seen) == [(0, k) for k in range(5)] + [(2, k) for k in range(12)] + [(3, k) for k in range(3)]
     assert all(sum(s.numel for s in t) <= 4 for t in tiles)
