@@ -7,3 +7,11 @@ class ConfigError(ValueError):
 
 class BudgetError(MemoryError):
     """A memory budget (arena, tier, pool) cannot hold what was asked; the message carries the stats."""
+
+
+class ConfigPathError(OSError, ConfigError):
+    """A path in the configuration cannot be used (missing, not a directory, not writable).
+
+    An OSError (errno, strerror naming the config key, filename) and a ConfigError at once, so
+    callers catching either see it.
+    """

@@ -16,6 +16,7 @@ ALLOWED = {
     "tools": {"infinity", "aio"},
     "infinity.engine": {"infinity.zero", "infinity.optim", "infinity.config", "infinity.store", "infinity.memory", "infinity.errors", "aio"},
     "infinity.zero": {"infinity.store", "infinity.memory", "infinity.errors", "aio"},
+    "infinity.config": {"infinity.optim", "infinity.errors", "aio"},
     "infinity.optim": {"infinity.store", "infinity.memory", "infinity.errors", "aio"},
     "infinity.store": {"infinity.memory", "infinity.errors", "aio"},
     "infinity.memory": {"infinity.errors", "aio"},

@@ -1,0 +1,51 @@
+"""DeepSpeed-compatible configuration: JSON -> typed, validated, frozen sections."""
+
+from infinity.config._config import Config
+from infinity.config._ignored import (
+    ActivationCheckpointingConfig,
+    FlopsProfilerConfig,
+    MonitorConfig,
+    WandbConfig,
+)
+from infinity.config._load import load_config
+from infinity.config._schedule import build_lr_schedule
+from infinity.config._sections import (
+    AdamParams,
+    AioConfig,
+    AmpConfig,
+    BF16Config,
+    FP16Config,
+    InfinityConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+    WarmupCosineLRParams,
+    WarmupDecayLRParams,
+    WarmupLRParams,
+)
+from infinity.config._values import parse_bytes
+from infinity.config._zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
+
+__all__ = [
+    "ActivationCheckpointingConfig",
+    "AdamParams",
+    "AioConfig",
+    "AmpConfig",
+    "BF16Config",
+    "Config",
+    "FP16Config",
+    "FlopsProfilerConfig",
+    "InfinityConfig",
+    "MonitorConfig",
+    "OffloadOptimizerConfig",
+    "OffloadParamConfig",
+    "OptimizerConfig",
+    "SchedulerConfig",
+    "WandbConfig",
+    "WarmupCosineLRParams",
+    "WarmupDecayLRParams",
+    "WarmupLRParams",
+    "ZeroConfig",
+    "build_lr_schedule",
+    "load_config",
+    "parse_bytes",
+]
