@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
+from infinity.config import AdamParams, Config, OptimizerConfig, build_lr_schedule
 from infinity.engine._host_adam import HostUnitAdam
 from infinity.engine._plan import MemoryPlan, plan_memory
-from infinity.engine._settings import Settings
-from infinity.optim import DynamicLossScaler
+from infinity.optim import DynamicLossScaler, SwappedOptimizer, UnitSpec
 from infinity.store import TensorStore, Tier
 from infinity.zero import FetchUnit, ModelHooks, ParamCoordinator, place_units, plan_units
 
@@ -53,58 +53,73 @@ class Engine:
         micro_steps: calls of `step()` (one per micro-batch).
     """
 
-    def __init__(self, model: torch.nn.Module, settings: Settings, *, nvme_path: str | None = None) -> None:
-        self.settings = settings
+    def __init__(self, model: torch.nn.Module, config: Config) -> None:
+        self.config = config
         self.module = model
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
         self._closed = False
+        zero = config.zero_optimization
         accelerator = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if accelerator else torch.device("cpu")
-        if settings.fp16 or settings.bf16:
-            model.to(torch.float16 if settings.fp16 else torch.bfloat16)
+        if config.fp16.enabled or config.bf16.enabled:
+            model.to(torch.float16 if config.fp16.enabled else torch.bfloat16)
         model.to(self.device)
         # Below stage 3 nothing is partitioned: every parameter stays resident.
-        persistence = settings.persistence_numel if settings.stage == 3 else 1 << 62
+        persistence = zero.stage3_param_persistence_threshold if zero.stage == 3 else 1 << 62
         self.units, uses = plan_units(model, persistence_numel=persistence)
+        prefetch_numel = zero.stage3_prefetch_bucket_size if config.infinity.trace_prefetch else 0
         self.plan: MemoryPlan = plan_memory(
-            self.units, offload_param=settings.offload_param if settings.stage == 3 else "none",
-            offload_optimizer=settings.offload_optimizer, accelerator=accelerator,
-            prefetch_numel=settings.prefetch_bucket_numel, tile_numel=settings.sub_group_size,
-            host_memory_budget=settings.host_memory_budget)
+            self.units, offload_param=zero.offload_param.device if zero.stage == 3 else "none",
+            offload_optimizer=zero.offload_optimizer.device, accelerator=accelerator,
+            prefetch_numel=prefetch_numel, tile_numel=zero.sub_group_size,
+            host_memory_budget=config.infinity.host_memory_budget)
         logger.info("engine: stage %d, params at home on %s, optimizer state %s; store budgets %s",
-                    settings.stage, self.plan.param_home.label,
+                    zero.stage, self.plan.param_home.label,
                     self.plan.state_tier.label if self.plan.state_tier else "in RAM",
                     {t.label: n for t, n in self.plan.budgets.items()})
-        self.store = TensorStore(self.plan.budgets, nvme_path=nvme_path or settings.nvme_path, device=self.device)
+        nvme_path = zero.offload_param.nvme_path if self.plan.param_home == Tier.NVME else None
+        nvme_path = nvme_path or zero.offload_optimizer.nvme_path
+        aio_options = {**config.aio.handle_options(), "backend": config.infinity.aio_backend}
+        self.store = TensorStore(self.plan.budgets, nvme_path=nvme_path, device=self.device,
+                                 aio_options=aio_options)
         try:
             place_units(self.units, self.store, home=self.plan.param_home, device=self.device)
             self.coordinator = ParamCoordinator(
                 self.units, self.store, fetch_tier=self.plan.fetch_tier, device=self.device,
-                prefetch_numel=settings.prefetch_bucket_numel, max_live_numel=settings.max_live_numel,
-                max_reuse_numel=settings.max_reuse_numel)
+                prefetch_numel=prefetch_numel, max_live_numel=zero.stage3_max_live_parameters,
+                max_reuse_numel=zero.stage3_max_reuse_distance)
             self._hooks = ModelHooks(model, self.units, uses, self.coordinator)
             self._trained = [u for u in self.units if u.requires_grad]
             self.optimizer = self._make_optimizer()
         except BaseException:
             self.store.close()
             raise
+        fp16 = config.fp16
         self.scaler = DynamicLossScaler(
-            scale=2.0 ** settings.initial_scale_power, window=settings.loss_scale_window,
-            hysteresis=settings.hysteresis, min_scale=settings.min_loss_scale) if settings.fp16 else None
+            scale=fp16.initial_scale, window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
+            min_scale=fp16.min_loss_scale) if fp16.enabled and fp16.dynamic else None
+        self._static_scale = fp16.initial_scale if fp16.enabled and not fp16.dynamic else 1.0
+        self._schedule = None if config.scheduler is None else \
+            build_lr_schedule(config.scheduler, optimizer_lr=self.optimizer.lr)
+        self._schedule_steps = 0
+        if self._schedule is not None:
+            self.optimizer.lr = self._schedule.lr_at(-1)
         self.last_grad_norm: float | None = None
 
-    def _make_optimizer(self):
-        s = self.settings
-        hyper = {"lr": s.lr, "betas": s.betas, "eps": s.eps, "weight_decay": s.weight_decay,
-                 "adamw_mode": s.adamw_mode}
+    def _make_optimizer(self) -> HostUnitAdam | SwappedOptimizer:
+        """Per-unit Adam: state in RAM without optimizer offload, else in the store's tier."""
+        opt = self.config.optimizer or OptimizerConfig(type="AdamW", params=AdamParams())
+        p = opt.params
+        hyper = {"lr": p.lr, "betas": p.betas, "eps": p.eps, "weight_decay": p.weight_decay,
+                 "adamw_mode": opt.decoupled_weight_decay}
         if self.plan.state_tier is None:
             return HostUnitAdam(self._trained, self.store, **hyper)
-        from infinity.optim import SwappedOptimizer, UnitSpec  # noqa: PLC0415
         specs = [UnitSpec(u.numel, u.dtype, u.key) for u in self._trained]
-        return SwappedOptimizer.from_units(specs, self.store, tile_numel=s.sub_group_size,
-                                           state_tier=self.plan.state_tier, **hyper)
+        return SwappedOptimizer.from_units(specs, self.store, state_tier=self.plan.state_tier,
+                                           tile_numel=self.config.zero_optimization.sub_group_size,
+                                           **hyper)
 
     # -- training loop -------------------------------------------------------------------------
 
@@ -124,10 +139,10 @@ class Engine:
             raise ValueError("backward() needs a scalar loss tensor that requires grad, got "
                              f"{type(loss).__name__}{tuple(getattr(loss, 'shape', ()))}")
         scaled = loss
-        if self.settings.gradient_accumulation_steps > 1:
-            scaled = scaled / self.settings.gradient_accumulation_steps
-        if self.scaler is not None:
-            scaled = scaled * self.scaler.scale
+        if self.config.gradient_accumulation_steps > 1:
+            scaled = scaled / self.config.gradient_accumulation_steps
+        if self.config.fp16.enabled:
+            scaled = scaled * self._loss_scale()
         try:
             scaled.backward()
         finally:
@@ -135,7 +150,7 @@ class Engine:
         return loss
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.settings.gradient_accumulation_steps == 0
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
     def step(self) -> None:
         """Call after every backward; updates the parameters at accumulation boundaries."""
@@ -144,31 +159,37 @@ class Engine:
             self._take_step()
         self.micro_steps += 1
 
+    def _loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else self._static_scale
+
     def _take_step(self) -> None:
         self.coordinator.release_all()
-        scale = self.scaler.scale if self.scaler is not None else 1.0
+        scale = self._loss_scale()
         norm = self._grad_norm() / scale
         self.last_grad_norm = norm
-        if self.scaler is not None:
+        self.global_steps += 1
+        if self.config.fp16.enabled:
             overflow = not math.isfinite(norm)
-            self.scaler.update(overflow)
+            if self.scaler is not None:
+                self.scaler.update(overflow)
             if overflow:
                 logger.info("step %d skipped: gradient overflow, loss scale now %g",
-                            self.global_steps + 1, self.scaler.scale)
+                            self.global_steps, self._loss_scale())
                 self.skipped_steps += 1
-                self.global_steps += 1
                 self._zero_grads()
                 return
         clip = 1.0
-        if self.settings.gradient_clipping > 0 and norm > 0:
-            clip = min(1.0, self.settings.gradient_clipping / (norm + 1e-6))
+        if self.config.gradient_clipping > 0 and norm > 0:
+            clip = min(1.0, self.config.gradient_clipping / (norm + 1e-6))
         self.optimizer.begin_step()
         for i, unit in enumerate(self._trained):
             grad = unit.grad if unit.grad is not None else torch.zeros(unit.numel, dtype=unit.dtype)
             self.optimizer.step_unit(i, grad, grad_scale=clip / scale)
         self.optimizer.finish_step()
         self._zero_grads()
-        self.global_steps += 1
+        if self._schedule is not None:  # as DeepSpeed: the schedule advances on applied steps
+            self._schedule_steps += 1
+            self.optimizer.lr = self._schedule.lr_at(self._schedule_steps - 1)
 
     def _grad_norm(self) -> float:
         """L2 norm over every unit's gradient buffer (sum of squares in float64)."""
@@ -205,7 +226,7 @@ class Engine:
         """Store tiers and moves, prefetch counters, steps, and peak host memory (VmHWM)."""
         return {"store": self.store.stats(), "prefetch": asdict(self.coordinator.stats),
                 "global_steps": self.global_steps, "skipped_steps": self.skipped_steps,
-                "loss_scale": self.scaler.scale if self.scaler is not None else None,
+                "loss_scale": self._loss_scale() if self.config.fp16.enabled else None,
                 "peak_rss_bytes": _peak_rss_bytes()}
 
     def write_trace(self, path: str | os.PathLike[str]) -> None:

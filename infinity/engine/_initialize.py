@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
+from infinity.config import load_config
 from infinity.engine._engine import Engine
-from infinity.engine._settings import read_settings
 
 
 def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLike[str]) -> Engine:
@@ -17,7 +17,11 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     The model's parameters move into the engine's store (their tensors become empty
     placeholders between uses); train through the returned Engine, and `close()` it to remove
     the hooks and get ordinary parameters back.
+
+    Raises ConfigError (a ValueError) or ConfigPathError (an OSError) naming the key at fault,
+    and BudgetError when host_memory_budget cannot hold the memory plan; all before anything
+    is moved.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"initialize() needs a torch.nn.Module, got {type(model).__name__}")
-    return Engine(model, read_settings(config))
+    return Engine(model, load_config(config, model=model))

@@ -47,6 +47,8 @@ def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optim
                 accelerator: bool, prefetch_numel: int, tile_numel: int,
                 host_memory_budget: int | None) -> MemoryPlan:
     """Budgets for the store from the unit sizes and the offload devices; see [Note: memory plan].
+    `host_memory_budget` caps the host tier (less what lives outside the store); the tier is
+    never larger than the plan needs.
 
     Raises BudgetError when `host_memory_budget` cannot hold the smallest working set.
     """
@@ -82,7 +84,7 @@ def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optim
                 f"{outside} bytes of gradients/optimizer state in RAM plus at least {host_minimum} "
                 f"bytes of parameters and optimizer tiles in the host tier; raise the budget or "
                 f"offload more (offload_param/offload_optimizer device 'nvme')")
-        host = available
+        host = min(host, available)
     budgets[Tier.HOST] = host
     nvme = (everything if param_home == Tier.NVME else 0) + (state if state_tier == Tier.NVME else 0)
     if nvme:
