@@ -29,7 +29,7 @@ from infinity.errors import BudgetError
 from infinity.store import TensorStore, Tier
 from infinity.zero._common import PrefetchStats, UnitState
 from infinity.zero.saved_views import ViewIndex, pack_saved, unpack_saved
-from infinity.zero.trace import PassCursor, TraceBook
+from infinity.zero.trace import PassCursor, Trace, TraceBook
 from infinity.zero.unit import FetchUnit
 
 logger = logging.getLogger(__name__)
@@ -255,9 +255,14 @@ class ParamCoordinator:
         return nxt < len(trace) and trace.numel_between(u.last_pos + 1, nxt) <= self.max_reuse_numel
 
     def _prefetch_after(self, pos: int) -> None:
-        trace = self._cursor.trace if self._cursor is not None else None
-        if trace is None or self.prefetch_numel <= 0:
+        """Prefetch along every trace the pass may still follow (a route not taken yet costs
+        reads, a route missed costs a stall)."""
+        if self._cursor is None or self.prefetch_numel <= 0:
             return
+        for trace in self._cursor.candidates:
+            self._prefetch_along(trace, pos)
+
+    def _prefetch_along(self, trace: Trace, pos: int) -> None:
         for j in range(pos + 1, len(trace)):
             first = j == pos + 1
             if not first and trace.numel_between(pos + 1, j + 1) > self.prefetch_numel:
