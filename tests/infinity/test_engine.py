@@ -31,14 +31,14 @@ def llama() -> torch.nn.Module:
     return model
 
 
-def config(tmp_path, param="none", optimizer="none", **extra) -> dict:
+def config(tmp_path, param="none", optimizer="none", lr=LR, **extra) -> dict:
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 600,
             "stage3_max_reuse_distance": 0, "sub_group_size": 256}
     for key, device in (("offload_param", param), ("offload_optimizer", optimizer)):
         zero[key] = {"device": device, **({"nvme_path": str(tmp_path)} if device == "nvme" else {})}
     zero.update(extra.pop("zero", {}))
     return {"train_micro_batch_size_per_gpu": 2,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+            "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": WD}},
             "zero_optimization": zero, "infinity": {"host_memory_budget": "1GB"}, **extra}
 
 
@@ -60,8 +60,8 @@ def loss_of(out):
     return out.loss if hasattr(out, "loss") else out.square().mean()
 
 
-def train_reference(model, batches, *, gas=1, clip=0.0):
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+def train_reference(model, batches, *, gas=1, clip=0.0, lr=LR):
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=WD)
     losses = []
     for i, (args, kwargs) in enumerate(batches):
         loss = loss_of(model(*args, **kwargs))
@@ -227,3 +227,19 @@ def test_bad_input_is_refused_with_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="scalar loss"):
         engine.backward(engine(x))
     engine.close()
+
+
+@pytest.mark.parametrize("optimizer, steps", [("nvme", 50), ("none", 10)])
+def test_bf16_tracks_the_fp32_reference(tmp_path, optimizer, steps):
+    """bf16 values with an fp32 master in the optimizer: the loss stays within 1% of fp32's."""
+    model = llama()
+    reference = copy.deepcopy(model)
+    data = llama_batches(2) * (steps // 2)  # two batches again and again: the loss falls
+    engine = infinity.initialize(model, config(tmp_path, "nvme", optimizer, lr=3e-3, bf16={"enabled": True}))
+    assert {u.dtype for u in engine.units} == {torch.bfloat16}
+    losses = train_engine(engine, data)
+    engine.close()
+    ref_losses = train_reference(reference, data, lr=3e-3)
+    assert ref_losses[-1] < ref_losses[0] - 0.1  # it learned something to track
+    for got, want in zip(losses, ref_losses):
+        assert abs(got - want) <= 0.01 * want, (losses, ref_losses)
