@@ -72,7 +72,7 @@ def fill_auto(tree: Tree, *, model: torch.nn.Module | None, notes: Notes) -> Non
               "zero_optimization.stage3_param_persistence_threshold", source, notes)
 
     own = tree.get("infinity")
-    if own is not None and own.values.get("host_memory_budget", AUTO) is AUTO:
+    if own is not None and own.values.get("host_memory_budget") in (None, AUTO):
         own.values["host_memory_budget"] = AUTO
         _fill(own, "host_memory_budget", int(BUDGET_SHARE * available_memory_bytes()),
               "infinity.host_memory_budget", f"{BUDGET_SHARE:.0%} of available memory", notes)

@@ -120,12 +120,24 @@ class Config(Section):
         "dump_state": "logging.getLogger('infinity') at DEBUG shows the state",
         "memory_breakdown": "engine.stats() reports peak host memory",
     }
-    OPAQUE: ClassVar[dict[str, str]] = {name: _OPAQUE_FEATURE for name in (
-        "autotuning", "comms_logger", "comet", "compression_training", "curriculum_learning",
-        "data_efficiency", "elasticity", "sparse_attention", "hybrid_engine", "tensor_parallel",
-        "checkpoint", "data_types", "torch_autocast", "pipeline", "nebula", "aim",
-        "weight_quantization", "quantize_training", "eigenvalue", "progressive_layer_drop",
-        "monitor_config")}
+    OPAQUE: ClassVar[dict[str, str]] = {
+        **{name: _OPAQUE_FEATURE for name in (
+            "autotuning", "comms_logger", "comet", "compression_training", "curriculum_learning",
+            "data_efficiency", "elasticity", "sparse_attention", "hybrid_engine",
+            "tensor_parallel", "expert_parallel", "use_data_before_expert_parallelism",
+            "pipeline", "nebula", "aim", "weight_quantization", "quantize_training",
+            "eigenvalue", "progressive_layer_drop", "compile", "graph_harvesting",
+            "vocabulary_size", "timers", "monitor_config")},
+        **{name: _ONE_PROCESS for name in (
+            "disable_allgather", "gradient_allreduce_op", "seq_parallel_communication_data_type")},
+        "checkpoint": "checkpoint options are arguments of the engine's save and load",
+        "data_types": "gradients accumulate in the parameter dtype",
+        "torch_autocast": "the compute dtype is infinity.compute_dtype",
+        "managed_gradient_accumulation": "the update happens at the boundaries that "
+                                         "gradient_accumulation_steps sets",
+        "dataloader_drop_last": "Infinity has no data loader",
+        "log_level": "configure logging.getLogger('infinity') in the application",
+    }
 
     def __post_init__(self) -> None:
         check(self.world_size >= 1, "world_size", self.world_size, "an integer >= 1")

@@ -30,7 +30,7 @@ class ActivationCheckpointingConfig(Section):
 
     SECTION_REASON: ClassVar[str] = (
         "activation checkpointing is the model's own (e.g. transformers' "
-        "gradient_checkpointing_enable); Infinity's hooks work with torch.utils.checkpoint")
+        "gradient_checkpointing_enable())")
 
 
 @dataclass(kw_only=True, frozen=True)

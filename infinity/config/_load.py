@@ -13,6 +13,7 @@ import torch
 
 from infinity.config._auto import fill_auto, fill_batch
 from infinity.config._config import Config
+from infinity.config._legacy import hoist_nested_aio, translate_cpu_offload
 from infinity.config._machine import total_memory_bytes
 from infinity.config._parse import Notes, Tree, build, read
 from infinity.config._paths import check_writable_dir
@@ -41,14 +42,15 @@ def _read_json(config: dict[str, Any] | str | os.PathLike[str]) -> Any:
                               f"({exc.strerror})", path) from None
 
 
-def load_config(config: dict[str, Any] | str | os.PathLike[str], *,
+def load_config(config: Config | dict[str, Any] | str | os.PathLike[str], *,
                 model: torch.nn.Module | None = None, world_size: int = 1) -> Config:
     """Parse and validate a DeepSpeed-style config; fill "auto" from `model` and the machine.
 
     Parameters
     ----------
     config:
-        The JSON as a dict (not modified), or the path of a JSON file.
+        The JSON as a dict (not modified), or the path of a JSON file; a `Config` is returned
+        as it is.
     model:
         Used for "auto" bucket sizes (`model.config.hidden_size`, as the Hugging Face
         integration reads it); without one those get DeepSpeed's defaults.
@@ -67,9 +69,11 @@ def load_config(config: dict[str, Any] | str | os.PathLike[str], *,
     Logs at most two info lines: the values filled for "auto" or absent keys, and the keys
     accepted but not honoured (docs/engine.md says why for each).
     """
+    if isinstance(config, Config):
+        return config  # already loaded: initialize() may be handed one
     raw = _read_json(config)
     notes = Notes()
-    raw, nested_aio = _hoist_nested_aio(raw)
+    raw, nested_aio = hoist_nested_aio(translate_cpu_offload(raw, notes))
     tree = read(Config, raw, "", notes)
     if nested_aio is not None:
         tree.values["aio"] = read(AioConfig, nested_aio, "zero_optimization.aio", notes)
@@ -85,19 +89,6 @@ def load_config(config: dict[str, Any] | str | os.PathLike[str], *,
     if notes.not_honoured:
         logger.info("config: accepted, not honoured: %s", "; ".join(notes.not_honoured))
     return result
-
-
-def _hoist_nested_aio(raw: Any) -> tuple[Any, Any]:
-    """The Hugging Face docs' ZeRO-Infinity example puts `aio` inside `zero_optimization`; take
-    it from there (without modifying the caller's dict) as if it were at the top level."""
-    zero = raw.get("zero_optimization") if isinstance(raw, dict) else None
-    if not isinstance(zero, dict) or "aio" not in zero:
-        return raw, None
-    if "aio" in raw:
-        raise ConfigError("aio is given twice, at the top level and as zero_optimization.aio: "
-                          "keep one")
-    zero = {key: value for key, value in zero.items() if key != "aio"}
-    return {**raw, "zero_optimization": zero}, raw["zero_optimization"]["aio"]
 
 
 def _check_machine(config: Config) -> None:

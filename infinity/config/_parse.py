@@ -61,7 +61,7 @@ def _section_of(annotation: Any) -> type[Section] | None:
 
 
 def _valid_keys(cls: type[Section]) -> set[str]:
-    names = {f.name for f in dataclasses.fields(cls)} - getattr(cls, "INTERNAL", frozenset())
+    names = {f.name for f in dataclasses.fields(cls)} - cls.INTERNAL
     return names | set(cls.ALIASES) | set(cls.OPAQUE)
 
 
@@ -89,11 +89,12 @@ def read(cls: type[Section], raw: Any, path: str, notes: Notes) -> Tree:
         if name in cls.NOT_HONOURED:
             notes.not_honoured.append(f"{where} ({cls.NOT_HONOURED[name]})")
         values[name] = _read_value(cls, name, raw[key], where, values, notes)
-    if hasattr(cls, "params_class") and "type" not in values:
-        raise _missing_type(cls, path)
-    reason = getattr(cls, "SECTION_REASON", None)
-    if reason is not None and raw:
-        notes.not_honoured.append(f"{path} ({reason})")
+    if hasattr(cls, "params_class"):
+        if "type" not in values:
+            raise _missing_type(cls, path)
+        values.setdefault("params", Tree(cls.params_class(values["type"]), {}))
+    if cls.SECTION_REASON is not None and raw:
+        notes.not_honoured.append(f"{path} ({cls.SECTION_REASON})")
     return Tree(cls, values)
 
 
@@ -115,12 +116,13 @@ def _read_value(cls: type[Section], name: str, value: Any, where: str, done: dic
                 raise _missing_type(cls, where.rpartition(".")[0])
             return read(cls.params_class(done["type"]), value, where, notes)
     sub = _section_of(annotation)
-    if value == "auto" and isinstance(value, str):
+    if isinstance(value, str) and value == "auto":
         if name in cls.NO_AUTO or sub is not None:
             raise FieldError(where, value, "an explicit value: \"auto\" is not allowed here")
         return AUTO
     if sub is not None:
-        return read(sub, value, where, notes)
+        # null for a section means its defaults (DeepSpeed's Optional sections)
+        return read(sub, {} if value is None else value, where, notes)
     return convert(value, annotation, where)
 
 

@@ -17,9 +17,13 @@ class Section:
     ALIASES: old or alternative key -> the field it sets (e.g. aio's `thread_count`).
     NO_AUTO: fields for which "auto" makes no sense (a type name, a path).
     OPAQUE: keys accepted with any value and never read (whole features Infinity lacks).
+    INTERNAL: fields that are not JSON keys (set by load_config).
+    SECTION_REASON: why the whole section is accepted but not acted on; None if it is.
     """
 
     NOT_HONOURED: ClassVar[dict[str, str]] = {}
     ALIASES: ClassVar[dict[str, str]] = {}
     NO_AUTO: ClassVar[frozenset[str]] = frozenset()
     OPAQUE: ClassVar[dict[str, str]] = {}
+    INTERNAL: ClassVar[frozenset[str]] = frozenset()
+    SECTION_REASON: ClassVar[str | None] = None

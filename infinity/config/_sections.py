@@ -66,6 +66,8 @@ class OptimizerConfig(Section):
     """The hyperparameters."""
 
     NO_AUTO: ClassVar[frozenset[str]] = frozenset({"type"})
+    OPAQUE: ClassVar[dict[str, str]] = {
+        "legacy_fusion": "DeepSpeed's fused fp16 optimizer wrapper does not exist here"}
     TYPES: ClassVar[dict[str, str]] = {"adam": "Adam", "adamw": "AdamW"}
 
     @classmethod
@@ -137,6 +139,9 @@ class WarmupLRParams(_WarmupParams):
 class WarmupDecayLRParams(WarmupLRParams):
     """`scheduler.params` of WarmupDecayLR: WarmupLR, then linear decay to 0 at total_num_steps."""
 
+    warmup_max_lr: float | None = 1e-3
+    """Learning rate after warmup. Default 0.001 (DeepSpeed's WarmupDecayLR, unlike WarmupLR,
+    does not default to the optimizer's lr)."""
     total_num_steps: int | None = None
     """Step at which the learning rate reaches 0. Required; null ("auto": the Trainer's
     max_steps) must be given when the schedule is built."""
@@ -342,8 +347,8 @@ class InfinityConfig(Section):
 
     host_memory_budget: ByteSize | None = None
     """Bytes of host memory the engine may allocate (arenas, pools, gradients, optimizer
-    tiles); an integer or a string such as "8GB" or "512MiB". Absent or "auto": 80% of the
-    memory available when the config is loaded. None only on a config built by hand."""
+    tiles); an integer or a string such as "8GB" or "512MiB". Absent, null or "auto": 80% of
+    the memory available when the config is loaded. None only on a config built by hand."""
     trace_prefetch: bool = True
     """Record the order of fetches in step 1 and prefetch along it afterwards. Default true."""
     compute_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"

@@ -133,7 +133,8 @@ class ZeroConfig(Section):
     stage3_gather_16bit_weights_on_model_save: bool = False
     """Gather the full 16-bit weights when the model is saved. Default false."""
     sub_group_size: int = int(1e9)
-    """DeepSpeed: elements per optimizer sub-group. Default 1e9."""
+    """Elements per optimizer sub-group (DeepSpeed), the most per optimizer tile here
+    (SwappedOptimizer's tile_numel). Default 1e9."""
     reduce_bucket_size: int = int(5e8)
     """DeepSpeed: elements per gradient reduction bucket. Default 5e8 ("auto": hidden_size**2)."""
     allgather_bucket_size: int = int(5e8)
@@ -190,7 +191,6 @@ class ZeroConfig(Section):
     """DeepSpeed: keep Muon momentum out of NVMe. Default false."""
 
     NOT_HONOURED: ClassVar[dict[str, str]] = {
-        "sub_group_size": "optimizer tiles are cut per fetch unit (one module's parameters)",
         "reduce_bucket_size": _ONE_PROCESS,
         "allgather_bucket_size": _ONE_PROCESS,
         "overlap_comm": _ONE_PROCESS,
@@ -210,12 +210,12 @@ class ZeroConfig(Section):
         "elastic_checkpoint": "checkpoints are rank-independent by design",
         "load_from_fp32_weights": "a checkpoint always restores the fp32 master",
         "pipeline_loading_checkpoint": "checkpoints stream with bounded memory anyway",
-        "ignore_unused_parameters": "a parameter without a gradient never blocks a step",
+        "ignore_unused_parameters": "one process: no stage 1/2 reduction waits for gradients",
         "memory_efficient_linear": "ordinary autograd; hooks fetch parameters per module",
-        "override_module_apply": "module.apply sees placeholders outside forward",
+        "override_module_apply": "Infinity does not patch module.apply",
         "stage3_module_granularity_threshold": "the fetch unit is one module's parameters",
-        "log_trace_cache_warnings": "trace switches are logged at debug level",
-        "enable_sanity_checks": "the store checks its invariants always",
+        "log_trace_cache_warnings": "there is no trace-cache warning to switch on",
+        "enable_sanity_checks": "there are no optional stage-3 checks to switch on",
         "legacy_stage1": "there is one implementation of each stage",
         "save_muon_momentum_buffer_in_memory": "Infinity has no Muon optimizer",
     }

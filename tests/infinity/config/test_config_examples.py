@@ -115,3 +115,13 @@ def test_hf_zero3_inference_nvme(tmp_path):
     assert config.precision == "bf16" and config.param_dtype is torch.bfloat16
     assert config.zero_optimization.offload_param.buffer_size == 10**9
     assert config.zero_optimization.stage3_max_live_parameters == 10**9  # "auto"
+
+
+def test_hf_auto_from_a_transformers_model(tmp_path):
+    """A real (tiny, randomly initialised) transformers model: hidden_size via its config."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=16))
+    config = _load("hf_zero3_offload_cpu_auto.json", tmp_path, model=model)
+    assert config.zero_optimization.reduce_bucket_size == 32 * 32
+    assert config.zero_optimization.stage3_param_persistence_threshold == 320

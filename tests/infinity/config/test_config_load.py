@@ -74,11 +74,16 @@ def test_host_memory_budget_accepts_bytes_and_unit_strings():
         == 10**9
 
 
-def test_host_memory_budget_auto_and_absent_follow_the_machine():
-    total = load_config({}).infinity.host_memory_budget
-    auto = load_config({"infinity": {"host_memory_budget": "auto"}}).infinity.host_memory_budget
-    assert total > 0 and auto > 0
-    assert abs(total - auto) < 2**30  # both 80% of what is available now; it moves a little
+def test_host_memory_budget_auto_and_absent_follow_the_machine(monkeypatch):
+    import infinity.config._auto as auto
+    from infinity.config._machine import available_memory_bytes, total_memory_bytes
+    assert 0 < available_memory_bytes() <= total_memory_bytes()
+    monkeypatch.setattr(auto, "available_memory_bytes", lambda: 10 * 2**30)
+    for infinity in ({}, {"host_memory_budget": "auto"}, {"host_memory_budget": None}):
+        config = load_config({"infinity": infinity})
+        assert config.infinity.host_memory_budget == 8 * 2**30
+    assert "infinity.host_memory_budget=8589934592 (80% of available memory)" in \
+        config.auto_filled
 
 
 def test_aio_maps_onto_handle_options_and_thread_count_alias():
@@ -225,14 +230,14 @@ def test_every_field_has_a_docstring():
 
 
 def test_not_honoured_keys_are_logged_once(caplog):
-    raw = {"zero_optimization": {"stage": 3, "overlap_comm": True, "sub_group_size": 1e9,
+    raw = {"zero_optimization": {"stage": 3, "overlap_comm": True, "allgather_bucket_size": 1e9,
                                  "offload_param": {"device": "cpu", "buffer_count": 5}},
            "tensorboard": {"enabled": True}, "communication_data_type": "fp32"}
     with caplog.at_level(logging.INFO, logger="infinity.config"):
         config = load_config(raw)
     lines = [r.getMessage() for r in caplog.records if "not honoured" in r.getMessage()]
     assert len(lines) == 1
-    for key in ("zero_optimization.overlap_comm", "zero_optimization.sub_group_size",
+    for key in ("zero_optimization.overlap_comm", "zero_optimization.allgather_bucket_size",
                 "zero_optimization.offload_param.buffer_count", "tensorboard",
                 "communication_data_type"):
         assert key in lines[0]
@@ -265,3 +270,81 @@ def test_nvme_path_is_checked_and_created_nowhere(tmp_path):
     load_config({"zero_optimization": {
         "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(existing)}}})
     assert list(existing.iterdir()) == [], "the write probe leaves nothing behind"
+
+
+def test_docs_list_every_key_accepted_but_not_honoured():
+    import pathlib
+
+    import infinity.config as c
+    from infinity.config._sections import _WarmupParams
+    docs = (pathlib.Path(__file__).parents[3] / "docs" / "engine.md").read_text()
+    places = {"": c.Config, "optimizer": c.OptimizerConfig, "zero_optimization": c.ZeroConfig,
+              "zero_optimization.offload_param": c.OffloadParamConfig,
+              "zero_optimization.offload_optimizer": c.OffloadOptimizerConfig,
+              "optimizer.params": c.AdamParams, "scheduler.params": _WarmupParams,
+              "fp16": c.FP16Config, "bf16": c.BF16Config, "aio": c.AioConfig}
+    missing = [f"{path}.{key}".lstrip(".")
+               for path, cls in places.items() for key in [*cls.NOT_HONOURED, *cls.OPAQUE]
+               if f"`{path}.{key}`".replace("`.", "`") not in docs]
+    missing += [name for name in ("activation_checkpointing", "flops_profiler", "tensorboard",
+                                  "csv_monitor", "wandb") if f"`{name}` (keys checked)" not in docs]
+    assert not missing, missing
+
+
+def test_warmup_decay_default_top_is_deepspeeds_not_the_optimizers():
+    from infinity.config import build_lr_schedule
+    config = load_config({"optimizer": {"type": "AdamW", "params": {"lr": 5e-4}},
+                          "scheduler": {"type": "WarmupDecayLR",
+                                        "params": {"total_num_steps": 100,
+                                                   "warmup_num_steps": 10}}})
+    assert config.scheduler.params.warmup_max_lr == 1e-3
+    warmup_only = load_config({"scheduler": {"type": "WarmupLR"}}).scheduler
+    assert warmup_only.params.warmup_max_lr is None  # the optimizer's lr, when built
+    assert build_lr_schedule(warmup_only, optimizer_lr=5e-4).lr_at(5000) == 5e-4
+
+
+def test_scheduler_without_params_gets_its_types_defaults():
+    params = load_config({"scheduler": {"type": "WarmupCosineLR"}}).scheduler.params
+    assert (params.warmup_min_ratio, params.cos_min_ratio, params.total_num_steps) == \
+        (0.0, 1e-4, None)
+
+
+def test_null_subsection_means_its_defaults():
+    zero = load_config({"zero_optimization": {"stage": 3, "offload_param": None}})
+    assert zero.zero_optimization.offload_param.device == "none"
+
+
+def test_deprecated_cpu_offload_keys():
+    zero = load_config({"zero_optimization": {
+        "stage": 3, "cpu_offload": True, "cpu_offload_param": True,
+        "cpu_offload_use_pin_memory": False}}).zero_optimization
+    assert zero.offload_optimizer.device == zero.offload_param.device == "cpu"
+    assert not zero.offload_optimizer.pin_memory and not zero.offload_param.pin_memory
+    off = load_config({"zero_optimization": {"stage": 2, "cpu_offload": False}})
+    assert off.zero_optimization.offload_optimizer.device == "none"
+    with pytest.raises(ConfigError, match="zero_optimization.cpu_offload .*keep offload_optimizer"):
+        load_config({"zero_optimization": {"cpu_offload": True,
+                                           "offload_optimizer": {"device": "cpu"}}})
+    with pytest.raises(ConfigError, match="zero_optimization.cpu_offload_param = 'yes'"):
+        load_config({"zero_optimization": {"cpu_offload_param": "yes"}})
+
+
+def test_a_loaded_config_passes_through():
+    config = load_config({"train_micro_batch_size_per_gpu": 2})
+    assert load_config(config) is config
+
+
+def test_a_cgroup_limit_caps_the_machine(tmp_path, monkeypatch):
+    import infinity.config._machine as machine
+    (tmp_path / "memory.max").write_text("1073741824\n")
+    (tmp_path / "memory.current").write_text("805306368\n")
+    monkeypatch.setattr(machine, "_CGROUP", tmp_path)
+    assert machine.total_memory_bytes() == 1 << 30
+    assert machine.available_memory_bytes() == 1 << 28
+    (tmp_path / "memory.max").write_text("max\n")
+    assert machine.total_memory_bytes() > 1 << 30  # no limit: the physical memory
+    with pytest.raises(ConfigError, match="infinity.host_memory_budget"):
+        monkeypatch.setattr(machine, "_CGROUP", tmp_path / "limited")
+        (tmp_path / "limited").mkdir()
+        (tmp_path / "limited" / "memory.max").write_text(str(1 << 30))
+        load_config({"infinity": {"host_memory_budget": "2GiB"}})
