@@ -67,6 +67,12 @@ def tile_numel_of(segments: Sequence[Segment]) -> int:
     return last.tile_offset + last.numel
 
 
+def spans(seg: Segment) -> tuple[slice, slice]:
+    """The segment's elements in its group's flat values, and its columns in the tile."""
+    return (slice(seg.param_offset, seg.param_offset + seg.numel),
+            slice(seg.tile_offset, seg.tile_offset + seg.numel))
+
+
 def check_grad(name: str, grad: object, numel: int) -> torch.Tensor:
     """Refuse, before any state is touched, a gradient the kernel would reject part-way through
     a step (which would leave some tiles updated and others not)."""

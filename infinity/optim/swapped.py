@@ -29,12 +29,13 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
 
 import torch
 
 from infinity.optim._native import adam_step, check_hyperparameters, check_threads
+from infinity.optim._state import StreamedState
 from infinity.optim._tiles import (
     GRAD_DTYPES,
     GroupValues,
@@ -43,14 +44,13 @@ from infinity.optim._tiles import (
     check_grad,
     cut_per_group,
     cut_tiles,
+    spans,
     tile_numel_of,
 )
 from infinity.store import TensorStore, Tier
 
 logger = logging.getLogger(__name__)
 
-_MASTER_ROWS = ("master", "exp_avg", "exp_avg_sq")  # tiles of param mode and low-precision units
-_MOMENT_ROWS = ("exp_avg", "exp_avg_sq")  # tiles of float32 units: the values entry is the master
 
 __all__ = ["StepResult", "SwappedOptimizer", "UnitSpec"]
 
@@ -68,7 +68,7 @@ def _check_scale(name: str, value: float) -> float:
     return float(value)
 
 
-class SwappedOptimizer:
+class SwappedOptimizer(StreamedState):
     """Adam / AdamW with all optimizer state in a TensorStore, streamed through in tiles.
 
     Args (param mode; see `from_units` for unit mode):
@@ -206,8 +206,12 @@ class SwappedOptimizer:
             if not self.store.budgets.get(Tier.HOST):
                 raise ValueError("state_tier HOST needs a store with a host budget")
             return
-        rows = 3 if any(self._tile_master) else 2
-        tile_nbytes = rows * 4 * self.tile_numel
+        if not self.store.budgets.get(Tier.NVME):
+            raise ValueError("SwappedOptimizer needs a store with an NVMe budget for its state "
+                             "(or state_tier=Tier.HOST)")
+        rows, numel = max((3 if master else 2, tile_numel_of(segments))
+                          for master, segments in zip(self._tile_master, self.tiles))
+        tile_nbytes = rows * 4 * numel
         host = self.store.budgets.get(Tier.HOST, 0)
         if len(self.tiles) > 1 and host < 3 * tile_nbytes:
             raise ValueError(
@@ -215,9 +219,6 @@ class SwappedOptimizer:
                 f"{tile_nbytes} bytes (tile_numel={self.tile_numel}: {rows * 4} bytes per element) "
                 f"to stream; raise the host budget or lower tile_numel (sub_group_size)"
             )
-        if not self.store.budgets.get(Tier.NVME):
-            raise ValueError("SwappedOptimizer needs a store with an NVMe budget for its state "
-                             "(or state_tier=Tier.HOST)")
 
     def _values(self) -> GroupValues:
         return GroupValues(self.store, self._keys, self._host, self._numels, self._dtypes)
@@ -230,11 +231,16 @@ class SwappedOptimizer:
                 master = self._tile_master[t]
                 tile = torch.zeros(3 if master else 2, tile_numel_of(segments))
                 for seg in segments if master else ():
-                    part, cols = _spans(seg)
+                    part, cols = spans(seg)
                     tile[0, cols] = values.get(seg.param)[part]
                 for group in last.get(t, ()):
                     values.release(group)
                 self.store.put(self._key(t), tile, self.state_tier)
+        except BaseException:
+            for t in range(len(self.tiles)):  # nothing half-made stays in the store
+                if self._key(t) in self.store:
+                    self.store.drop(self._key(t))
+            raise
         finally:
             values.release_all()
 
@@ -289,13 +295,16 @@ class SwappedOptimizer:
         return self._completed + 1
 
     @torch.no_grad()
-    def step_unit(self, u: int, grad: torch.Tensor, *, grad_scale: float = 1.0) -> None:
+    def step_unit(self, u: int, grad: torch.Tensor, *, grad_scale: float = 1.0,
+                  check_finite: bool = True) -> None:
         """Update unit u's tiles for the step being built.
 
         `grad`: 1-D contiguous CPU tensor of the unit's numel (float32/bfloat16/float16),
         multiplied by `grad_scale` (clip factor / loss scale, decided by the caller) inside the
         kernel. Non-finite gradients raise ValueError before anything is updated: overflow and
-        skipped steps are decided by the caller over all units. Retry-safe (see
+        skipped steps are decided by the caller over all units. The check is one pass over the
+        gradient (a sum); `check_finite=False` skips it for a caller that has checked already
+        (e.g. from the gradient norm it computes for clipping). Retry-safe (see
         [Note: retry-safe steps]); safe for different units from different threads at once.
         """
         self._unit(u, "step_unit")
@@ -303,7 +312,9 @@ class SwappedOptimizer:
         check_grad(f"unit {u}'s gradient", grad, self._numels[u])
         if grad.dim() != 1:
             raise ValueError(f"unit {u}'s gradient must be 1-D, got shape {tuple(grad.shape)}")
-        if not math.isfinite(float(grad.sum(dtype=torch.float32))):
+        # Any inf/nan makes the sum non-finite; float16 is summed in float32 not to overflow.
+        if check_finite and not math.isfinite(
+                float(grad.sum(dtype=torch.float32 if grad.dtype == torch.float16 else None))):
             raise ValueError(f"unit {u}'s gradient has non-finite values (inf/nan); check for "
                              f"overflow before stepping and skip the whole step")
         target = self._completed + 1
@@ -375,7 +386,7 @@ class SwappedOptimizer:
         work = [(seg, grad, values.get(seg.param)) for seg, grad in work if grad is not None]
         master_row = self._tile_master[t]
         for seg, grad, flat in work:
-            part, cols = _spans(seg)
+            part, cols = spans(seg)
             out = flat[part]
             if master_row:
                 master, exp_avg, exp_avg_sq = tile[0, cols], tile[1, cols], tile[2, cols]
@@ -391,13 +402,17 @@ class SwappedOptimizer:
             values.modified(seg.param)
 
     def _rewrite_if_unsaved(self, key: str) -> None:
-        """Start the write-back again of an entry whose last one failed (no valid NVMe copy;
-        the store kept the changed host copy). Entries at home on the host are refreshed too,
-        which costs no I/O."""
-        if not self.store.budgets.get(Tier.NVME) or "nvme" in self.store.tiers_of(key):
+        """Start the write-back again of an entry whose last one failed (the store kept the
+        changed host copy)."""
+        if not self.store.unsaved(key):
             return
-        self.store.fetch(key, Tier.HOST).result()
-        self.store.release(key, Tier.HOST, dirty=True)
+        future = self.store.fetch(key, Tier.HOST)
+        done = False
+        try:
+            future.result()
+            done = True
+        finally:
+            self.store.release(key, Tier.HOST, dirty=done)
 
     def flush(self) -> None:
         """Wait for every write-back of the state; one that failed earlier is started again
@@ -405,158 +420,6 @@ class SwappedOptimizer:
         for key in [self._key(t) for t in range(len(self.tiles))] + [k for k in self._keys if k]:
             self._rewrite_if_unsaved(key)
         self.store.flush()
-
-    # -- state, streamed ------------------------------------------------------------------------
-
-    def _group_step(self, i: int) -> int:
-        return self.steps[i] if self.params is not None else self._completed
-
-    def iter_state(self) -> Iterator[tuple[int, dict[str, Any]]]:
-        """Yield (index, {"step", "master", "exp_avg", "exp_avg_sq"}) one parameter (param mode)
-        or unit (unit mode) at a time: memory holds one such state and one tile."""
-        for i in range(len(self._shapes)):
-            yield i, self._group_state(i)
-
-    def _group_state(self, i: int) -> dict[str, Any]:
-        state = {name: torch.empty(self._shapes[i], dtype=torch.float32) for name in _MASTER_ROWS}
-        rows = _MASTER_ROWS if self._master_row[i] else _MOMENT_ROWS
-        for t, seg in self._by_group[i]:
-            key = self._key(t)
-            try:
-                tile = self.store.fetch(key, Tier.HOST).result()
-                part, cols = _spans(seg)
-                for row, name in enumerate(rows):
-                    state[name].view(-1)[part] = tile[row, cols]
-            finally:
-                self.store.release(key, Tier.HOST)
-        if not self._master_row[i]:
-            values = self._values()
-            try:
-                state["master"].view(-1).copy_(values.get(i))
-            finally:
-                values.release_all()
-        return {"step": self._group_step(i), **state}
-
-    def load_state(self, states: Iterable[tuple[int, dict[str, Any]]]) -> None:
-        """Consume what iter_state yields (in order), writing tiles as they fill. A state
-        without "master" keeps the current values (torch state dicts)."""
-        values = self._values()
-        held: int | None = None  # a tile spans several parameters in param mode: fetched once
-        expected, unit_steps = 0, set()
-        try:
-            for i, state in states:
-                if i != expected:
-                    raise ValueError(f"load_state expects parameters/units in order: got {i}, expected {expected}")
-                expected += 1
-                if expected > len(self._shapes):
-                    raise ValueError(f"load_state got more than {len(self._shapes)} entries")
-                rows = self._loaded_rows(i, state, values)
-                for t, seg in self._by_group[i]:
-                    if held != t:
-                        if held is not None:
-                            self.store.release(self._key(held), Tier.HOST, dirty=True)
-                            held = None
-                        tile = self.store.fetch(self._key(t), Tier.HOST).result()
-                        held = t
-                    part, cols = _spans(seg)
-                    for row, value in enumerate(rows):
-                        tile[row, cols] = value.reshape(-1)[part]
-                if self.params is not None:
-                    self.steps[i] = int(state["step"])
-                unit_steps.add(int(state["step"]))
-            if expected != len(self._shapes):
-                raise ValueError(f"load_state got {expected} entries, the optimizer has {len(self._shapes)}")
-            if self.units is not None:
-                if len(unit_steps) != 1:
-                    raise ValueError(f"load_state: units hold different steps {sorted(unit_steps)}")
-                self._completed = unit_steps.pop()
-            self._tile_steps = [self._completed] * len(self.tiles)
-        finally:
-            try:
-                if held is not None:
-                    self.store.release(self._key(held), Tier.HOST, dirty=True)
-            finally:
-                values.release_all()
-        self.flush()
-
-    def _loaded_rows(self, i: int, state: dict[str, Any], values: GroupValues) -> list[torch.Tensor]:
-        """The rows of group i's tiles from a loaded state, checked; a float32 unit's master is
-        written into its values entry."""
-        master = state.get("master")
-        if master is None and self._master_row[i]:
-            master = self._host[i].detach() if self._host is not None else values.get(i).float()
-        checked = {"exp_avg": state.get("exp_avg"), "exp_avg_sq": state.get("exp_avg_sq")}
-        if master is not None:  # absent only for a float32 unit: its values stay as they are
-            checked["master"] = master
-        for name, value in checked.items():
-            if value is None or value.numel() != self._numels[i]:
-                raise ValueError(f"param {i}: state {name!r} has shape {None if value is None else tuple(value.shape)}"
-                                 f", expected {tuple(self._shapes[i])}")
-        if not self._master_row[i]:
-            if master is not None:
-                values.get(i).copy_(master.reshape(-1))
-                values.modified(i)
-            values.release(i)
-            return [state["exp_avg"], state["exp_avg_sq"]]
-        values.release(i)
-        return [master, state["exp_avg"], state["exp_avg_sq"]]
-
-    def state_dict(self) -> dict[str, Any]:
-        """torch.optim.AdamW's format: state by parameter (or unit) index, plus one param group.
-
-        The "state" mapping is lazy: each entry's moments are read when it is accessed, so
-        iterating it (as torch's load_state_dict and checkpoint writers do) holds one at a time.
-        torch.save of it materialises everything.
-        """
-        group = {"lr": self.lr, "betas": self.betas, "eps": self.eps,
-                 "weight_decay": self.weight_decay, "amsgrad": False, "maximize": False,
-                 "foreach": None, "capturable": False, "differentiable": False, "fused": None,
-                 "decoupled_weight_decay": self.adamw_mode, "params": list(range(len(self._shapes)))}
-        return {"state": _LazyState(self), "param_groups": [group]}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load torch's Adam/AdamW format (master weights are the current values)."""
-        state = state_dict["state"]
-
-        def states() -> Iterator[tuple[int, dict[str, Any]]]:
-            for i, shape in enumerate(self._shapes):
-                s = state.get(i) or state.get(str(i))
-                if s is None:
-                    zeros = torch.zeros(shape)
-                    yield i, {"step": 0, "exp_avg": zeros, "exp_avg_sq": zeros}
-                else:
-                    yield i, {"step": int(float(s["step"])), "exp_avg": s["exp_avg"],
-                              "exp_avg_sq": s["exp_avg_sq"]}
-
-        self.load_state(states())
-
-
-class _LazyState(Mapping[int, dict[str, Any]]):
-    """torch-format optimizer state, read from the tiles one entry at a time on access."""
-
-    def __init__(self, optimizer: SwappedOptimizer) -> None:
-        self._opt = optimizer
-
-    def _stepped(self) -> list[int]:
-        return [i for i in range(len(self._opt._shapes)) if self._opt._group_step(i)]
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        if not isinstance(i, int) or not 0 <= i < len(self._opt._shapes) or not self._opt._group_step(i):
-            raise KeyError(i)
-        s = self._opt._group_state(i)
-        return {"step": torch.tensor(float(s["step"])), "exp_avg": s["exp_avg"], "exp_avg_sq": s["exp_avg_sq"]}
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._stepped())
-
-    def __len__(self) -> int:
-        return len(self._stepped())
-
-
-def _spans(seg: Segment) -> tuple[slice, slice]:
-    """The segment's elements in its group's flat values, and its columns in the tile."""
-    return (slice(seg.param_offset, seg.param_offset + seg.numel),
-            slice(seg.tile_offset, seg.tile_offset + seg.numel))
 
 
 def _last_tile_of(tiles: list[list[Segment]], order: Iterable[int]) -> dict[int, list[int]]:

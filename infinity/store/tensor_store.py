@@ -348,6 +348,15 @@ class TensorStore(StoreCore):
         with self._lock:
             return [t.label for t, c in sorted(self._entry(key).copies.items()) if c.valid]
 
+    def unsaved(self, key: str) -> bool:
+        """Whether a slower copy of `key` lacks changes a faster one holds because their
+        write-back failed; the store keeps the faster copy (writing it down again before
+        evicting it) and the caller may retry with fetch + release(dirty=True)."""
+        with self._lock:
+            copies = sorted(self._entry(key).copies.items())
+            return any(c.valid and any(not s.valid and s.filling is None for t, s in copies if t > tier)
+                       for tier, c in copies)
+
     def stats(self) -> dict[str, Any]:
         """Per-tier occupancy and per-direction move counters."""
         with self._lock:

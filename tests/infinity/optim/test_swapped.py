@@ -248,3 +248,42 @@ def test_state_dict_is_lazy_and_complete(store):
     assert state[0]["exp_avg"].shape == params[0].shape and float(state[0]["step"]) == 1.0
     with pytest.raises(KeyError):
         state[3]
+
+
+@pytest.mark.parametrize("scale", [0, 0.0, -1.0, float("nan"), float("inf"), "8"])
+def test_loss_scale_must_be_finite_and_positive(store, scale):
+    params = _params(9)
+    opt = SwappedOptimizer(params, store, tile_numel=TILE)
+    for p, g in zip(params, _grads(params, 0)):
+        p.grad = g
+    before = [p.clone() for p in params]
+    with pytest.raises(ValueError, match="loss_scale must be a finite number > 0"):
+        opt.step(loss_scale=scale)
+    assert all(torch.equal(p, b) for p, b in zip(params, before)) and opt.completed_steps == 0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("dtype, loss_scale, level", [
+    (torch.float32, 1.0, "WARNING"),  # fp32 / bf16: a warning and a count
+    (torch.bfloat16, 1.0, "WARNING"),
+    (torch.float16, 1024.0, "INFO"),  # fp16 with a loss scaler: a routine overflow
+])
+def test_non_finite_gradients_skip_the_step(store, caplog, bad, dtype, loss_scale, level):
+    params = _params(10, dtype)
+    opt = SwappedOptimizer(params, store, tile_numel=TILE)
+    before = [p.clone() for p in params]
+    moves = store.stats()["moves"]
+    for p, g in zip(params, _grads(params, 0)):
+        p.grad = g
+    params[3].grad[17] = bad
+    with caplog.at_level("INFO", logger="infinity.optim.swapped"):
+        result = opt.step(loss_scale=loss_scale)
+    assert not result.applied and not math.isfinite(result.grad_norm)
+    assert opt.skipped_steps == 1 and opt.completed_steps == 0 and opt.steps == [0] * len(params)
+    assert [r.levelname for r in caplog.records] == [level]
+    assert "skipped" in caplog.records[0].getMessage()
+    assert store.stats()["moves"] == moves  # no tile was read or written
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    params[3].grad[17] = 0.0
+    assert opt.step(loss_scale=loss_scale).applied and opt.completed_steps == 1
+    assert opt.skipped_steps == 1

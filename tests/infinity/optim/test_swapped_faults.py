@@ -56,6 +56,7 @@ def _run_with_fault(tmp_path, op, nth):
         assert _retried(lambda: opt.step().applied, fired, step)
         assert _copies_in_use(store) == []  # released on the failing path too
         _retried(opt.flush, fired, step)
+        assert [k for k in list(store._entries) if store.unsaved(k)] == []  # all written back
         assert opt.steps == [step + 1] and opt.completed_steps == step + 1
         assert torch.equal(ours, ref), f"step {step}: {(ours != ref).sum()} elements differ"
     (_, state), = _retried(lambda: list(opt.iter_state()), fired, "state")
@@ -76,5 +77,6 @@ def test_retry_after_a_fault_at_every_position_gives_one_step(tmp_path, op):
         if _run_with_fault(tmp_path / str(nth), op, nth) != 2:
             break
         nth += 1
-    # every read / write of step 3 (its step() and flush()) was failed once, and more after it
-    assert nth >= 16, nth
+    # every read / write of step 3 (its step() and flush()) was failed once, and more after it:
+    # at least one piece per tile read (4 of 20 stay cached on the host) or written
+    assert nth >= (16 if op == "read" else 20), nth
