@@ -1,6 +1,7 @@
 """aio: asynchronous file I/O for tensors and buffers (kernel AIO, io_uring or threads)."""
 
 from aio.buffers import aligned_empty
+from aio.checksum import crc32c, crc32c_hardware_available
 from aio.errors import AIOError, AIOTimeoutError
 from aio.faults import Fault
 from aio.free_list import FreeList
@@ -19,4 +20,6 @@ __all__ = [
     "SwapFile",
     "aligned_empty",
     "available_backends",
+    "crc32c",
+    "crc32c_hardware_available",
 ]

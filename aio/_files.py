@@ -1,8 +1,11 @@
 """Open files as the engine needs them: an O_DIRECT and a buffered descriptor, plus alignment.
 
-Descriptors are cached per path and checked against the path's inode on every use, so a file
-replaced or removed behind the handle's back is reopened rather than written through a stale
-descriptor. A descriptor still used by a request in flight is closed only after it completes.
+A file is named by its path or given as an open file (anything with `fileno()`, such as an
+unlinked SwapFile): the engine then opens its own descriptors through /proc/self/fd/N, which
+reaches the file even when it has no name left. Descriptors are cached per path and checked
+against the path's inode on every use, so a file replaced or removed behind the handle's back is
+reopened rather than written through a stale descriptor. A descriptor still used by a request in
+flight is closed only after it completes.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from aio import _native
 from aio.buffers import PAGE_NBYTES
@@ -24,11 +27,32 @@ MAX_CACHED_FILES = 256
 _warned_devices: set[int] = set()
 
 
+class HasFileno(Protocol):
+    """An open file: a descriptor and, optionally, a name for messages."""
+
+    def fileno(self) -> int: ...
+
+
+FileLike = str | os.PathLike[str] | HasFileno
+
+
+def locate(file: FileLike) -> tuple[str, str]:
+    """(path that opens `file`, name for messages) for a path or an open file."""
+    if isinstance(file, (str, os.PathLike)):
+        path = os.fspath(file)
+        return path, path
+    if not hasattr(file, "fileno"):
+        raise TypeError(f"expected a path or an open file (with fileno()), got {type(file).__name__}")
+    fd = file.fileno()
+    return f"/proc/self/fd/{fd}", str(getattr(file, "name", f"file descriptor {fd}"))
+
+
 @dataclass(slots=True)
 class OpenFile:
     """One path opened for the engine; `users` counts requests in flight on it."""
 
-    path: str
+    path: str  # what opens the file (for a file given open: /proc/self/fd/N)
+    name: str  # what messages call it
     writable: bool
     direct_fd: int  # -1 where the file system refuses O_DIRECT
     buffered_fd: int
@@ -44,34 +68,36 @@ class OpenFile:
             os.close(fd)
 
 
-def _open_error(exc: OSError, path: str, op: str) -> AIOError:
-    return AIOError(exc.errno or errno.EIO, exc.strerror, path, op=f"open for {op}")
+def _open_error(exc: OSError, name: str, op: str) -> AIOError:
+    return AIOError(exc.errno or errno.EIO, exc.strerror, name, op=f"open for {op}")
 
 
-def open_file(path: str, writable: bool) -> OpenFile:
-    """Open `path` for reading, or for writing (created if missing, never truncated)."""
+def open_file(path: str, writable: bool, name: str | None = None) -> OpenFile:
+    """Open `path` for reading, or for writing (created if missing, never truncated); messages
+    call it `name` (default: the path)."""
+    name = name or path
     op = "write" if writable else "read"
     flags = (os.O_RDWR | os.O_CREAT if writable else os.O_RDONLY) | os.O_CLOEXEC
     try:
         buffered_fd = os.open(path, flags, 0o666)
     except OSError as exc:
-        raise _open_error(exc, path, op) from None
+        raise _open_error(exc, name, op) from None
     try:
         st = os.fstat(buffered_fd)
         if not os.path.stat.S_ISREG(st.st_mode):
-            raise AIOError(errno.EINVAL, "not a regular file", path, op=f"open for {op}")
+            raise AIOError(errno.EINVAL, "not a regular file", name, op=f"open for {op}")
         try:
             direct_fd = os.open(path, (flags & ~os.O_CREAT) | os.O_DIRECT)
         except OSError as exc:
             if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-                raise _open_error(exc, path, op) from None
+                raise _open_error(exc, name, op) from None
             direct_fd = -1
             if st.st_dev not in _warned_devices:
                 _warned_devices.add(st.st_dev)
                 logger.warning(
                     "%s: the file system refuses O_DIRECT; using buffered I/O (through the page "
                     "cache, slower and uses RAM) for files on this device",
-                    path,
+                    name,
                 )
         alignment = _native.dio_alignment(direct_fd if direct_fd >= 0 else buffered_fd)
         mem_align, offset_align = alignment or (PAGE_NBYTES, PAGE_NBYTES)
@@ -81,7 +107,7 @@ def open_file(path: str, writable: bool) -> OpenFile:
         os.close(buffered_fd)
         raise
     target = _native.new_target(direct_fd, buffered_fd, mem_align, direct_align)
-    return OpenFile(path, writable, direct_fd, buffered_fd, mem_align, direct_align,
+    return OpenFile(path, name, writable, direct_fd, buffered_fd, mem_align, direct_align,
                     (st.st_dev, st.st_ino), target)
 
 
@@ -93,7 +119,7 @@ class FileTable:
         self._files: dict[str, OpenFile] = {}
         self._retired: list[OpenFile] = []
 
-    def acquire(self, path: str, writable: bool) -> OpenFile:
+    def acquire(self, path: str, writable: bool, name: str | None = None) -> OpenFile:
         """The open file for `path`, counted as used until release()."""
         identity = None
         try:
@@ -101,13 +127,13 @@ class FileTable:
             identity = (st.st_dev, st.st_ino)
         except OSError as exc:
             if not writable or exc.errno != errno.ENOENT:
-                raise _open_error(exc, path, "write" if writable else "read") from None
+                raise _open_error(exc, name or path, "write" if writable else "read") from None
         with self._lock:
             cached = self._files.get(path)
             if cached and cached.identity == identity and (cached.writable or not writable):
                 cached.users += 1
                 return cached
-        opened = open_file(path, writable)
+        opened = open_file(path, writable, name)
         with self._lock:
             stale = self._files.pop(path, None)
             if stale:
@@ -127,6 +153,13 @@ class FileTable:
             if opened.retired and opened.users == 0:
                 self._retired.remove(opened)
                 opened.close()
+
+    def forget(self, path: str) -> None:
+        """Close the descriptors kept for `path` (once no request in flight uses them)."""
+        with self._lock:
+            opened = self._files.pop(path, None)
+            if opened:
+                self._retire(opened)
 
     def _retire(self, opened: OpenFile) -> None:
         if opened.users == 0:

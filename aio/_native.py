@@ -27,6 +27,11 @@ class Status(NamedTuple):
     error: int  # 0, or the errno of the first piece that failed
     error_offset: int  # file offset where that piece stood
     error_nbytes: int  # bytes that piece still had to move
+CRC32C_IDS = {
+    "auto": lib.INF_CRC32C_AUTO,
+    "portable": lib.INF_CRC32C_PORTABLE,
+    "hardware": lib.INF_CRC32C_HARDWARE,
+}
 
 
 def _check(ret: int, what: str) -> int:
@@ -47,6 +52,18 @@ def dio_alignment(fd: int) -> tuple[int, int] | None:
     if lib.inf_aio_dio_alignment(fd, mem, off) < 0:
         return None
     return mem[0], off[0]
+
+
+def crc32c(address: int, nbytes: int, crc: int, implementation: str) -> int:
+    """CRC-32C of nbytes at address, continuing from crc (the GIL is released meanwhile)."""
+    out = ffi.new("uint32_t *")
+    _check(lib.inf_crc32c(ffi.cast("void *", address), nbytes, crc, CRC32C_IDS[implementation], out),
+           f"crc32c with the {implementation} implementation")
+    return out[0]
+
+
+def crc32c_hardware_available() -> bool:
+    return bool(lib.inf_crc32c_hardware_available())
 
 
 def new_target(direct_fd: int, buffered_fd: int, mem_align: int, direct_align: int) -> Any:

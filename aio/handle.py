@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from aio import _native
-from aio._files import FileTable
+from aio._files import FileLike, FileTable, locate
 from aio.buffers import raw_buffer
 from aio.errors import AIOError, AIOTimeoutError
 from aio.faults import Fault
@@ -67,6 +67,9 @@ class Handle:
 
     def __init__(self, block_size: int = 1 << 20, queue_depth: int = 32, threads: int = 1,
                  backend: str = "auto", *, faults: Iterable[Fault] = ()) -> None:
+        for name, value in (("block_size", block_size), ("queue_depth", queue_depth), ("threads", threads)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {value!r}")
         if not (0 < block_size <= 1 << 30 and block_size % 4096 == 0):
             raise ValueError(f"block_size must be a multiple of 4096 bytes up to 1 GiB, got {block_size}")
         if not 0 < queue_depth <= 4096:
@@ -88,24 +91,29 @@ class Handle:
 
     # -- requests -----------------------------------------------------------------------------
 
-    def read(self, buffer: Any, path: str | os.PathLike[str], offset: int = 0) -> Request:
-        """Start reading len(buffer) bytes of `path` at `offset` into `buffer`."""
-        return self._submit("read", buffer, path, offset)
+    def read(self, buffer: Any, file: FileLike, offset: int = 0) -> Request:
+        """Start reading len(buffer) bytes of `file` at `offset` into `buffer`.
 
-    def write(self, buffer: Any, path: str | os.PathLike[str], offset: int = 0) -> Request:
-        """Start writing `buffer` to `path` at `offset` (the file is created, never truncated)."""
-        return self._submit("write", buffer, path, offset)
+        `file` is a path, or an open file (anything with fileno(), e.g. a SwapFile, whose
+        `name` messages use): the handle opens its own descriptors to it through
+        /proc/self/fd, so it works on unlinked files; forget() closes them.
+        """
+        return self._submit("read", buffer, file, offset)
 
-    def _submit(self, op: str, buffer: Any, path: str | os.PathLike[str], offset: int) -> Request:
-        path = os.fspath(path)
+    def write(self, buffer: Any, file: FileLike, offset: int = 0) -> Request:
+        """Start writing `buffer` to `file` at `offset` (a path is created, never truncated)."""
+        return self._submit("write", buffer, file, offset)
+
+    def _submit(self, op: str, buffer: Any, file: FileLike, offset: int) -> Request:
+        path, name = locate(file)
         if not isinstance(offset, int) or offset < 0:
             raise ValueError(f"offset must be a non-negative int, got {offset!r}")
         raw = raw_buffer(buffer, writable=op == "read")
         if self._closed:
             raise ValueError("I/O on a closed aio.Handle")
         if raw.nbytes == 0:
-            return Request(None, None, None, None, op, path, offset, 0)
-        opened = self._files.acquire(path, writable=op == "write")
+            return Request(None, None, None, None, op, name, offset, 0)
+        opened = self._files.acquire(path, writable=op == "write", name=name)
         # Submitting and recording the request under the lock that close() takes to set _closed:
         # a request is either refused or seen by close(), never lost between the two.
         with self._lock:
@@ -116,8 +124,8 @@ class Handle:
                 native = self._native.submit(op, opened.target, raw.address, raw.nbytes, offset)
             except OSError as exc:
                 self._files.release(opened)
-                raise AIOError(exc.errno, exc.strerror, path, op=op, offset=offset, nbytes=raw.nbytes) from None
-            request = Request(self, native, raw.keepalive, opened, op, path, offset, raw.nbytes)
+                raise AIOError(exc.errno, exc.strerror, name, op=op, offset=offset, nbytes=raw.nbytes) from None
+            request = Request(self, native, raw.keepalive, opened, op, name, offset, raw.nbytes)
             self._in_flight.add(request)
         return request
 
@@ -145,6 +153,12 @@ class Handle:
         if first_error:
             raise first_error
         return total
+
+    def forget(self, file: FileLike) -> None:
+        """Close the descriptors this handle keeps open for `file` (after the requests in flight
+        on it finish); a later request reopens it. Call it before closing an unlinked file you
+        gave as an open file, or its disk space stays in use until the handle closes."""
+        self._files.forget(locate(file)[0])
 
     def inject(self, fault: Fault) -> None:
         """Install a fault (tests only): see aio.Fault."""

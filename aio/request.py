@@ -29,7 +29,7 @@ class Request:
     def __init__(self, handle: Handle | None, native: Any, buffer: Any, file: Any, op: str,
                  path: str, offset: int, nbytes: int) -> None:
         self.op = op  # "read" | "write"
-        self.path = path
+        self.path = path  # the file's name in messages (a path, or an open file's name)
         self.offset = offset  # file offset in bytes
         self.nbytes = nbytes
         self._handle = handle
@@ -78,17 +78,14 @@ class Request:
         handle._native.free(self._native)
         self._native = None
         self._buffer = None
-        handle._finished(self)
-        if status.error == 0:
-            self._outcome = status.nbytes_done
-        else:
-            self._outcome = self._error(status)
+        self._outcome = status.nbytes_done if status.error == 0 else self._error(status)
+        handle._finished(self)  # gives the file back: _error may still look at it
 
     def _error(self, status: Any) -> AIOError:
         message = os.strerror(status.error)
         if status.error == errno.ENODATA:
             try:
-                size = os.stat(self.path).st_size
+                size = os.fstat(self._file.buffered_fd).st_size
                 message = f"end of file: the file has {size} bytes, the read needs {self.offset + self.nbytes}"
             except OSError:
                 message = "end of file before the read was satisfied"

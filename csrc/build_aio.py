@@ -10,7 +10,9 @@ import re
 from cffi import FFI
 
 HERE = pathlib.Path(__file__).resolve().parent
-SOURCES = ["handle.c", "environment.c", "backend_kaio.c", "backend_uring.c", "backend_threads.c"]
+SOURCES = ["handle.c", "environment.c", "backend_kaio.c", "backend_uring.c", "backend_threads.c",
+           "crc32c.c"]
+HEADERS = ["inf_aio.h", "inf_crc32c.h"]  # the public declarations, read by cdef too
 
 
 def _declarations(header: pathlib.Path) -> str:
@@ -18,7 +20,7 @@ def _declarations(header: pathlib.Path) -> str:
     text = re.sub(r"/\*.*?\*/", "", header.read_text(), flags=re.S)
     keep = []
     for line in text.splitlines():
-        define = re.match(r"#define\s+(INF_AIO_\w+)\s+(-?\d+)\s*$", line)
+        define = re.match(r"#define\s+(INF_(?:AIO|CRC32C)_\w+)\s+(-?\d+)\s*$", line)
         if define:
             keep.append(f"#define {define.group(1)} {define.group(2)}")
         elif not line.lstrip().startswith("#"):
@@ -27,13 +29,13 @@ def _declarations(header: pathlib.Path) -> str:
 
 
 ffibuilder = FFI()
-ffibuilder.cdef(_declarations(HERE / "aio" / "inf_aio.h"))
+ffibuilder.cdef("\n".join(_declarations(HERE / "aio" / name) for name in HEADERS))
 ffibuilder.set_source(
     "aio._aio_cffi",
-    '#include "inf_aio.h"',
+    "\n".join(f'#include "{name}"' for name in HEADERS),
     sources=[str((HERE / "aio" / name).relative_to(HERE.parent)) for name in SOURCES],
     include_dirs=[str((HERE / "aio").relative_to(HERE.parent))],
-    depends=[str((HERE / "aio" / h).relative_to(HERE.parent)) for h in ("inf_aio.h", "backend.h")],
+    depends=[str((HERE / "aio" / h).relative_to(HERE.parent)) for h in (*HEADERS, "backend.h")],
     extra_compile_args=["-O2", "-std=gnu11", "-pthread", "-Wall", "-Wextra", "-Wno-unused-parameter"],
     extra_link_args=["-pthread"],
 )

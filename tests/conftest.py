@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 import torch
@@ -37,15 +38,70 @@ def read_only_dir():
 def run_unprivileged():
     """Run Python code in a child that drops root (root ignores file permissions).
 
-    The code runs after `import aio, infinity`, since nobody may not read root's site-packages.
+    The code runs after `import aio, infinity` and the modules in `preload`, since nobody may
+    not read root's Python installation.
     """
-    prologue = (
-        "import os, sys, aio, infinity, infinity.store\n"
-        "if os.geteuid() == 0:\n    os.setgid(65534); os.setuid(65534)\n"
-    )
-
-    def run(code: str) -> subprocess.CompletedProcess:
+    def run(code: str, preload: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+        prologue = (
+            f"import os, sys, {', '.join(('aio', 'infinity', 'infinity.store', *preload))}\n"
+            "if os.geteuid() == 0:\n    os.setgid(65534); os.setuid(65534)\n"
+        )
         return subprocess.run([sys.executable, "-c", prologue + code], capture_output=True,
                               text=True, timeout=60)
+
+    return run
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """mount(size) -> a fresh tmpfs of `size` (e.g. "1m") under tmp_path, or None where this
+    process may not mount (not root); unmounted after the test."""
+    mounted = []
+
+    def mount(size: str):
+        point = tmp_path / f"tmpfs{len(mounted)}"
+        point.mkdir()
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)],
+                          capture_output=True).returncode != 0:
+            return None
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in mounted:
+        subprocess.run(["umount", str(point)], check=True)
+
+
+def used_nbytes(directory) -> int:
+    st = os.statvfs(directory)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+@pytest.fixture
+def sigkilled_child():
+    """run(code, directory) -> (used bytes before, while alive, after SIGKILL; names left).
+
+    `code` runs in a child that makes a swap file in `directory`, prints one line when it
+    holds it, then sleeps until it is killed with SIGKILL (no handler, no atexit runs).
+    Space freed by the kernel after death may show up a moment later, so "after" is polled
+    until it is back at "before" (or 10 s pass).
+    """
+    def run(code: str, directory):
+        before = used_nbytes(directory)
+        child = subprocess.Popen([sys.executable, "-c", code + "\nimport time\ntime.sleep(600)\n"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            line = child.stdout.readline()
+            alive = used_nbytes(directory)
+            assert line, child.stderr.read()
+        finally:
+            child.kill()
+            child.wait(timeout=60)
+            child.stdout.close()
+            child.stderr.close()
+        deadline = time.monotonic() + 10
+        while (after := used_nbytes(directory)) > before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return before, alive, after, sorted(os.listdir(directory))
 
     return run

@@ -21,7 +21,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 
 from infinity.optim import adam_step, resolve_isa
+from tools.cli import time_in_turns
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
@@ -37,14 +37,7 @@ HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 
 def _time_round_robin(fns: dict[str, Callable[[], None]], steps: int, warmup: int
                       ) -> dict[str, float]:
     """Median seconds per call of each fn, timed in turns so load changes hit every row alike."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for i in range(warmup + steps):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            if i >= warmup:
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return {name: statistics.median(t) for name, t in time_in_turns(fns, steps, warmup).items()}
 
 
 def _memory_rows(nbytes: int, threads: int) -> dict[str, tuple[Callable[[], None], int]]:

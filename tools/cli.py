@@ -1,8 +1,10 @@
-"""Argument parsing shared by the command-line tools."""
+"""Argument parsing and timing shared by the command-line tools."""
 
 from __future__ import annotations
 
 import argparse
+import time
+from collections.abc import Callable
 
 SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -15,3 +17,17 @@ def parse_size(text: str) -> int:
     if suffix not in SUFFIXES or not number.isdigit() or int(number) == 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 4096, 256K, 1M or 2G")
     return int(number) * SUFFIXES[suffix]
+
+
+def time_in_turns(fns: dict[str, Callable[[], object]], rounds: int, warmup: int
+                  ) -> dict[str, list[float]]:
+    """Seconds per call of each fn in every timed round; one call of each per round, so a change
+    in machine load hits every fn alike."""
+    seconds: dict[str, list[float]] = {name: [] for name in fns}
+    for i in range(warmup + rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            if i >= warmup:
+                seconds[name].append(time.perf_counter() - start)
+    return seconds

@@ -58,11 +58,12 @@ class StoreCore:
         self._lock = threading.RLock()
         self._closed = False
         self._entries: dict[str, Entry] = {}
-        self._putting: set[str] = set()  # keys whose put() is writing, not yet registered
-        self._moving: set[PendingMove] = set()  # every move started and not yet settled
+        self._putting: dict[str, PendingMove] = {}  # put() writes to NVMe, settled by put() itself
+        self._moving: set[PendingMove] = set()  # every other move started and not yet settled
         self._orders = itertools.count()
         self._clock = 0  # fetches so far: the unit of next-use hints
         self._touches = 0  # fetches, prefetches and pins so far: the unit of LRU
+        self._prefetching = False  # a prefetch may not evict copies prefetched before it
         self._arenas: dict[Tier, Arena] = {}
         self._victims: dict[Tier, VictimQueue] = {}
         self._in_use: dict[Tier, int] = {}  # copies on the tier with uses > 0
@@ -287,7 +288,11 @@ class StoreCore:
                 self._quiesce(tier)  # compaction moves blocks: no I/O may target them
                 return arena.alloc(entry.shape, entry.dtype)
             queue = self._victims.get(tier)
-            victim = queue.pick(self._need_idle) if queue is not None else None
+            if queue is not None:
+                self._settle_finished()  # a copy whose move has finished is idle: rule 3 of the order
+            victim = queue.pick() if queue is not None else None
+            if victim is not None and self._prefetching and victim.copies[tier].prefetched:
+                victim = None  # only prefetched copies are left: a read ahead never undoes another
             if victim is None:
                 raise BudgetError(
                     f"{tier.label} tier cannot hold {entry.key!r} ({entry.nbytes} bytes): "
@@ -296,6 +301,11 @@ class StoreCore:
                     f"Release or unpin tensors, or raise the {tier.label} budget."
                 )
             self._evict(victim, tier)
+
+    def _settle_finished(self) -> None:
+        """Settle every move that has finished (the moves in flight, not the whole store)."""
+        for move in [m for m in self._moving if m.done()]:
+            self._settle(move)
 
     def _quiesce(self, tier: Tier) -> None:
         """Settle every move into or out of the arena of `tier`; _MustWait for one running."""
@@ -313,7 +323,10 @@ class StoreCore:
             below = self._tier_below(tier)
             if below is None:
                 raise BudgetError(f"cannot evict {entry.key!r} from {tier.label}: no slower tier to move it to")
-            dst = entry.copies.get(below) or self._allocate(entry, below)
+            try:
+                dst = entry.copies.get(below) or self._allocate(entry, below)
+            except BudgetError as exc:
+                raise BudgetError(f"cannot evict {entry.key!r} from {tier.label}: {exc}") from None
             self._fill(entry, dst, copy)
             if dst.filling is not None:
                 raise _MustWait(dst.filling)  # freed at the rerun, once the bytes are down
@@ -339,7 +352,7 @@ class StoreCore:
             if self._closed:
                 return
             self._closed = True
-            moves = list(self._moving)
+            moves = [*self._moving, *self._putting.values()]
         errors = []
         try:
             for move in moves:

@@ -13,7 +13,6 @@ slower tier to go to), the victim is, in order of precedence:
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
 
 from infinity.store._entry import Copy, Entry
 
@@ -74,28 +73,11 @@ class VictimQueue:
             heapq.heappop(self._heap)
         return None
 
-    def pick(self, settle: Callable[[Copy], None]) -> Entry | None:
+    def pick(self) -> Entry | None:
         """The entry whose copy should be evicted next, or None when there is none.
 
-        Busy means "has a move not yet settled"; one may have finished meanwhile, and such a
-        copy counts as idle (rule 3). So when the best group (rules 1-2) holds only busy
-        copies, those whose moves have finished are settled with `settle` (which must
-        `update` them) and the choice is made again. Only the busy copies of that one group
-        are looked at: the moves in flight, not the whole tier.
+        "Busy" is read from the copies as recorded: the caller settles the moves that have
+        finished before asking, so that such a copy counts as idle (rule 3).
         """
-        while True:
-            top = self._top()
-            if top is None:
-                return None
-            if not top[4].busy:
-                return top[3]
-            group = []
-            while (item := self._top()) is not None and item[0][:2] == top[0][:2]:
-                group.append(heapq.heappop(self._heap))
-            for item in group:
-                heapq.heappush(self._heap, item)
-            finished = [item[4] for item in group if item[4].moves_done()]
-            if not finished:
-                return top[3]
-            for copy in finished:
-                settle(copy)
+        top = self._top()
+        return None if top is None else top[3]

@@ -79,7 +79,8 @@ class TensorStore(StoreCore):
         aio_handle: the I/O engine to use; by default one is made from `aio_options`.
         aio_options: keyword arguments for aio.Handle (block_size, queue_depth, threads, backend).
         device: the device tier's device; default CUDA when present, else host memory.
-        rank: data-parallel rank, part of the swap file's name.
+        rank: data-parallel rank, part of the swap file's name (used only where the file system
+            cannot create it unlinked at once, see aio.SwapFile).
         keep_timeline: record every move for write_trace (counters are kept either way).
 
     The store has a clock, `clock`: the number of fetches so far. Next-use hints are distances
@@ -161,8 +162,7 @@ class TensorStore(StoreCore):
                 raise
             copy.filling = move = PendingMove(entry, None, copy, start, request=request, src_tier=source_tier)
             copy.valid = True
-            self._moving.add(move)
-            self._putting.add(key)
+            self._putting[key] = move
             return move
 
         move = self._run(reserve)
@@ -170,7 +170,7 @@ class TensorStore(StoreCore):
             return
         move.wait_quietly()
         with self._lock:
-            self._putting.discard(key)
+            self._putting.pop(key, None)
             self._check_open()  # close() has settled the move and freed the tier
             error = self._settle_move(move)
             if error is not None:
@@ -206,13 +206,18 @@ class TensorStore(StoreCore):
     def prefetch(self, keys: Iterable[str], tier: Tier | str = Tier.HOST) -> list[str]:
         """Start bringing `keys` to `tier` without taking a use (a device prefetch stops on the
         host when there is one). Returns the keys started or found present or in flight; stops
-        at the first key that does not fit (logged at debug level)."""
+        at the first key that does not fit without evicting a copy in use, pinned, or itself
+        prefetched and not yet fetched (logged at debug level)."""
         tier = self._fast_tier(tier)
         target = Tier.HOST if tier == Tier.DEVICE and Tier.HOST in self._arenas else tier
 
         def start(key: str) -> None:
             entry = self._entry(key)
-            copy = self._start_fetch(entry, target)
+            self._prefetching = True
+            try:
+                copy = self._start_fetch(entry, target)
+            finally:
+                self._prefetching = False
             self._touch(copy)
             copy.prefetched = copy.uses == 0
             self._refresh(entry)

@@ -63,3 +63,39 @@ def test_aligned_empty():
         aio.aligned_empty(-1)
     with pytest.raises(ValueError):
         aio.aligned_empty(10, alignment=3)
+
+
+def _descriptors_of(fd: int) -> list[int]:
+    """This process's descriptors open on the same file as `fd`."""
+    st = os.fstat(fd)
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            other = os.stat(f"/proc/self/fd/{name}")
+        except OSError:  # the listing's own descriptor, closed by now
+            continue
+        if (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino):
+            found.append(int(name))
+    return found
+
+
+def test_open_files_are_reached_through_their_descriptor(tmp_path, backend):
+    """An open file given by descriptor works unlinked, is named by its `name` in messages,
+    and forget() lets the handle let go of it."""
+    with open(tmp_path / "data", "w+b") as f, \
+            aio.Handle(block_size=64 << 10, backend=backend) as h:
+        os.unlink(tmp_path / "data")
+        data = torch.arange(100_000, dtype=torch.float32)
+        h.write(data, f, 4096).wait()
+        assert len(_descriptors_of(f.fileno())) > 1  # the handle opened its own
+        out = torch.empty_like(data)
+        h.read(out, f, 4096).wait()
+        assert torch.equal(out, data)
+        with pytest.raises(aio.AIOError) as info:
+            h.read(torch.empty(10), f, 4096 + data.nbytes).wait()
+        assert info.value.filename == f.name and "the file has 404096 bytes" in str(info.value)
+        h.forget(f)
+        h.forget(f)  # nothing left to forget: a no-op
+        assert _descriptors_of(f.fileno()) == [f.fileno()]
+        with pytest.raises(TypeError, match="path or an open file"):
+            h.read(out, 42)

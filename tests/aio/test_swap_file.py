@@ -16,6 +16,7 @@ import aio
 def test_extents_are_aligned_and_reused(tmp_path):
     with aio.SwapFile(tmp_path / "swap", 1 << 20) as f:
         assert os.path.getsize(f.path) == 1 << 20
+        assert os.listdir(tmp_path) == []  # unlinked from the start
         a = f.allocate(10)
         b = f.allocate(5000)
         assert a.offset % f.alignment == 0 and b.offset % f.alignment == 0
@@ -76,20 +77,15 @@ def test_missing_directory(tmp_path):
         aio.SwapFile(tmp_path / "nope" / "swap", 1 << 20)
 
 
-def test_disk_full_fails_at_creation(tmp_path):
+def test_disk_full_fails_at_creation(small_tmpfs):
     """On a 1 MiB file system a 4 MiB swap file fails at creation with ENOSPC, leaving nothing."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
-                      capture_output=True).returncode != 0:
+    mnt = small_tmpfs("1m")
+    if mnt is None:
         pytest.skip("cannot mount a size-limited tmpfs here (needs root)")
-    try:
-        with pytest.raises(aio.AIOError) as info:
-            aio.SwapFile(mnt / "swap", 4 << 20)
-        assert info.value.errno == errno.ENOSPC and "swap" in str(info.value)
-        assert os.listdir(mnt) == []
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
+    with pytest.raises(aio.AIOError) as info:
+        aio.SwapFile(mnt / "swap", 4 << 20)
+    assert info.value.errno == errno.ENOSPC and "swap" in str(info.value)
+    assert os.listdir(mnt) == []
 
 
 def test_file_size_limit_fails_at_creation(tmp_path):
@@ -108,3 +104,79 @@ def test_file_size_limit_fails_at_creation(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"ERR {errno.EFBIG}" in out.stdout and "ulimit -f" in out.stdout
     assert not os.path.exists(tmp_path / "swap")
+
+
+CHILD_WITH_SWAP_FILE = """
+import sys, torch, aio
+swap = aio.SwapFile(sys.argv[-1] + "/run.swap", 64 << 20)
+handle = aio.Handle()  # keeps its own descriptors to the file too
+extent = swap.allocate(1 << 20)
+swap.write(handle, extent, torch.ones(1 << 18)).wait()
+print(swap.name, flush=True)
+"""
+
+
+def test_sigkill_leaves_no_swap_file_and_frees_its_space(small_tmpfs, tmp_path, sigkilled_child):
+    """A process killed with SIGKILL holding a 64 MiB swap file (and a handle using it) leaves
+    no file, and the file system's used space returns to what it was."""
+    directory = small_tmpfs("128m")
+    slack = 0  # a private tmpfs: nothing else uses it
+    if directory is None:  # not root: the shared file system of tmp_path, which others may use
+        directory, slack = tmp_path, 16 << 20
+    code = CHILD_WITH_SWAP_FILE.replace("sys.argv[-1]", repr(str(directory)))
+    before, alive, after, names = sigkilled_child(code, directory)
+    assert alive - before >= (64 << 20) - slack, "the child's swap file took no space: test broken"
+    assert names == []
+    assert after <= before + slack, f"{after - before} bytes still used after the child died"
+
+
+def test_messages_name_the_directory_and_say_unlinked(tmp_path):
+    with aio.SwapFile(tmp_path / "swap", 64 << 10) as f, \
+            aio.Handle(faults=[aio.Fault("read", 0, "errno", errno.EIO)]) as h:
+        assert f.name == f"{tmp_path} (unlinked swap file)" and str(tmp_path) in repr(f)
+        e = f.allocate(64 << 10)
+        with pytest.raises(aio.AIOError, match="unlinked swap file"):
+            f.allocate(1)
+        with pytest.raises(aio.AIOError) as info:
+            f.read(h, e, torch.empty(16)).wait()
+        assert info.value.errno == errno.EIO and info.value.filename == f.name
+    with pytest.raises(ValueError, match="closed"):
+        f.fileno()
+
+
+def test_close_frees_the_space_even_while_the_handle_stays_open(small_tmpfs):
+    """The handle's own descriptors to the file would keep its blocks: close() has it forget them."""
+    mnt = small_tmpfs("16m")
+    if mnt is None:
+        pytest.skip("cannot mount a size-limited tmpfs here (needs root)")
+    with aio.Handle() as h:
+        for _ in range(3):  # 3 x 8 MiB only fits if each file's space comes back
+            f = aio.SwapFile(mnt / "swap", 8 << 20)
+            e = f.allocate(4096)
+            f.write(h, e, torch.ones(1024)).wait()
+            f.close()
+            assert os.statvfs(mnt).f_bfree == os.statvfs(mnt).f_blocks
+
+
+def test_without_o_tmpfile_the_file_is_unlinked_right_after_creation(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def open_without_tmpfile(path, flags, *args):
+        if flags & os.O_TMPFILE == os.O_TMPFILE:
+            raise OSError(errno.EOPNOTSUPP, "O_TMPFILE not supported")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", open_without_tmpfile)
+    with aio.SwapFile(tmp_path / "swap", 1 << 20) as f, aio.Handle() as h:
+        assert os.listdir(tmp_path) == [] and os.fstat(f.fileno()).st_nlink == 0
+        data = torch.arange(4096, dtype=torch.float32)
+        e = f.allocate(data.nbytes)
+        f.write(h, e, data).wait()
+        out = torch.empty_like(data)
+        f.read(h, e, out).wait()
+        assert torch.equal(out, data)
+    (tmp_path / "taken.swap").write_bytes(b"user data")
+    with pytest.raises(aio.AIOError) as info:  # never clobbers a file of that name
+        aio.SwapFile(tmp_path / "taken.swap", 1 << 20)
+    assert info.value.errno == errno.EEXIST
+    assert (tmp_path / "taken.swap").read_bytes() == b"user data"

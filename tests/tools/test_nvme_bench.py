@@ -3,6 +3,7 @@
 import argparse
 import json
 import os
+import textwrap
 
 import pytest
 import torch
@@ -135,14 +136,20 @@ def test_missing_path_is_refused_clearly(tmp_path, capsys):
     assert code == 2 and "--path" in err
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
-def test_unwritable_path_is_refused_clearly(disk, capsys):
-    disk.chmod(0o500)
-    try:
-        code, _, err = run(capsys, "--path", disk, "--size", "4M")
-    finally:
-        disk.chmod(0o700)
-    assert code == 2 and "not writable" in err
+def test_unwritable_path_is_refused_clearly(read_only_dir, run_unprivileged):
+    """Run as an unprivileged user (root may write anywhere), the tool refuses the directory
+    before writing anything, with usage exit code 2."""
+    out = run_unprivileged(textwrap.dedent(f"""
+        from tools import nvme_bench
+        try:
+            code = nvme_bench.main(["--path", {read_only_dir!r}, "--size", "4M"])
+        except SystemExit as exc:
+            code = exc.code
+        print("EXIT", code)
+    """), preload=("tools.nvme_bench",))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "EXIT 2" in out.stdout and "not writable by this user" in out.stderr
+    assert read_only_dir in out.stderr and os.listdir(read_only_dir) == []
 
 
 def test_a_size_that_does_not_fit_is_refused_before_writing(disk, capsys):

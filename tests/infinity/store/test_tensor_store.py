@@ -224,15 +224,24 @@ def test_trace_and_counters(store, tmp_path):
     store.flush()
     stats = store.stats()
     assert stats["tiers"]["nvme"].used_nbytes >= 400_000
-    assert stats["moves"]["nvme->host"]["nbytes"] == 400_000
-    assert stats["moves"]["device->host"]["nbytes"] == 400_000
-    assert stats["moves"]["host->nvme"]["gbps"] > 0
+    moves = stats["moves"]
+    lanes = ["host->nvme", "nvme->host", "host->device", "device->host"]  # put, stage, copy, write-back
+    assert sorted(moves) == sorted(lanes)
+    counts = {"host->nvme": 2, "nvme->host": 1, "host->device": 1, "device->host": 1}  # put + write-back
+    assert all(moves[lane]["moves"] == n and moves[lane]["nbytes"] == n * 400_000 for lane, n in counts.items())
+    assert moves["host->nvme"]["gbps"] > 0
     path = tmp_path / "trace.json"
     store.write_trace(path)
     events = json.loads(path.read_text())["traceEvents"]
-    lanes = {e["args"]["name"] for e in events if e["ph"] == "M"}
-    assert {"nvme->host", "host->device", "device->host", "host->nvme"} <= lanes
-    assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")
+    names = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    slices = [e for e in events if e["ph"] == "X"]
+    # one slice per move, on its direction's row, with its bytes and a real duration
+    assert sorted(names[e["tid"]] for e in slices) == sorted(["host->nvme"] * 2 + lanes[1:])
+    assert all(e["name"] == "a" and e["args"]["nbytes"] == 400_000 and e["dur"] > 0 for e in slices)
+    start = {names[e["tid"]]: e["ts"] for e in slices}
+    read = next(e for e in slices if names[e["tid"]] == "nvme->host")
+    assert read["ts"] + read["dur"] <= start["host->device"]  # the device copy waits for the staged read
+    assert start["host->device"] < start["device->host"]
 
 
 class _LazyEvent:
@@ -285,7 +294,7 @@ def test_two_stores_share_a_directory(tmp_path):
     with TensorStore({"nvme": MiB}, nvme_path=tmp_path) as a, TensorStore({"nvme": MiB}, nvme_path=tmp_path) as b:
         a.put("x", torch.full((1000,), 1.0), "nvme")
         b.put("x", torch.full((1000,), 2.0), "nvme")
-        assert len(os.listdir(tmp_path)) == 2
+        assert os.listdir(tmp_path) == []  # both swap files are unlinked: no names to collide
     with TensorStore({"host": MiB, "nvme": MiB}, nvme_path=tmp_path) as a, \
             TensorStore({"host": MiB, "nvme": MiB}, nvme_path=tmp_path) as b:
         a.put("x", torch.full((1000,), 1.0), "nvme")
