@@ -9,6 +9,14 @@ live in the tiered store (DeepSpeed's engine API, one process).
 Order of one step (at a boundary): release every unit (the values are about to change), global
 gradient norm over the units' flat gradient buffers, fp16 overflow check (skip, lower the scale),
 clip factor, one optimizer step over the units, zero the gradient buffers, LR schedule.
+
+[Note: optimizer overlapped with backward] When the step needs no gradient but a unit's own
+(no clipping, no fp16 overflow check), the backward of a boundary micro-batch steps each unit on
+a worker thread as soon as its gradients are final, while backward goes on with earlier layers.
+The unit was released first, so nothing computes from its values while they change. Each unit
+gets the same kernel call with the same gradient and grad_scale as after backward, so the
+result is the same. Resident units (held until the step) are stepped after backward. With
+clipping or fp16 the whole step runs after backward (the norm / overflow needs every gradient).
 """
 
 from __future__ import annotations
@@ -16,7 +24,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
@@ -25,9 +35,17 @@ import torch
 from infinity.config import AdamParams, Config, OptimizerConfig, build_lr_schedule
 from infinity.engine._host_adam import HostUnitAdam
 from infinity.engine._plan import MemoryPlan, plan_memory
+from infinity.engine._timeline import Timeline
 from infinity.optim import DynamicLossScaler, SwappedOptimizer, UnitSpec
 from infinity.store import TensorStore, Tier
-from infinity.zero import FetchUnit, ModelHooks, ParamCoordinator, place_units, plan_units
+from infinity.zero import (
+    FetchUnit,
+    ModelHooks,
+    ParamCoordinator,
+    UnitState,
+    place_units,
+    plan_units,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +100,7 @@ class Engine:
         nvme_path = zero.offload_param.nvme_path if self.plan.param_home == Tier.NVME else None
         nvme_path = nvme_path or zero.offload_optimizer.nvme_path
         aio_options = {**config.aio.handle_options(), "backend": config.infinity.aio_backend}
+        self.timeline = Timeline(time.perf_counter())
         self.store = TensorStore(self.plan.budgets, nvme_path=nvme_path, device=self.device,
                                  aio_options=aio_options)
         try:
@@ -89,9 +108,10 @@ class Engine:
             self.coordinator = ParamCoordinator(
                 self.units, self.store, fetch_tier=self.plan.fetch_tier, device=self.device,
                 prefetch_numel=prefetch_numel, max_live_numel=zero.stage3_max_live_parameters,
-                max_reuse_numel=zero.stage3_max_reuse_distance)
+                max_reuse_numel=zero.stage3_max_reuse_distance, on_grads_final=self._grads_final)
             self._hooks = ModelHooks(model, self.units, uses, self.coordinator)
             self._trained = [u for u in self.units if u.requires_grad]
+            self._index = {u: i for i, u in enumerate(self._trained)}
             self.optimizer = self._make_optimizer()
         except BaseException:
             self.store.close()
@@ -107,6 +127,11 @@ class Engine:
         if self._schedule is not None:
             self.optimizer.lr = self._schedule.lr_at(-1)
         self.last_grad_norm: float | None = None
+        # See [Note: optimizer overlapped with backward].
+        self.overlap = config.gradient_clipping == 0 and not fp16.enabled
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="infinity-optim") if self.overlap else None
+        self._stepping: dict[int, Future] | None = None  # units stepped during this backward
+        self.units_stepped_in_backward = 0
 
     def _make_optimizer(self) -> HostUnitAdam | SwappedOptimizer:
         """Per-unit Adam: state in RAM without optimizer offload, else in the store's tier."""
@@ -129,7 +154,8 @@ class Engine:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model; returns what the model returns."""
         self._check_open()
-        return self.module(*args, **kwargs)
+        with self.timeline.region("forward", "compute"):
+            return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Backpropagate `loss` divided by gradient_accumulation_steps (times the fp16 loss
@@ -138,16 +164,36 @@ class Engine:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError("backward() needs a scalar loss tensor that requires grad, got "
                              f"{type(loss).__name__}{tuple(getattr(loss, 'shape', ()))}")
+        if self._stepping is not None:
+            raise RuntimeError("backward() twice in one accumulation boundary: call step() first")
         scaled = loss
         if self.config.gradient_accumulation_steps > 1:
             scaled = scaled / self.config.gradient_accumulation_steps
         if self.config.fp16.enabled:
             scaled = scaled * self._loss_scale()
+        if self.overlap and self.is_gradient_accumulation_boundary():
+            self.optimizer.begin_step()
+            self._stepping = {}
         try:
-            scaled.backward()
+            with self.timeline.region("backward", "compute"):
+                scaled.backward()
         finally:
             self.coordinator.end_backward()
         return loss
+
+    def _grads_final(self, unit: FetchUnit) -> None:
+        """Coordinator callback: start the unit's optimizer step when overlapping."""
+        self.timeline.record(unit.key, "grads final", time.perf_counter())
+        if self._stepping is not None and unit.requires_grad and not unit.persistent \
+                and unit.state is UnitState.RELEASED:
+            i = self._index[unit]
+            self._stepping[i] = self._worker.submit(self._step_unit, i, unit, 1.0)
+            self.units_stepped_in_backward += 1
+
+    def _step_unit(self, i: int, unit: FetchUnit, grad_scale: float) -> None:
+        with self.timeline.region(unit.key, "optimizer"):
+            grad = unit.grad if unit.grad is not None else torch.zeros(unit.numel, dtype=unit.dtype)
+            self.optimizer.step_unit(i, grad, grad_scale=grad_scale)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
@@ -156,18 +202,23 @@ class Engine:
         """Call after every backward; updates the parameters at accumulation boundaries."""
         self._check_open()
         if self.is_gradient_accumulation_boundary():
-            self._take_step()
+            with self.timeline.region("step", "compute"):
+                self._take_step()
         self.micro_steps += 1
 
     def _loss_scale(self) -> float:
         return self.scaler.scale if self.scaler is not None else self._static_scale
 
     def _take_step(self) -> None:
+        self.global_steps += 1
         self.coordinator.release_all()
+        stepping, self._stepping = self._stepping, None
+        if stepping is not None:
+            self._finish_overlapped(stepping)
+            return
         scale = self._loss_scale()
         norm = self._grad_norm() / scale
         self.last_grad_norm = norm
-        self.global_steps += 1
         if self.config.fp16.enabled:
             overflow = not math.isfinite(norm)
             if self.scaler is not None:
@@ -183,8 +234,22 @@ class Engine:
             clip = min(1.0, self.config.gradient_clipping / (norm + 1e-6))
         self.optimizer.begin_step()
         for i, unit in enumerate(self._trained):
-            grad = unit.grad if unit.grad is not None else torch.zeros(unit.numel, dtype=unit.dtype)
-            self.optimizer.step_unit(i, grad, grad_scale=clip / scale)
+            self._step_unit(i, unit, clip / scale)
+        self._end_step()
+
+    def _finish_overlapped(self, stepping: dict[int, Future]) -> None:
+        """Wait for the units stepped during backward, step the others here."""
+        self.last_grad_norm = None
+        for i, unit in enumerate(self._trained):
+            future = stepping.get(i)
+            error = future.exception() if future is not None else None
+            if error is not None:
+                logger.warning("optimizer step of %s on the worker failed (%s); retrying", unit.key, error)
+            if future is None or error is not None:
+                self._step_unit(i, unit, 1.0)  # retry-safe: tiles already stepped are skipped
+        self._end_step()
+
+    def _end_step(self) -> None:
         self.optimizer.finish_step()
         self._zero_grads()
         if self._schedule is not None:  # as DeepSpeed: the schedule advances on applied steps
@@ -226,12 +291,15 @@ class Engine:
         """Store tiers and moves, prefetch counters, steps, and peak host memory (VmHWM)."""
         return {"store": self.store.stats(), "prefetch": asdict(self.coordinator.stats),
                 "global_steps": self.global_steps, "skipped_steps": self.skipped_steps,
+                "optimizer": {"overlap": self.overlap,
+                              "units_stepped_in_backward": self.units_stepped_in_backward},
                 "loss_scale": self._loss_scale() if self.config.fp16.enabled else None,
                 "peak_rss_bytes": _peak_rss_bytes()}
 
     def write_trace(self, path: str | os.PathLike[str]) -> None:
-        """Save the store's moves as a Chrome / Perfetto trace."""
+        """Save the store's moves and the engine's timeline as one Chrome / Perfetto trace."""
         self.store.write_trace(path)
+        self.timeline.merge_into(path)
 
     # -- end -------------------------------------------------------------------------------------
 
@@ -242,6 +310,9 @@ class Engine:
             return
         self._closed = True
         try:
+            if self._worker is not None:
+                self._worker.shutdown(wait=True)
+            self._stepping = None
             self.coordinator.release_all()
             self._hooks.remove()
             if restore_params:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -48,14 +48,18 @@ class ParamCoordinator:
         device: the compute device (placeholders are made there).
         prefetch_numel, max_live_numel, max_reuse_numel: see [Note: prefetch along the trace].
         max_traces: traces memoised per pass key.
+        on_grads_final: called (lock held, keep it short) when a unit's gradient buffer holds
+            this backward's final gradients, after the unit was released.
 
     Thread-safe (autograd may run hooks from its own threads).
     """
 
     def __init__(self, units: Sequence[FetchUnit], store: TensorStore, *, fetch_tier: Tier,
                  device: torch.device, prefetch_numel: int, max_live_numel: int,
-                 max_reuse_numel: int, max_traces: int = 4) -> None:
+                 max_reuse_numel: int, max_traces: int = 4,
+                 on_grads_final: Callable[[FetchUnit], None] | None = None) -> None:
         self.units = list(units)
+        self.on_grads_final = on_grads_final
         self.store = store
         self.fetch_tier = fetch_tier
         self.prefetch_numel = int(prefetch_numel)
@@ -174,6 +178,8 @@ class ParamCoordinator:
         if unit.held_for_backward:
             unit.held_for_backward = False
             self.release([unit])
+        if self.on_grads_final is not None:
+            self.on_grads_final(unit)
 
     def _fetch_resident(self) -> None:
         for u in self.units:

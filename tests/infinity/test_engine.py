@@ -3,6 +3,7 @@ for every offload combination, with accumulation, clipping and fp16 loss scaling
 
 import copy
 import json
+import time
 
 import pytest
 import torch
@@ -243,3 +244,58 @@ def test_bf16_tracks_the_fp32_reference(tmp_path, optimizer, steps):
     assert ref_losses[-1] < ref_losses[0] - 0.1  # it learned something to track
     for got, want in zip(losses, ref_losses):
         assert abs(got - want) <= 0.01 * want, (losses, ref_losses)
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward takes a while: the compute of the first layers' backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.3)
+        return grad
+
+
+class _SlowModule(torch.nn.Module):
+    def forward(self, x):
+        return _SlowBackward.apply(x)
+
+
+def test_optimizer_overlaps_backward_on_the_timeline(tmp_path):
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 8) for _ in range(4)]
+    model = torch.nn.Sequential(layers[0], _SlowModule(), *layers[1:])
+    reference = copy.deepcopy(model)
+    data = mlp_batches(2)
+    engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme"))
+    assert engine.overlap
+    losses = train_engine(engine, data)
+    regions = engine.timeline.regions
+    engine.write_trace(tmp_path / "trace.json")
+    engine.close()
+    assert_parity(model, reference, losses, train_reference(reference, data))
+
+    first, last = "param/0", "param/4"
+    first_final = [r.start for r in regions if r.lane == "grads final" and r.name == first]
+    last_stepped = [r.end for r in regions if r.lane == "optimizer" and r.name == last]
+    assert len(first_final) == len(last_stepped) == 2
+    for done, stepped in zip(first_final, last_stepped):
+        assert stepped < done  # the last layer was updated while backward still ran
+    lanes = {e.get("cat") for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"]}
+    assert {"optimizer", "compute", "grads final", "nvme->host"} <= lanes
+
+
+def test_with_clipping_the_optimizer_runs_after_backward(tmp_path):
+    engine = infinity.initialize(mlp(), config(tmp_path, "cpu", "cpu", gradient_clipping=1.0))
+    assert not engine.overlap
+    train_engine(engine, mlp_batches(2))
+    regions = engine.timeline.regions
+    engine.close()
+    backward_ends = [r.end for r in regions if r.name == "backward"]
+    steps = [r.start for r in regions if r.lane == "optimizer"]
+    assert steps and all(any(b <= s for b in backward_ends) for s in steps)
+    first_backward_end = backward_ends[0]
+    assert min(steps) >= first_backward_end
