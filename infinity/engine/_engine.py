@@ -103,6 +103,10 @@ class Engine:
         self.timeline = Timeline(time.perf_counter())
         self.store = TensorStore(self.plan.budgets, nvme_path=nvme_path, device=self.device,
                                  aio_options=aio_options)
+        self.coordinator: ParamCoordinator | None = None
+        self._hooks: ModelHooks | None = None
+        self._worker: ThreadPoolExecutor | None = None
+        self._stepping: dict[int, Future] | None = None  # units stepped during this backward
         try:
             place_units(self.units, self.store, home=self.plan.param_home, device=self.device)
             self.coordinator = ParamCoordinator(
@@ -114,7 +118,7 @@ class Engine:
             self._index = {u: i for i, u in enumerate(self._trained)}
             self.optimizer = self._make_optimizer()
         except BaseException:
-            self.store.close()
+            self._teardown(restore_params=True)  # the model gets back what was moved
             raise
         fp16 = config.fp16
         self.scaler = DynamicLossScaler(
@@ -130,7 +134,6 @@ class Engine:
         # See [Note: optimizer overlapped with backward].
         self.overlap = config.gradient_clipping == 0 and not fp16.enabled
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="infinity-optim") if self.overlap else None
-        self._stepping: dict[int, Future] | None = None  # units stepped during this backward
         self.units_stepped_in_backward = 0
 
     def _make_optimizer(self) -> HostUnitAdam | SwappedOptimizer:
@@ -309,17 +312,25 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        self._teardown(restore_params=restore_params)
+
+    def _teardown(self, *, restore_params: bool) -> None:
+        """Undo what __init__ did, as far as it got."""
         try:
             if self._worker is not None:
                 self._worker.shutdown(wait=True)
             self._stepping = None
-            self.coordinator.release_all()
-            self._hooks.remove()
+            if self.coordinator is not None:
+                self.coordinator.abort_pass()  # a failed forward may have left modules in use
+                self.coordinator.release_all()
+            if self._hooks is not None:
+                self._hooks.remove()
             if restore_params:
                 for unit in self.units:
-                    values = dict(_unit_values(self.store, unit))
-                    for s in unit.slots:
-                        s.param.data = values[s.name].to(self.device)
+                    if unit.key in self.store:
+                        values = dict(_unit_values(self.store, unit))
+                        for s in unit.slots:
+                            s.param.data = values[s.name].to(self.device)
         finally:
             self.store.close()
 

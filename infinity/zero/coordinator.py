@@ -71,6 +71,8 @@ class ParamCoordinator:
         self._cursor: PassCursor | None = None
         self._live_numel = 0  # elements of non-persistent units FETCHING or READY
         self._views = ViewIndex()  # READY units by address; see [Note: saved parameter views]
+        self._resident = [u for u in self.units if u.persistent]
+        self._resident_ready = False
         self._lock = threading.RLock()
 
     # -- passes --------------------------------------------------------------------------------
@@ -85,6 +87,16 @@ class ParamCoordinator:
                 self.stats.trace_switches += 1
             self._fetch_resident()
             self._prefetch_after(-1)
+
+    def abort_pass(self) -> None:
+        """The forward failed: forget the pass (no trace is memoised) and release every
+        non-persistent unit, whatever module calls were left unfinished."""
+        with self._lock:
+            self._cursor = None
+            for u in self.units:
+                u.users, u.held_for_backward, u.grads_seen = 0, False, 0
+                if not u.persistent and u.state is not UnitState.RELEASED:
+                    self._release_unit(u)
 
     def end_pass(self) -> None:
         """Memoise the pass's trace and release every unit no module is using."""
@@ -159,6 +171,7 @@ class ParamCoordinator:
                     raise RuntimeError(f"unit {u.name!r} is still used by {u.users} module call(s)")
                 if u.state is not UnitState.RELEASED:
                     self._release_unit(u)
+            self._resident_ready = False
 
     def pack(self, t: torch.Tensor) -> Any:
         """Autograd pack hook: see [Note: saved parameter views]."""
@@ -182,10 +195,13 @@ class ParamCoordinator:
             self.on_grads_final(unit)
 
     def _fetch_resident(self) -> None:
-        for u in self.units:
-            if u.persistent and u.state is UnitState.RELEASED:
+        if self._resident_ready:
+            return
+        for u in self._resident:
+            if u.state is UnitState.RELEASED:
                 self._start(u, next_use=0, make_room=True)
                 self._wait(u)
+        self._resident_ready = True
 
     def _use(self, u: FetchUnit) -> None:
         """Record the use in the trace, make the unit READY, then prefetch what follows."""

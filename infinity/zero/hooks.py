@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -90,7 +91,9 @@ class ModelHooks:
     def _end_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self._saved_views:
             self._saved_views.pop().__exit__(None, None, None)
-        if not torch.is_grad_enabled():
+        if sys.exc_info()[0] is not None:  # called from torch's except block: forward failed
+            self.coordinator.abort_pass()
+        elif not torch.is_grad_enabled():
             self.coordinator.end_pass()
 
     def remove(self) -> None:

@@ -61,7 +61,7 @@ class FetchUnit:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
     def expect(self, *states: UnitState) -> None:
         """Raise if the unit is not in one of `states` (a wrong transition is a bug, say which)."""

@@ -299,3 +299,18 @@ def test_with_clipping_the_optimizer_runs_after_backward(tmp_path):
     assert steps and all(any(b <= s for b in backward_ends) for s in steps)
     first_backward_end = backward_ends[0]
     assert min(steps) >= first_backward_end
+
+
+def test_a_failed_initialize_leaves_the_model_as_it_was(tmp_path, monkeypatch):
+    model = mlp()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("optimizer could not be built")
+
+    monkeypatch.setattr("infinity.engine._engine.HostUnitAdam", broken)
+    with pytest.raises(RuntimeError, match="could not be built"):
+        infinity.initialize(model, config(tmp_path, "nvme", "none"))
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[name]) and not p._post_accumulate_grad_hooks
+    assert all(not m._forward_pre_hooks for m in model.modules())

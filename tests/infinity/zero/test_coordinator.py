@@ -188,3 +188,27 @@ def test_remove_leaves_no_hook(tmp_path):
     for m in model.modules():
         assert not m._forward_pre_hooks and not m._forward_hooks
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+class Failing(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x, fail):
+        x = self.a(x)
+        if fail:
+            raise ValueError("bad batch")
+        return self.b(x)
+
+
+def test_a_failed_forward_releases_what_it_held(tmp_path):
+    model = Failing()
+    x = torch.randn(2, 4)
+    with managed(model, tmp_path) as (units, coordinator):
+        with pytest.raises(ValueError, match="bad batch"):
+            model(x, True)
+        assert all(u.state is UnitState.RELEASED and u.users == 0 for u in units)
+        model(x, False).sum().backward()
+        coordinator.end_backward()
+        assert all(u.grad is not None for u in units)
