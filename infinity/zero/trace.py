@@ -3,7 +3,8 @@
 A pass (one forward, plus its backward when training) is keyed by how it runs (train/eval, grad
 on/off). Under one key several traces are kept, most recently used first; a pass follows every
 trace whose prefix matches what it has done so far, so train/eval alternation or a changed route
-switches traces instead of turning prefetch off. When no trace matches any more the pass has
+switches traces instead of turning prefetch off; a key seen for the first time follows the
+other keys' traces while their prefix matches. When no trace matches any more the pass has
 diverged: the rest of it fetches on demand, and what it did is memoised as a new trace.
 """
 
@@ -82,7 +83,12 @@ class TraceBook:
         self._traces: dict[Hashable, list[Trace]] = {}
 
     def start(self, key: Hashable) -> PassCursor:
-        return PassCursor(key, list(self._traces.get(key, ())))
+        """Begin following a pass. A key with no trace yet borrows every other key's traces:
+        routes often share a prefix (an eval pass runs the forward of a training pass)."""
+        own = self._traces.get(key)
+        if own:
+            return PassCursor(key, list(own))
+        return PassCursor(key, [t for traces in self._traces.values() for t in traces])
 
     def finish(self, cursor: PassCursor) -> None:
         """Memoise the pass: move the trace it followed to the front, or add what it did."""

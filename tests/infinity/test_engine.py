@@ -136,18 +136,15 @@ def test_stage_0_and_persistent_parameters_match_pytorch(tmp_path):
 
 def test_prefetch_leaves_no_on_demand_fetch_after_the_first_step(tmp_path):
     engine = infinity.initialize(llama(), config(tmp_path, "nvme", "nvme"))
-    data = llama_batches(7)
+    data = llama_batches(6)
     train_engine(engine, data[:1])
-    with torch.no_grad():
-        engine.eval()(*data[1][0], **data[1][1])
-    engine.train()
     after_first = engine.stats()["prefetch"]
     assert after_first["on_demand_nvme"] > 0
-    for args, kwargs in data[2:]:
-        train_engine(engine, [(args, kwargs)])
+    for args, kwargs in data[1:]:  # eval, train, eval, ...: the first eval follows the train trace
         with torch.no_grad():
             engine.eval()(*args, **kwargs)
         engine.train()
+        train_engine(engine, [(args, kwargs)])
     stats = engine.stats()["prefetch"]
     assert stats["on_demand"] == after_first["on_demand"]
     assert stats["on_demand_nvme"] == after_first["on_demand_nvme"]

@@ -64,3 +64,17 @@ def test_a_pass_that_stops_early_is_memoised_as_its_own_trace():
             cursor.observe(u)
         book.finish(cursor)
     assert book.count("k") == 2
+
+
+def test_a_new_key_borrows_the_traces_of_other_keys():
+    book = TraceBook([1, 1, 1])
+    train = book.start("train")
+    for u in (0, 1, 2, 2, 1, 0):  # forward and backward
+        train.observe(u)
+    book.finish(train)
+    evaluation = book.start("eval")
+    assert evaluation.started_on_trace
+    for u in (0, 1, 2):
+        assert not evaluation.observe(u)
+    book.finish(evaluation)  # shorter than what it followed: memoised under its own key
+    assert book.count("eval") == 1 and book.start("eval").trace.units == (0, 1, 2)
