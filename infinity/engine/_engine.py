@@ -35,6 +35,7 @@ import torch
 from infinity.config import AdamParams, Config, OptimizerConfig, build_lr_schedule
 from infinity.engine._host_adam import HostUnitAdam
 from infinity.engine._plan import MemoryPlan, plan_memory
+from infinity.engine._precision import choose_precision, cpu_has_bf16_units
 from infinity.engine._timeline import Timeline
 from infinity.optim import DynamicLossScaler, SwappedOptimizer, UnitSpec
 from infinity.store import TensorStore, Tier
@@ -81,12 +82,17 @@ class Engine:
         zero = config.zero_optimization
         accelerator = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if accelerator else torch.device("cpu")
+        self.precision = choose_precision(
+            fp16=config.fp16.enabled, bf16=config.bf16.enabled,
+            compute_dtype=config.infinity.compute_dtype, accelerator=accelerator,
+            bf16_units=cpu_has_bf16_units())
         if config.fp16.enabled or config.bf16.enabled:
-            model.to(torch.float16 if config.fp16.enabled else torch.bfloat16)
+            model.to(self.precision.compute)
         model.to(self.device)
         # Below stage 3 nothing is partitioned: every parameter stays resident.
         persistence = zero.stage3_param_persistence_threshold if zero.stage == 3 else 1 << 62
-        self.units, uses = plan_units(model, persistence_numel=persistence)
+        self.units, uses = plan_units(model, persistence_numel=persistence,
+                                      storage_dtype=self.precision.storage)
         prefetch_numel = zero.stage3_prefetch_bucket_size if config.infinity.trace_prefetch else 0
         self.plan: MemoryPlan = plan_memory(
             self.units, offload_param=zero.offload_param.device if zero.stage == 3 else "none",
@@ -195,7 +201,7 @@ class Engine:
 
     def _step_unit(self, i: int, unit: FetchUnit, grad_scale: float) -> None:
         with self.timeline.region(unit.key, "optimizer"):
-            grad = unit.grad if unit.grad is not None else torch.zeros(unit.numel, dtype=unit.dtype)
+            grad = unit.grad if unit.grad is not None else torch.zeros(unit.numel, dtype=unit.compute_dtype)
             self.optimizer.step_unit(i, grad, grad_scale=grad_scale)
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -330,7 +336,7 @@ class Engine:
                     if unit.key in self.store:
                         values = dict(_unit_values(self.store, unit))
                         for s in unit.slots:
-                            s.param.data = values[s.name].to(self.device)
+                            s.param.data = values[s.name].to(self.device, unit.compute_dtype)
         finally:
             self.store.close()
 

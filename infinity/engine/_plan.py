@@ -63,7 +63,7 @@ def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optim
     working = min(everything, resident + 3 * largest + _aligned(prefetch_numel * elt))
     tile = min(tile_numel, max((u.numel for u in trained), default=0)) * 12 + _TILE_SLACK
     state = sum(_state_nbytes(u) + _TILE_SLACK * -(-u.numel // tile_numel) for u in trained)
-    grads = sum(_aligned(u.nbytes) for u in trained)
+    grads = sum(_aligned(u.grad_nbytes) for u in trained)
     outside = grads + (state if state_tier is None else 0)
 
     budgets: dict[Tier, int] = {}

@@ -66,7 +66,8 @@ class ParamCoordinator:
         self.max_live_numel = int(max_live_numel)
         self.max_reuse_numel = int(max_reuse_numel)
         self.stats = PrefetchStats()
-        self._placeholders = {u.dtype: torch.empty(0, dtype=u.dtype, device=device) for u in self.units}
+        self._placeholders = {u.compute_dtype: torch.empty(0, dtype=u.compute_dtype, device=device)
+                              for u in self.units}
         self._book = TraceBook([u.numel for u in self.units], max_traces)
         self._cursor: PassCursor | None = None
         self._live_numel = 0  # elements of non-persistent units FETCHING or READY
@@ -254,7 +255,7 @@ class ParamCoordinator:
         u.expect(UnitState.FETCHING, UnitState.READY)
         if u.state is UnitState.READY:
             self._views.remove(u)
-            u.unbind(self._placeholders[u.dtype])
+            u.unbind(self._placeholders[u.compute_dtype])
         u.future = None
         u.state = UnitState.RELEASED
         if not u.persistent:

@@ -56,7 +56,7 @@ class ViewIndex:
             return None
         unit = self._units[i]
         flat = unit.flat
-        if ptr >= self._starts[i] + flat.numel() * flat.element_size() or t.dtype != unit.dtype \
+        if ptr >= self._starts[i] + flat.numel() * flat.element_size() or t.dtype != flat.dtype \
                 or t.device != flat.device:
             return None
         return unit

@@ -2,7 +2,9 @@
 FlatParameter), and how a model is cut into units.
 
 Each unit holds parameters of one dtype and one requires_grad, so a unit is also the unit of the
-optimizer (a frozen parameter never shares a flat gradient with a trained one). Parameters at or
+optimizer (a frozen parameter never shares a flat gradient with a trained one). A unit may be
+stored in a narrower dtype than it computes in (bf16 storage, fp32 compute on CPUs without bf16
+units): it is upcast when fetched, and its gradients are kept in the compute dtype. Parameters at or
 below the persistence threshold are gathered into "resident" units (one per dtype and
 requires_grad) that stay fetched from their first use to the optimizer step.
 """
@@ -43,9 +45,10 @@ class FetchUnit:
     name: str  # module that owns the parameters ("<resident>" for persistent ones)
     slots: list[ParamSlot]
     numel: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # of the values in the store
     requires_grad: bool
     persistent: bool
+    compute_dtype: torch.dtype  # of the parameters while fetched, and of the gradients
     # - Lifecycle (see UnitState)
     state: UnitState = UnitState.RELEASED
     users: int = 0  # module uses in progress (forward calls, one backward hold)
@@ -61,7 +64,12 @@ class FetchUnit:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the values in the store."""
         return self.numel * self.dtype.itemsize
+
+    @property
+    def grad_nbytes(self) -> int:
+        return self.numel * self.compute_dtype.itemsize
 
     def expect(self, *states: UnitState) -> None:
         """Raise if the unit is not in one of `states` (a wrong transition is a bug, say which)."""
@@ -70,7 +78,10 @@ class FetchUnit:
                                f"{' or '.join(s.value for s in states)}")
 
     def bind(self, flat: torch.Tensor) -> None:
-        """Point every parameter at its view of the fetched flat tensor."""
+        """Point every parameter at its view of the fetched flat tensor (upcast first when the
+        unit computes in a wider dtype than it is stored in)."""
+        if flat.dtype != self.compute_dtype:
+            flat = flat.to(self.compute_dtype)
         self.flat = flat
         for s in self.slots:
             s.param.data = flat[s.offset:s.offset + s.shape.numel()].view(s.shape)
@@ -84,7 +95,7 @@ class FetchUnit:
     def take_grads(self) -> None:
         """Add the parameters' gradients into the flat buffer and drop them (bounded memory)."""
         if self.grad is None:
-            self.grad = torch.zeros(self.numel, dtype=self.dtype)
+            self.grad = torch.zeros(self.numel, dtype=self.compute_dtype)
         for s in self.slots:
             g = s.param.grad
             if g is None:
@@ -110,10 +121,12 @@ def _suffix(dtype: torch.dtype, requires_grad: bool, several: bool) -> str:
     return f"[{str(dtype).removeprefix('torch.')},{'train' if requires_grad else 'frozen'}]" if several else ""
 
 
-def plan_units(model: torch.nn.Module, *, persistence_numel: int,
+def plan_units(model: torch.nn.Module, *, persistence_numel: int, storage_dtype: torch.dtype | None = None,
                prefix: str = "param") -> tuple[list[FetchUnit], dict[torch.nn.Module, list[FetchUnit]]]:
     """Cut `model` into fetch units (nothing is moved yet; see `place_units`).
 
+    With `storage_dtype`, floating-point units are stored in it and computed in the model's
+    dtype (bf16 storage, fp32 compute).
     A parameter belongs to the first module (in `named_modules` order) that holds it directly,
     so tied and shared parameters are one unit; every module holding it maps to that unit.
     Parameters of at most `persistence_numel` elements go to resident units.
@@ -146,7 +159,9 @@ def plan_units(model: torch.nn.Module, *, persistence_numel: int,
             for qualified, p in members:
                 slots.append(ParamSlot(p, qualified, offset, p.shape))
                 offset += p.numel()
-            units.append(FetchUnit(len(units), key, name, slots, offset, dtype, requires_grad, persistent))
+            stored = storage_dtype if storage_dtype is not None and dtype.is_floating_point else dtype
+            units.append(FetchUnit(len(units), key, name, slots, offset, stored, requires_grad,
+                                   persistent, compute_dtype=dtype))
             for s in slots:
                 owner[id(s.param)] = units[-1]
     uses: dict[torch.nn.Module, list[FetchUnit]] = {}
@@ -168,9 +183,9 @@ def place_units(units: list[FetchUnit], store: TensorStore, *, home: Tier, devic
     (on `device`) in the parameters; the original tensors are freed unit by unit."""
     placeholders: dict[torch.dtype, torch.Tensor] = {}
     for unit in units:
-        flat = torch.cat([s.param.detach().reshape(-1).to("cpu") for s in unit.slots])
+        flat = torch.cat([s.param.detach().reshape(-1).to("cpu") for s in unit.slots]).to(unit.dtype)
         store.put(unit.key, flat, home)
         del flat
-        if unit.dtype not in placeholders:
-            placeholders[unit.dtype] = torch.empty(0, dtype=unit.dtype, device=device)
-        unit.unbind(placeholders[unit.dtype])
+        if unit.compute_dtype not in placeholders:
+            placeholders[unit.compute_dtype] = torch.empty(0, dtype=unit.compute_dtype, device=device)
+        unit.unbind(placeholders[unit.compute_dtype])

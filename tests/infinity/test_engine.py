@@ -40,7 +40,7 @@ def config(tmp_path, param="none", optimizer="none", lr=LR, **extra) -> dict:
     zero.update(extra.pop("zero", {}))
     return {"train_micro_batch_size_per_gpu": 2,
             "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": WD}},
-            "zero_optimization": zero, "infinity": {"host_memory_budget": "1GB"}, **extra}
+            "zero_optimization": zero, **{"infinity": {"host_memory_budget": "1GB"}, **extra}}
 
 
 def mlp_batches(n):
@@ -227,14 +227,21 @@ def test_bad_input_is_refused_with_a_clear_error(tmp_path):
     engine.close()
 
 
-@pytest.mark.parametrize("optimizer, steps", [("nvme", 50), ("none", 10)])
-def test_bf16_tracks_the_fp32_reference(tmp_path, optimizer, steps):
-    """bf16 values with an fp32 master in the optimizer: the loss stays within 1% of fp32's."""
+@pytest.mark.parametrize("optimizer, steps, compute", [("nvme", 50, "bf16"), ("none", 10, "bf16"),
+                                                       ("nvme", 20, "fp32")])
+def test_bf16_tracks_the_fp32_reference(tmp_path, optimizer, steps, compute):
+    """bf16 values with an fp32 master in the optimizer, computing in bf16 or (upcast when
+    fetched) in fp32: the loss stays within 1% of fp32's."""
     model = llama()
     reference = copy.deepcopy(model)
     data = llama_batches(2) * (steps // 2)  # two batches again and again: the loss falls
-    engine = infinity.initialize(model, config(tmp_path, "nvme", optimizer, lr=3e-3, bf16={"enabled": True}))
+    engine = infinity.initialize(model, config(tmp_path, "nvme", optimizer, lr=3e-3, bf16={"enabled": True},
+                                               infinity={"host_memory_budget": "1GB",
+                                                         "compute_dtype": compute}))
     assert {u.dtype for u in engine.units} == {torch.bfloat16}
+    expected = torch.bfloat16 if compute == "bf16" else torch.float32
+    assert {p.dtype for p in model.parameters()} == {expected}
+    assert {u.compute_dtype for u in engine.units} == {expected}
     losses = train_engine(engine, data)
     engine.close()
     ref_losses = train_reference(reference, data, lr=3e-3)
