@@ -74,6 +74,7 @@ class ParamCoordinator:
         self._views = ViewIndex()  # READY units by address; see [Note: saved parameter views]
         self._resident = [u for u in self.units if u.persistent]
         self._resident_ready = False
+        self.in_backward = False  # between the first backward acquire of a pass and its end
         self._lock = threading.RLock()
 
     # -- passes --------------------------------------------------------------------------------
@@ -94,6 +95,7 @@ class ParamCoordinator:
         non-persistent unit, whatever module calls were left unfinished."""
         with self._lock:
             self._cursor = None
+            self.in_backward = False
             for u in self.units:
                 u.users, u.held_for_backward, u.grads_seen = 0, False, 0
                 if not u.persistent and u.state is not UnitState.RELEASED:
@@ -106,6 +108,7 @@ class ParamCoordinator:
                 return
             self._book.finish(self._cursor)
             self._cursor = None
+            self.in_backward = False
             for u in self.units:
                 if not u.persistent and u.users == 0 and u.state is not UnitState.RELEASED:
                     self._release_unit(u)
@@ -137,6 +140,7 @@ class ParamCoordinator:
     def acquire_for_backward(self, units: Sequence[FetchUnit]) -> None:
         """A module's backward is about to run: hold its units until their gradients are final."""
         with self._lock:
+            self.in_backward = True
             todo = [u for u in units if not u.held_for_backward]
             self.acquire(todo)
             for u in todo:

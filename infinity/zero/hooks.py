@@ -3,9 +3,11 @@
 - root forward pre-hook: begin a pass (keyed by train/eval and grad mode) and save parameter
   views by position (see [Note: saved parameter views]); root forward post-hook (also on an
   error): stop that, and end the pass when no backward will follow (grad disabled);
-- per module that uses units: forward pre-hook acquires them, forward post-hook releases them
-  and, when grad is on, puts a hook on each output tensor that acquires them again when the
-  outputs' gradients arrive (the module's backward is next), as FSDP2 does;
+- per module that uses units: forward pre-hook acquires them, forward post-hook (also on an
+  error, e.g. a checkpoint's recompute stopping early) releases them and, when grad is on,
+  puts a hook on each output tensor that acquires them again when the outputs' gradients
+  arrive (the module's backward is next), as FSDP2 does; a forward recomputed during backward
+  keeps its units until their gradients are final;
 - per trained parameter: a post-accumulate-grad hook tells the coordinator its gradient is final.
 
 `ModelHooks.remove()` takes every one of them off the model.
@@ -32,14 +34,20 @@ class _ModuleState:
         self.units = list(units)
         self.coordinator = coordinator
         self.handles = [module.register_forward_pre_hook(self._pre_forward),
-                        module.register_forward_hook(self._post_forward)]
+                        module.register_forward_hook(self._post_forward, always_call=True)]
 
     def _pre_forward(self, module: torch.nn.Module, args: Any) -> None:
         self.coordinator.acquire(self.units)
 
     def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        failed = sys.exc_info()[0] is not None  # torch calls us from its except block
+        if not failed and torch.is_grad_enabled() and self.coordinator.in_backward:
+            # A forward recomputed inside backward (activation checkpointing): its saved tensors
+            # are used right away and are not saved by position, so keep the values until the
+            # unit's gradients are final.
+            self.coordinator.acquire_for_backward(self.units)
         self.coordinator.release(self.units)
-        if torch.is_grad_enabled():
+        if not failed and torch.is_grad_enabled():
             self._register_pre_backward(output)
 
     def _register_pre_backward(self, output: Any) -> None:

@@ -318,3 +318,17 @@ def test_a_failed_initialize_leaves_the_model_as_it_was(tmp_path, monkeypatch):
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), before[name]) and not p._post_accumulate_grad_hooks
     assert all(not m._forward_pre_hooks for m in model.modules())
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_matches_pytorch(tmp_path, reentrant):
+    """Hugging Face gradient checkpointing recomputes forwards inside backward (and the
+    non-reentrant kind stops a recompute early by raising): values stay right, nothing leaks."""
+    model = llama()
+    reference = copy.deepcopy(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    data = llama_batches(4)
+    engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme"))
+    losses = train_engine(engine, data)
+    engine.close()
+    assert_parity(model, reference, losses, train_reference(reference, data))
