@@ -15,6 +15,7 @@ write-back never stalls another thread's fetch of a resident tensor.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import threading
@@ -51,9 +52,10 @@ class StoreCore:
     """State and internal steps of TensorStore; every `_` method but `_run` runs under `_lock`."""
 
     def __init__(self, budgets: dict[Tier, int], device: torch.device,
-                 handle: aio.Handle | None, own_handle: bool, keep_timeline: bool) -> None:
+                 handle: aio.Handle | None, own_handle: bool, keep_timeline: bool, checksum: bool) -> None:
         self.budgets = budgets
         self.device = device
+        self.checksum = checksum  # crc32c of every NVMe write, checked on every NVMe read
         self.moves = MoveLog(keep_timeline=keep_timeline)
         self._lock = threading.RLock()
         self._closed = False
@@ -135,6 +137,8 @@ class StoreCore:
         except aio.AIOError as exc:
             error = exc
             exc.add_note(f"store: moving {move.entry.key!r} {move.src_tier.label} -> {move.dst.tier.label}")
+        if error is None and move.src is not None and move.src.crc is not None:
+            error = self._verify(move)  # a mismatch is a failed read: the copy is not valid
         if move.dst.filling is move:
             move.dst.filling = None
             move.dst.valid = move.dst.valid and error is None
@@ -143,6 +147,17 @@ class StoreCore:
         if error is None:
             move.finish(self.moves)
         self._refresh(move.entry)
+        return error
+
+    def _verify(self, move: PendingMove) -> aio.AIOError | None:
+        """Compare the bytes read from NVMe with the crc32c recorded when they were written."""
+        found = aio.crc32c(move.dst.block.tensor)
+        if found == move.src.crc:
+            return None
+        error = aio.AIOError(errno.EIO, f"checksum mismatch reading {move.entry.key!r}: crc32c {found:#010x}, "
+                             f"written {move.src.crc:#010x} (the swap file was changed behind the store)",
+                             self._swap.name, op="verify", offset=move.src.extent.offset, nbytes=move.entry.nbytes)
+        error.add_note(f"store: moving {move.entry.key!r} nvme -> {move.dst.tier.label}")
         return error
 
     # -- entries -------------------------------------------------------------------------------
@@ -177,25 +192,28 @@ class StoreCore:
         copy = entry.copies.get(tier)
         if copy is not None and copy.valid:
             return copy
-        source = entry.valid_below(tier)
+        source = entry.valid_source(tier)
         if source is None:
             raise RuntimeError(f"{entry.key!r} has no valid copy (a write-back failed earlier?)")
         if tier == Tier.DEVICE and source.tier == Tier.NVME and Tier.HOST in self._arenas:
             self._start_fetch(entry, Tier.HOST)  # staged through host; the device copy is made at result()
             return copy or self._allocate(entry, tier)
         copy = copy or self._allocate(entry, tier)
-        self._fill(entry, copy, source)
+        self._fill(entry, copy, entry.valid_source(tier))  # making room may have evicted `source`
         return copy
 
     def _fill(self, entry: Entry, dst: Copy, src: Copy) -> None:
         """Start copying src's bytes into dst: both must be idle (src's bytes landed, earlier
         writes into dst done, so writes to one place stay ordered)."""
+        if not src.valid or src.tier not in entry.copies or entry.copies[src.tier] is not src:
+            raise RuntimeError(f"{entry.key!r}: a move from a copy that is gone or stale ({src.tier.label})")
         self._need_idle(src)
         self._need_idle(dst)
         start = self.moves.now()
         if src.tier == Tier.NVME:
             move = PendingMove(entry, src, dst, start, request=self._swap.read(self._handle, src.extent, dst.block.tensor))
         elif dst.tier == Tier.NVME:
+            dst.crc = aio.crc32c(src.block.tensor) if self.checksum else None
             move = PendingMove(entry, src, dst, start, request=self._swap.write(self._handle, dst.extent, src.block.tensor))
         else:
             move = PendingMove(entry, src, dst, start, event=self._device_copy(dst.block.tensor, src.block.tensor))
@@ -212,6 +230,9 @@ class StoreCore:
         if self._copy_stream is None:
             dst.copy_(src)
             return None
+        # The side stream must see what the caller's stream did to src (e.g. the update before a
+        # dirty release) before it reads it.
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._copy_stream):
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
@@ -224,8 +245,8 @@ class StoreCore:
         if entry.copies.get(tier) is None:
             raise RuntimeError(f"{entry.key!r} left {tier.label} before its fetch completed")
         copy = self._start_fetch(entry, tier)
-        if not copy.valid:
-            self._fill(entry, copy, entry.copies[Tier.HOST])
+        if not copy.valid:  # staged: the host copy (started again if it was evicted) lands first
+            self._fill(entry, copy, self._start_fetch(entry, Tier.HOST))
         self._need_idle(copy)
         return copy.block.tensor
 
@@ -262,6 +283,7 @@ class StoreCore:
         else:
             copy = Copy(tier, block=self._arena_alloc(entry, tier))
         entry.copies[tier] = copy
+        self._refresh(entry)  # evictable at once: a step that fails before filling it leaks nothing
         return copy
 
     def _swap_alloc(self, entry: Entry) -> aio.Extent:

@@ -77,6 +77,7 @@ class Copy:
     pins: int = 0  # pin() calls not yet unpinned: never evicted
     last_use: int = 0  # store's touch counter at the last fetch, prefetch or pin: for LRU
     prefetched: bool = False  # brought in by prefetch() and not fetched since: needed soon
+    crc: int | None = None  # NVME with checksums on: crc32c of the bytes last written into it
 
     @property
     def busy(self) -> bool:
@@ -108,6 +109,16 @@ class Entry:
     def home(self) -> Tier:
         """The slowest tier holding a copy: that copy is never dropped, only moved down."""
         return max(self.copies)
+
+    def valid_source(self, tier: Tier) -> Copy | None:
+        """Where a copy on `tier` gets its bytes: the nearest valid slower copy, else the
+        nearest valid faster one (right after a dirty release, before its write-back starts,
+        only the modified copy is valid)."""
+        below = self.valid_below(tier)
+        if below is not None:
+            return below
+        return next((self.copies[t] for t in sorted(self.copies, reverse=True) if t < tier and self.copies[t].valid),
+                    None)
 
     def valid_below(self, tier: Tier) -> Copy | None:
         """The nearest valid copy on a slower tier than `tier`."""

@@ -82,6 +82,10 @@ class TensorStore(StoreCore):
         rank: data-parallel rank, part of the swap file's name (used only where the file system
             cannot create it unlinked at once, see aio.SwapFile).
         keep_timeline: record every move for write_trace (counters are kept either way).
+        checksum: record a crc32c of every tensor written to NVMe and check it on every read
+            back; a mismatch (the swap file changed behind the store) is an AIOError naming
+            the key, the file and the offset, and the read copy is not used. Off by default:
+            it costs 10-20% of an optimizer step (docs/performance.md).
 
     The store has a clock, `clock`: the number of fetches so far. Next-use hints are distances
     on it: `set_next_use({key: d})` means "needed at the d-th fetch from now".
@@ -94,7 +98,7 @@ class TensorStore(StoreCore):
     def __init__(self, budgets: Mapping[Tier | str, int], *, nvme_path: str | os.PathLike[str] | None = None,
                  aio_handle: aio.Handle | None = None, aio_options: Mapping[str, Any] | None = None,
                  device: str | torch.device | None = None, rank: int = 0,
-                 keep_timeline: bool = True) -> None:
+                 keep_timeline: bool = True, checksum: bool = False) -> None:
         budgets = {Tier.of(t): int(n) for t, n in budgets.items()}
         for tier, nbytes in budgets.items():
             if nbytes < 0:
@@ -102,7 +106,7 @@ class TensorStore(StoreCore):
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type != "cpu" and budgets.get(Tier.NVME) and not budgets.get(Tier.HOST):
             raise ValueError("NVMe <-> accelerator moves are staged in host memory: give the host tier a budget")
-        super().__init__(budgets, device, aio_handle, aio_handle is None, keep_timeline)
+        super().__init__(budgets, device, aio_handle, aio_handle is None, keep_timeline, checksum)
         try:
             self._open_arenas()
             if budgets.get(Tier.NVME):
@@ -143,6 +147,7 @@ class TensorStore(StoreCore):
         source = tensor.detach().to("cpu").contiguous() if tier == Tier.NVME else tensor.detach()
         entry = Entry(key, tensor.shape, tensor.dtype, tensor.numel() * tensor.element_size(), next(self._orders))
         source_tier = Tier.HOST if tensor.device.type == "cpu" else Tier.DEVICE
+        crc = aio.crc32c(source) if self.checksum and tier == Tier.NVME else None
 
         def reserve() -> PendingMove | None:
             if key in self._entries or key in self._putting:
@@ -162,6 +167,7 @@ class TensorStore(StoreCore):
                 raise
             copy.filling = move = PendingMove(entry, None, copy, start, request=request, src_tier=source_tier)
             copy.valid = True
+            copy.crc = crc
             self._putting[key] = move
             return move
 

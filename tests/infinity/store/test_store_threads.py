@@ -108,9 +108,10 @@ def test_close_with_a_failed_read_in_flight_raises_it(tmp_path):
     handle.close()
 
 
-def test_close_racing_fetches_and_write_backs_never_crashes_nor_hangs(tmp_path):
+@pytest.mark.parametrize("checksum", [False, True])
+def test_close_racing_fetches_and_write_backs_never_crashes_nor_hangs(tmp_path, checksum):
     store = TensorStore({"device": MiB, "host": 2 * MiB, "nvme": 32 * MiB}, nvme_path=tmp_path, device="cpu",
-                        aio_options={"block_size": 64 << 10})
+                        aio_options={"block_size": 64 << 10}, checksum=checksum)
     keys = [f"k{i}" for i in range(16)]
     for key in keys:
         store.put(key, torch.full((40_000,), 1.0), "nvme")

@@ -170,3 +170,31 @@ def test_a_full_disk_fails_at_start_up_and_never_during_write_back(small_tmpfs):
     with TensorStore({"nvme": 3 * MiB}, nvme_path=disk):
         with pytest.raises(OSError, match="ENOSPC"):  # a second store does not fit beside it
             TensorStore({"nvme": 2 * MiB}, nvme_path=disk)
+
+
+@pytest.mark.parametrize("checksum", [True, False])
+def test_a_swap_file_changed_behind_the_store_is_caught_by_the_checksum(tmp_path, checksum):
+    with TensorStore({"host": MiB, "nvme": 8 * MiB}, nvme_path=tmp_path, checksum=checksum) as s:
+        s.put("a", torch.arange(10_000.0), "nvme")
+        s.put("b", torch.arange(20_000.0), "nvme")
+        t = s.fetch("b", "host").result()
+        t.add_(1)
+        s.release("b", "host", dirty=True)  # a write-back, checksummed too
+        s.flush()
+        s.evict("b", "host")
+        offsets = {k: s._entries[k].copies[Tier.NVME].extent.offset for k in ("a", "b")}
+        for offset in offsets.values():
+            os.pwrite(s._swap.fileno(), b"\x01\x02\x03\x04", offset + 4096)  # one float, 4 KiB in
+        for key, expected in (("a", torch.arange(10_000.0)), ("b", torch.arange(20_000.0) + 1)):
+            future = s.fetch(key, "host")
+            if not checksum:  # without the checksum the damage goes unseen
+                assert not torch.equal(future.result(timeout=30), expected)
+                s.release(key, "host")
+                continue
+            with pytest.raises(OSError, match=rf"verify '{tmp_path}.*' at offset {offsets[key]}.*"
+                                              rf"checksum mismatch reading '{key}'"):
+                future.result(timeout=30)
+            with pytest.raises(OSError, match="checksum mismatch"):  # read again: still wrong
+                future.result(timeout=30)
+            s.release(key, "host")
+            assert s.tiers_of(key) == ["nvme"]  # the bad bytes are never handed out

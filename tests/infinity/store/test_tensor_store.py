@@ -12,7 +12,7 @@ import torch
 
 import aio
 from infinity.errors import BudgetError
-from infinity.store import TensorStore
+from infinity.store import TensorStore, Tier
 
 MiB = 1 << 20
 
@@ -329,3 +329,35 @@ def test_failed_read_is_raised_by_result_and_can_be_retried(tmp_path):
         assert torch.equal(s.fetch("x", "host").result(timeout=30), torch.arange(1000.0))
         s.release("x", "host")
     handle.close()
+
+
+@pytest.mark.requires_cuda
+def test_real_cuda_side_stream_paths(tmp_path):
+    """The accelerator paths on a real GPU: staging through pinned host memory, copies on the
+    side stream, write-backs device -> host -> NVMe, all read back bit for bit."""
+    with TensorStore({"device": 1 * MiB, "host": 2 * MiB, "nvme": 64 * MiB}, nvme_path=tmp_path,
+                     device="cuda") as store:
+        assert store._copy_stream is not None and store._arenas[Tier.HOST].pinned
+        data = _tensors(30, seed=11, max_numel=100_000)
+        for key, t in data.items():
+            store.put(key, t, "nvme")
+        rng = random.Random(11)
+        for _ in range(150):
+            key = rng.choice(list(data))
+            t = store.fetch(key, "device").result(timeout=30)
+            assert t.is_cuda and torch.equal(t.cpu(), data[key])
+            modify = rng.random() < 0.4
+            if modify:
+                t.add_(1) if t.dtype != torch.int64 else t.add_(2)
+                data[key] = t.cpu()
+            store.release(key, "device", dirty=modify)
+            if rng.random() < 0.2:
+                store.evict(key, "host")
+        store.flush()
+        for key in data:
+            store.evict(key, "device")
+            store.evict(key, "host")
+            assert store.tiers_of(key) == ["nvme"]
+        _assert_holds(store, data)
+        moves = store.stats()["moves"]
+        assert moves["device->host"]["moves"] > 0 and moves["host->device"]["moves"] > 0
