@@ -35,8 +35,9 @@ class StreamedState:
         rows = MASTER_ROWS if self._master_row[i] else MOMENT_ROWS
         for t, seg in self._by_group[i]:
             key = self._key(t)
+            future = self.store.fetch(key, Tier.HOST)
             try:
-                tile = self.store.fetch(key, Tier.HOST).result()
+                tile = future.result()
                 part, cols = spans(seg)
                 for row, name in enumerate(rows):
                     state[name].view(-1)[part] = tile[row, cols]
@@ -55,6 +56,7 @@ class StreamedState:
         without "master" keeps the current values (torch state dicts)."""
         values = self._values()
         held: int | None = None  # a tile spans several parameters in param mode: fetched once
+        read = False  # the held tile's bytes arrived (else it is released clean)
         expected, unit_steps = 0, set()
         try:
             for i, state in states:
@@ -69,8 +71,10 @@ class StreamedState:
                         if held is not None:
                             self.store.release(self._key(held), Tier.HOST, dirty=True)
                             held = None
-                        tile = self.store.fetch(self._key(t), Tier.HOST).result()
-                        held = t
+                        future = self.store.fetch(self._key(t), Tier.HOST)
+                        held, read = t, False  # released in `finally` even if the read fails
+                        tile = future.result()
+                        read = True
                     part, cols = spans(seg)
                     for row, value in enumerate(rows):
                         tile[row, cols] = value.reshape(-1)[part]
@@ -87,7 +91,7 @@ class StreamedState:
         finally:
             try:
                 if held is not None:
-                    self.store.release(self._key(held), Tier.HOST, dirty=True)
+                    self.store.release(self._key(held), Tier.HOST, dirty=read)
             finally:
                 values.release_all()
         self.flush()

@@ -354,7 +354,8 @@ class SwappedOptimizer(StreamedState):
         values = self._values()
         held: str | None = None
         try:
-            self.store.prefetch(keys[:1])
+            first = self.tiles[todo[0]] if todo else []  # its values entries are read with it
+            self.store.prefetch([k for k in (self._keys[s.param] for s in first) if k] + keys[:1])
             for i, (t, key) in enumerate(zip(todo, keys)):
                 if i + 1 < len(keys):
                     self.store.prefetch(keys[i + 1:i + 2])

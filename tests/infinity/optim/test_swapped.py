@@ -287,3 +287,20 @@ def test_non_finite_gradients_skip_the_step(store, caplog, bad, dtype, loss_scal
     params[3].grad[17] = 0.0
     assert opt.step(loss_scale=loss_scale).applied and opt.completed_steps == 1
     assert opt.skipped_steps == 1
+
+
+def test_state_on_the_host_tier_without_nvme():
+    ref = _params(11)
+    ours = [p.clone() for p in ref]
+    with TensorStore({"host": 1 * MiB}) as host_only:
+        opt_ref = CPUAdam(ref, lr=1e-2)
+        opt = SwappedOptimizer(ours, host_only, lr=1e-2, tile_numel=TILE, state_tier="host")
+        for step in range(3):
+            for p, q, g in zip(ref, ours, _grads(ref, step)):
+                p.grad, q.grad = g, g.clone()
+            opt_ref.step()
+            assert opt.step().applied
+        assert all(torch.equal(p, q) for p, q in zip(ref, ours))
+        assert host_only.tiers_of(opt._key(0)) == ["host"]
+        with pytest.raises(ValueError, match="state_tier must be"):
+            SwappedOptimizer(ours, host_only, state_tier="device", name="d")
