@@ -33,7 +33,6 @@ from typing import Any
 import torch
 
 from infinity.config import AdamParams, Config, OptimizerConfig, build_lr_schedule
-from infinity.engine._host_adam import HostUnitAdam
 from infinity.engine._plan import MemoryPlan, plan_memory
 from infinity.engine._precision import choose_precision, cpu_has_bf16_units
 from infinity.engine._timeline import Timeline
@@ -101,7 +100,7 @@ class Engine:
             host_memory_budget=config.infinity.host_memory_budget)
         logger.info("engine: stage %d, params at home on %s, optimizer state %s; store budgets %s",
                     zero.stage, self.plan.param_home.label,
-                    self.plan.state_tier.label if self.plan.state_tier else "in RAM",
+                    self.plan.state_tier.label,
                     {t.label: n for t, n in self.plan.budgets.items()})
         nvme_path = zero.offload_param.nvme_path if self.plan.param_home == Tier.NVME else None
         nvme_path = nvme_path or zero.offload_optimizer.nvme_path
@@ -142,14 +141,13 @@ class Engine:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="infinity-optim") if self.overlap else None
         self.units_stepped_in_backward = 0
 
-    def _make_optimizer(self) -> HostUnitAdam | SwappedOptimizer:
-        """Per-unit Adam: state in RAM without optimizer offload, else in the store's tier."""
+    def _make_optimizer(self) -> SwappedOptimizer:
+        """Per-unit CPU Adam with its state in the store's host tier (offload_optimizer "none"
+        or "cpu") or NVMe tier."""
         opt = self.config.optimizer or OptimizerConfig(type="AdamW", params=AdamParams())
         p = opt.params
         hyper = {"lr": p.lr, "betas": p.betas, "eps": p.eps, "weight_decay": p.weight_decay,
                  "adamw_mode": opt.decoupled_weight_decay}
-        if self.plan.state_tier is None:
-            return HostUnitAdam(self._trained, self.store, **hyper)
         specs = [UnitSpec(u.numel, u.dtype, u.key) for u in self._trained]
         return SwappedOptimizer.from_units(specs, self.store, state_tier=self.plan.state_tier,
                                            tile_numel=self.config.zero_optimization.sub_group_size,
