@@ -332,3 +332,18 @@ def test_activation_checkpointing_matches_pytorch(tmp_path, reentrant):
     losses = train_engine(engine, data)
     engine.close()
     assert_parity(model, reference, losses, train_reference(reference, data))
+
+
+def test_generate_runs_on_the_trained_values_without_on_demand_fetches(tmp_path):
+    model = llama()
+    engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme"))
+    train_engine(engine, llama_batches(1))
+    after_training = engine.stats()["prefetch"]["on_demand"]
+    ids = torch.randint(0, 48, (1, 5), generator=torch.Generator().manual_seed(2))
+    engine.eval()
+    with torch.no_grad():
+        generated = engine.module.generate(ids, max_new_tokens=6, do_sample=False)
+    assert engine.stats()["prefetch"]["on_demand"] == after_training
+    engine.close()
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), generated)
