@@ -42,6 +42,7 @@ from infinity.zero import (
     FetchUnit,
     ModelHooks,
     ParamCoordinator,
+    StoredGrad,
     UnitState,
     place_units,
     plan_units,
@@ -114,6 +115,11 @@ class Engine:
         self._stepping: dict[int, Future] | None = None  # units stepped during this backward
         try:
             place_units(self.units, self.store, home=self.plan.param_home, device=self.device)
+            if self.plan.grads_tier is not None:  # the budget cannot hold them in RAM
+                for u in self.units:
+                    if u.requires_grad:
+                        u.grad = StoredGrad(f"grad/{u.key}", u.numel, u.compute_dtype, self.store,
+                                            self.plan.grads_tier)
             self.coordinator = ParamCoordinator(
                 self.units, self.store, fetch_tier=self.plan.fetch_tier, device=self.device,
                 prefetch_numel=prefetch_numel, max_live_numel=zero.stage3_max_live_parameters,
@@ -199,8 +205,12 @@ class Engine:
 
     def _step_unit(self, i: int, unit: FetchUnit, grad_scale: float) -> None:
         with self.timeline.region(unit.key, "optimizer"):
-            grad = unit.grad if unit.grad is not None else torch.zeros(unit.numel, dtype=unit.compute_dtype)
-            self.optimizer.step_unit(i, grad, grad_scale=grad_scale)
+            if unit.grad is None:
+                self.optimizer.step_unit(i, torch.zeros(unit.numel, dtype=unit.compute_dtype),
+                                         grad_scale=grad_scale)
+                return
+            with unit.grad.read() as grad:
+                self.optimizer.step_unit(i, grad, grad_scale=grad_scale)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
@@ -267,13 +277,15 @@ class Engine:
         """L2 norm over every unit's gradient buffer (sum of squares in float64)."""
         total = 0.0
         for u in self._trained:
-            if u.has_grad:
-                total += float(torch.linalg.vector_norm(u.grad, dtype=torch.float32)) ** 2
+            if u.grad is not None and u.grad.has_grad:
+                with u.grad.read() as grad:
+                    total += float(torch.linalg.vector_norm(grad, dtype=torch.float32)) ** 2
         return math.sqrt(total)
 
     def _zero_grads(self) -> None:
         for u in self._trained:
-            u.zero_grad()
+            if u.grad is not None:
+                u.grad.zero()
 
     # -- modes and views -------------------------------------------------------------------------
 

@@ -10,6 +10,8 @@ import torch
 
 import infinity
 from infinity import BudgetError, ConfigError
+from infinity.store import Tier
+from infinity.zero import StoredGrad
 
 DEVICES = ["none", "cpu", "nvme"]
 LR, WD = 1e-2, 0.01
@@ -121,6 +123,21 @@ def test_accumulation_and_clipping_match_pytorch(tmp_path, make, batches):
     assert engine.last_grad_norm > 0.05  # clipping really acted
     engine.close()
     assert_parity(model, reference, losses, train_reference(reference, data, gas=3, clip=0.05))
+
+
+def test_gradients_go_to_nvme_when_the_host_budget_cannot_hold_them(tmp_path):
+    model = llama()
+    reference = copy.deepcopy(model)
+    data = llama_batches(6)
+    # About 80 KB of gradients in RAM plus a 220 KB host tier would not fit in 240 KB.
+    engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme", gradient_accumulation_steps=2,
+                                               infinity={"host_memory_budget": 240_000}))
+    assert engine.plan.grads_tier is not None and engine.plan.outside_store_nbytes == 0
+    assert engine.plan.budgets[Tier.HOST] <= 240_000
+    losses = train_engine(engine, data)
+    assert all(isinstance(u.grad, StoredGrad) for u in engine.units if u.requires_grad)
+    engine.close()
+    assert_parity(model, reference, losses, train_reference(reference, data, gas=2))
 
 
 def test_stage_0_and_persistent_parameters_match_pytorch(tmp_path):
