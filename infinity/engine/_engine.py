@@ -50,6 +50,8 @@ from infinity.zero import (
 
 logger = logging.getLogger(__name__)
 
+_DEFAULT_OPTIMIZER = OptimizerConfig(type="AdamW", params=AdamParams())  # no "optimizer" section
+
 
 def _peak_rss_bytes() -> int:
     """VmHWM of this process (peak resident set), 0 where /proc is missing."""
@@ -86,6 +88,9 @@ class Engine:
             fp16=config.fp16.enabled, bf16=config.bf16.enabled,
             compute_dtype=config.infinity.compute_dtype, accelerator=accelerator,
             bf16_units=cpu_has_bf16_units())
+        adam = (config.optimizer or _DEFAULT_OPTIMIZER).params
+        self._schedule = None if config.scheduler is None else \
+            build_lr_schedule(config.scheduler, optimizer_lr=adam.lr)  # its errors come first
         if config.fp16.enabled or config.bf16.enabled:
             model.to(self.precision.compute)
         model.to(self.device)
@@ -136,8 +141,6 @@ class Engine:
             scale=fp16.initial_scale, window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
             min_scale=fp16.min_loss_scale) if fp16.enabled and fp16.dynamic else None
         self._static_scale = fp16.initial_scale if fp16.enabled and not fp16.dynamic else 1.0
-        self._schedule = None if config.scheduler is None else \
-            build_lr_schedule(config.scheduler, optimizer_lr=self.optimizer.lr)
         self._schedule_steps = 0
         if self._schedule is not None:
             self.optimizer.lr = self._schedule.lr_at(-1)
@@ -150,7 +153,7 @@ class Engine:
     def _make_optimizer(self) -> SwappedOptimizer:
         """Per-unit CPU Adam with its state in the store's host tier (offload_optimizer "none"
         or "cpu") or NVMe tier."""
-        opt = self.config.optimizer or OptimizerConfig(type="AdamW", params=AdamParams())
+        opt = self.config.optimizer or _DEFAULT_OPTIMIZER
         p = opt.params
         hyper = {"lr": p.lr, "betas": p.betas, "eps": p.eps, "weight_decay": p.weight_decay,
                  "adamw_mode": opt.decoupled_weight_decay}

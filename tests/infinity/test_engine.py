@@ -364,3 +364,11 @@ def test_generate_runs_on_the_trained_values_without_on_demand_fetches(tmp_path)
     engine.close()
     with torch.no_grad():
         assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), generated)
+
+
+def test_a_schedule_without_its_total_steps_fails_before_anything_moves(tmp_path):
+    model = mlp()
+    with pytest.raises(ConfigError, match="total_num_steps"):
+        infinity.initialize(model, config(tmp_path, scheduler={"type": "WarmupDecayLR",
+                                                               "params": {"warmup_num_steps": 2}}))
+    assert all(p.numel() > 0 for p in model.parameters())
