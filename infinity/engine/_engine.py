@@ -168,8 +168,15 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the model; returns what the model returns."""
+        """Run the model; returns what the model returns. The first batch decides batch sizes
+        the config left to it ("auto"): the first dimension of the first tensor argument."""
         self._check_open()
+        if self.config.batch_pending:
+            first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.dim()), None)
+            if first is not None:
+                self.config = self.config.with_micro_batch(int(first.shape[0]))
+                logger.info("batch sizes from the first batch: micro %d, train %d",
+                            self.config.train_micro_batch_size_per_gpu, self.config.train_batch_size)
         with self.timeline.region("forward", "compute"):
             return self.module(*args, **kwargs)
 
@@ -272,6 +279,12 @@ class Engine:
     def _end_step(self) -> None:
         self.optimizer.finish_step()
         self._zero_grads()
+        if self.global_steps % self.config.steps_per_print == 0:
+            p = self.coordinator.stats
+            logger.info("step %d: lr %.3g, grad norm %s, prefetch hits %d, on demand %d, stall %.2f s",
+                        self.global_steps, self.optimizer.lr,
+                        "n/a" if self.last_grad_norm is None else f"{self.last_grad_norm:.4g}",
+                        p.prefetch_hits, p.on_demand, p.stall_s)
         if self._schedule is not None:  # as DeepSpeed: the schedule advances on applied steps
             self._schedule_steps += 1
             self.optimizer.lr = self._schedule.lr_at(self._schedule_steps - 1)
