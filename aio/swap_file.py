@@ -133,11 +133,12 @@ class SwapFile:
 
     # -- I/O ----------------------------------------------------------------------------------
 
-    def write(self, handle: Handle, extent: Extent, buffer: Any) -> Request:
-        """Start writing `buffer` (at most extent.nbytes) into the extent."""
-        self._check_fits(extent, buffer)
+    def write(self, handle: Handle, extent: Extent, buffer: Any, *, at: int = 0) -> Request:
+        """Start writing `buffer` into the extent, `at` bytes from its start (pieces of one
+        tensor written in turn; an `at` that is a multiple of `alignment` keeps them direct)."""
+        self._check_fits(extent, buffer, at)
         self._handles.add(handle)
-        return handle.write(buffer, self, extent.offset)
+        return handle.write(buffer, self, extent.offset + at)
 
     def read(self, handle: Handle, extent: Extent, buffer: Any) -> Request:
         """Start reading the extent's first len(buffer) bytes into `buffer`."""
@@ -145,13 +146,13 @@ class SwapFile:
         self._handles.add(handle)
         return handle.read(buffer, self, extent.offset)
 
-    def _check_fits(self, extent: Extent, buffer: Any) -> None:
+    def _check_fits(self, extent: Extent, buffer: Any, at: int = 0) -> None:
         self._check_open()
         if self._live.get(extent.offset) != extent:
             raise ValueError(f"{extent} is not a live extent of {self.name}")
         nbytes = raw_buffer(buffer, writable=False).nbytes
-        if nbytes > extent.nbytes:
-            raise ValueError(f"buffer of {nbytes} bytes does not fit {extent}")
+        if at < 0 or at + nbytes > extent.nbytes:
+            raise ValueError(f"buffer of {nbytes} bytes at {at} does not fit {extent}")
 
     def _check_open(self) -> None:
         if self._closed:

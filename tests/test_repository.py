@@ -20,12 +20,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # its row here, below everything it imports and above everything that imports it.
 LAYERS: dict[str, set[str]] = {
     "tools": {"infinity", "aio"},
-    "infinity.__init__": {"infinity.engine", "infinity.config", "infinity.errors"},
+    "infinity.__init__": {"infinity.models", "infinity.engine", "infinity.config", "infinity.errors"},
+    # models sits above the engine: a loaded model's store is laid out by the engine's own plan
+    # (precision, units, budgets), so initialize adopts it without a copy.
+    "infinity.models": {"infinity.engine", "infinity.zero", "infinity.config", "infinity.store",
+                        "infinity.memory", "infinity.errors"},
     "infinity.engine": {"infinity.config", "infinity.zero", "infinity.optim", "infinity.checkpoint",
-                        "infinity.models", "infinity.store", "infinity.memory", "infinity.errors",
-                        "aio"},
-    "infinity.models": {"infinity.zero", "infinity.config", "infinity.store", "infinity.memory",
-                        "infinity.errors"},
+                        "infinity.store", "infinity.memory", "infinity.errors", "aio"},
     "infinity.checkpoint": {"infinity.config", "infinity.store", "infinity.memory",
                             "infinity.errors", "aio"},
     "infinity.zero": {"infinity.config", "infinity.store", "infinity.memory", "infinity.errors",

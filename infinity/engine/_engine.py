@@ -33,8 +33,7 @@ from typing import Any
 import torch
 
 from infinity.config import AdamParams, Config, OptimizerConfig, build_lr_schedule
-from infinity.engine._plan import MemoryPlan, plan_memory
-from infinity.engine._precision import choose_precision, cpu_has_bf16_units
+from infinity.engine._placement import choose_model_precision, lay_out, open_store, take_placed
 from infinity.engine._timeline import Timeline
 from infinity.optim import DynamicLossScaler, SwappedOptimizer, UnitSpec
 from infinity.store import TensorStore, Tier
@@ -45,7 +44,6 @@ from infinity.zero import (
     StoredGrad,
     UnitState,
     place_units,
-    plan_units,
 )
 
 logger = logging.getLogger(__name__)
@@ -82,44 +80,29 @@ class Engine:
         self.skipped_steps = 0
         self._closed = False
         zero = config.zero_optimization
-        accelerator = torch.cuda.is_available()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if accelerator else torch.device("cpu")
-        self.precision = choose_precision(
-            fp16=config.fp16.enabled, bf16=config.bf16.enabled,
-            compute_dtype=config.infinity.compute_dtype, accelerator=accelerator,
-            bf16_units=cpu_has_bf16_units())
         adam = (config.optimizer or _DEFAULT_OPTIMIZER).params
         self._schedule = None if config.scheduler is None else \
             build_lr_schedule(config.scheduler, optimizer_lr=adam.lr)  # its errors come first
-        if config.fp16.enabled or config.bf16.enabled:
-            model.to(self.precision.compute)
-        model.to(self.device)
-        # Below stage 3 nothing is partitioned: every parameter stays resident.
-        persistence = zero.stage3_param_persistence_threshold if zero.stage == 3 else 1 << 62
-        self.units, uses = plan_units(model, persistence_numel=persistence,
-                                      storage_dtype=self.precision.storage)
-        prefetch_numel = zero.stage3_prefetch_bucket_size if config.infinity.trace_prefetch else 0
-        self.plan: MemoryPlan = plan_memory(
-            self.units, offload_param=zero.offload_param.device if zero.stage == 3 else "none",
-            offload_optimizer=zero.offload_optimizer.device, accelerator=accelerator,
-            prefetch_numel=prefetch_numel, tile_numel=zero.sub_group_size,
-            host_memory_budget=config.infinity.host_memory_budget)
-        logger.info("engine: stage %d, params at home on %s, optimizer state %s; store budgets %s",
-                    zero.stage, self.plan.param_home.label,
-                    self.plan.state_tier.label,
-                    {t.label: n for t, n in self.plan.budgets.items()})
-        nvme_path = zero.offload_param.nvme_path if self.plan.param_home == Tier.NVME else None
-        nvme_path = nvme_path or zero.offload_optimizer.nvme_path
-        aio_options = {**config.aio.handle_options(), "backend": config.infinity.aio_backend}
+        self.precision, self.device = choose_model_precision(config)
+        placed = take_placed(model, config, self.precision, self.device)  # see [Note: placed models]
+        if placed is None:
+            if config.fp16.enabled or config.bf16.enabled:
+                model.to(self.precision.compute)
+            model.to(self.device)
+            layout = lay_out(model, config, self.precision, self.device)
+        else:
+            layout = placed.layout
+        self.units, uses, self.plan = layout.units, layout.uses, layout.plan
+        prefetch_numel = layout.prefetch_numel
         self.timeline = Timeline(time.perf_counter())
-        self.store = TensorStore(self.plan.budgets, nvme_path=nvme_path, device=self.device,
-                                 aio_options=aio_options)
+        self.store = open_store(layout, config) if placed is None else placed.store
         self.coordinator: ParamCoordinator | None = None
         self._hooks: ModelHooks | None = None
         self._worker: ThreadPoolExecutor | None = None
         self._stepping: dict[int, Future] | None = None  # units stepped during this backward
         try:
-            place_units(self.units, self.store, home=self.plan.param_home, device=self.device)
+            if placed is None:
+                place_units(self.units, self.store, home=self.plan.param_home, device=self.device)
             if self.plan.grads_tier is not None:  # the budget cannot hold them in RAM
                 for u in self.units:
                     if u.requires_grad:

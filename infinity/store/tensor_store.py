@@ -26,7 +26,7 @@ import aio
 from infinity.errors import BudgetError
 from infinity.store._common import Tier
 from infinity.store._core import StoreCore
-from infinity.store._entry import Entry, PendingMove
+from infinity.store._entry import Copy, Entry, PendingMove
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +182,61 @@ class TensorStore(StoreCore):
             if error is not None:
                 self._free_copy(entry, tier)  # the entry was never registered: give its space back
                 raise error
+            self._register(entry)
+
+    def put_chunks(self, key: str, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype,
+                   chunks: Iterable[torch.Tensor], tier: Tier | str = Tier.NVME) -> None:
+        """Store a new `key` of `shape` and `dtype` whose values arrive in pieces, in order (each
+        a CPU tensor of `dtype`, flattened), so the caller never holds the whole tensor: a
+        loader streams a tensor larger than its memory window. Each piece is written (NVMe) or
+        copied (host, device) before the next is asked for; pieces whose byte sizes are
+        multiples of 4096 keep NVMe writes direct. The key exists once every byte has landed;
+        on any error (including too few or too many elements) nothing is left of it.
+        """
+        tier = Tier.of(tier)
+        shape = torch.Size(shape)
+        entry = Entry(key, shape, dtype, shape.numel() * dtype.itemsize, next(self._orders))
+
+        def reserve() -> Copy:
+            if key in self._entries or key in self._putting:
+                raise ValueError(f"key {key!r} is already in the store; drop() it first")
+            copy = self._allocate(entry, tier)
+            copy.pins += 1  # never a victim while it fills
+            return copy
+
+        copy = self._run(reserve)
+        start, done, crc = self.moves.now(), 0, 0
+        try:
+            for chunk in chunks:
+                piece = chunk.detach().reshape(-1)
+                if piece.dtype != dtype or piece.device.type != "cpu":
+                    raise ValueError(f"put_chunks({key!r}): a piece is {piece.dtype} on {piece.device}, "
+                                     f"expected {dtype} on cpu")
+                nbytes = piece.numel() * dtype.itemsize
+                if done + nbytes > entry.nbytes:
+                    raise ValueError(f"put_chunks({key!r}): pieces exceed {entry.nbytes} bytes")
+                if tier == Tier.NVME:
+                    self._swap.write(self._handle, copy.extent, piece, at=done).wait()
+                    if self.checksum:
+                        crc = aio.crc32c(piece, crc)
+                else:
+                    with self._lock:  # the arena may have moved the block (compaction)
+                        copy.block.tensor.view(-1)[done // dtype.itemsize:][:piece.numel()].copy_(piece)
+                done += nbytes
+            if done != entry.nbytes:
+                raise ValueError(f"put_chunks({key!r}): pieces gave {done} of {entry.nbytes} bytes")
+        except BaseException:
+            with self._lock:
+                copy.pins -= 1
+                if not self._closed:
+                    self._free_copy(entry, tier)
+            raise
+        with self._lock:
+            self._check_open()
+            copy.pins -= 1
+            copy.valid = True
+            copy.crc = crc if self.checksum and tier == Tier.NVME else None
+            self.moves.record(key, Tier.HOST, tier, entry.nbytes, start, self.moves.now())
             self._register(entry)
 
     def fetch(self, key: str, tier: Tier | str = Tier.HOST, *, next_use: float | None = None) -> TensorFuture:

@@ -112,9 +112,12 @@ def _suffix(dtype: torch.dtype, requires_grad: bool, several: bool) -> str:
 
 
 def plan_units(model: torch.nn.Module, *, persistence_numel: int, storage_dtype: torch.dtype | None = None,
-               prefix: str = "param") -> tuple[list[FetchUnit], dict[torch.nn.Module, list[FetchUnit]]]:
+               prefix: str = "param", meta_ok: bool = False,
+               ) -> tuple[list[FetchUnit], dict[torch.nn.Module, list[FetchUnit]]]:
     """Cut `model` into fetch units (nothing is moved yet; see `place_units`).
 
+    With `meta_ok`, parameters may be on the meta device (their values are put into the store
+    by the caller, e.g. streamed from a checkpoint, instead of by `place_units`).
     With `storage_dtype`, floating-point units are stored in it and computed in the model's
     dtype (bf16 storage, fp32 compute).
     A parameter belongs to the first module (in `named_modules` order) that holds it directly,
@@ -130,7 +133,7 @@ def plan_units(model: torch.nn.Module, *, persistence_numel: int, storage_dtype:
             if id(p) in owner:
                 continue
             qualified = f"{mname}.{pname}" if mname else pname
-            if p.device.type == "meta":
+            if p.device.type == "meta" and not meta_ok:
                 raise ValueError(f"parameter {qualified!r} is on the meta device; materialise the model first")
             owner[id(p)] = None  # claimed here; its unit is filled in below
             if p.numel() <= persistence_numel:

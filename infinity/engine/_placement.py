@@ -1,0 +1,125 @@
+"""Where a model's parameters go, decided before anything moves (fetch units, the memory plan,
+the store), and the hand-over of a model whose parameters were already placed.
+
+[Note: placed models] `infinity.models.load` streams a checkpoint straight into a store laid
+out exactly as `initialize` would lay it out, and attaches (layout, store) to the model. The
+engine then adopts them instead of placing the parameters again: no copy, no moment where the
+model exists whole in memory. The config given to `initialize` must lay the model out the same
+way (precision, persistence threshold, tiers); the store's budgets stay those of the load.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from infinity.config import Config
+from infinity.engine._plan import MemoryPlan, plan_memory
+from infinity.engine._precision import Precision, choose_precision, cpu_has_bf16_units
+from infinity.errors import ConfigError
+from infinity.store import TensorStore, Tier
+from infinity.zero import FetchUnit, plan_units
+
+logger = logging.getLogger(__name__)
+
+_PLACED = "_infinity_placed"  # attribute of a model whose parameters are already in a store
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """How a model's parameters are cut and where they live (nothing moved yet)."""
+
+    precision: Precision
+    device: torch.device  # where modules compute
+    persistence_numel: int  # parameters this small or smaller go to resident units
+    units: list[FetchUnit]
+    uses: dict[torch.nn.Module, list[FetchUnit]]  # module -> non-resident units it uses
+    plan: MemoryPlan
+    prefetch_numel: int  # trace prefetch bucket, elements (0: no prefetch)
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """A model's parameters already in `store` per `layout` (see [Note: placed models])."""
+
+    layout: Layout
+    store: TensorStore
+
+
+def choose_model_precision(config: Config) -> tuple[Precision, torch.device]:
+    """The precision plan and compute device for `config` on this machine."""
+    accelerator = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if accelerator else torch.device("cpu")
+    precision = choose_precision(
+        fp16=config.fp16.enabled, bf16=config.bf16.enabled, compute_dtype=config.infinity.compute_dtype,
+        accelerator=accelerator, bf16_units=cpu_has_bf16_units())
+    return precision, device
+
+
+def lay_out(model: torch.nn.Module, config: Config, precision: Precision, device: torch.device, *,
+            meta_ok: bool = False) -> Layout:
+    """Cut `model` (already in the compute dtype and on `device`, or on the meta device with
+    `meta_ok`) into units and plan the store's budgets; raises BudgetError."""
+    zero = config.zero_optimization
+    # Below stage 3 nothing is partitioned: every parameter stays resident.
+    persistence = zero.stage3_param_persistence_threshold if zero.stage == 3 else 1 << 62
+    units, uses = plan_units(model, persistence_numel=persistence, storage_dtype=precision.storage,
+                             meta_ok=meta_ok)
+    prefetch_numel = zero.stage3_prefetch_bucket_size if config.infinity.trace_prefetch else 0
+    plan = _plan(units, config, device)
+    logger.info("engine: stage %d, params at home on %s, optimizer state %s; store budgets %s",
+                zero.stage, plan.param_home.label, plan.state_tier.label,
+                {t.label: n for t, n in plan.budgets.items()})
+    return Layout(precision, device, persistence, units, uses, plan, prefetch_numel)
+
+
+def _plan(units: list[FetchUnit], config: Config, device: torch.device) -> MemoryPlan:
+    zero = config.zero_optimization
+    return plan_memory(
+        units, offload_param=zero.offload_param.device if zero.stage == 3 else "none",
+        offload_optimizer=zero.offload_optimizer.device, accelerator=device.type != "cpu",
+        prefetch_numel=zero.stage3_prefetch_bucket_size if config.infinity.trace_prefetch else 0,
+        tile_numel=zero.sub_group_size, host_memory_budget=config.infinity.host_memory_budget)
+
+
+def open_store(layout: Layout, config: Config) -> TensorStore:
+    """The store with the layout's budgets (its swap file under the config's nvme_path)."""
+    zero = config.zero_optimization
+    nvme_path = zero.offload_param.nvme_path if layout.plan.param_home == Tier.NVME else None
+    nvme_path = nvme_path or zero.offload_optimizer.nvme_path
+    aio_options = {**config.aio.handle_options(), "backend": config.infinity.aio_backend}
+    return TensorStore(layout.plan.budgets, nvme_path=nvme_path, device=layout.device, aio_options=aio_options)
+
+
+def attach_placed(model: torch.nn.Module, placed: Placed) -> None:
+    """Mark `model` as placed, for `initialize` to adopt (see [Note: placed models])."""
+    object.__setattr__(model, _PLACED, placed)
+
+
+def take_placed(model: torch.nn.Module, config: Config, precision: Precision,
+                device: torch.device) -> Placed | None:
+    """The placement attached to `model` (detached from it: one engine owns the store), after
+    checking that `config` lays the model out the same way; None for an ordinary model.
+
+    Raises ConfigError naming what differs (the model keeps its placement then).
+    """
+    placed: Placed | None = getattr(model, _PLACED, None)
+    if placed is None:
+        return None
+    layout = placed.layout
+    zero = config.zero_optimization
+    persistence = zero.stage3_param_persistence_threshold if zero.stage == 3 else 1 << 62
+    plan = _plan(layout.units, config, device)
+    found = {"precision": (precision, layout.precision), "device": (device, layout.device),
+             "persistence threshold": (persistence, layout.persistence_numel),
+             "parameter home": (plan.param_home, layout.plan.param_home),
+             "optimizer state tier": (plan.state_tier, layout.plan.state_tier),
+             "gradient home": (plan.grads_tier, layout.plan.grads_tier)}
+    differ = [f"{what} {now} (loaded with {then})" for what, (now, then) in found.items() if now != then]
+    if differ:
+        raise ConfigError("this model was loaded into the store under another config; initialize it "
+                          "with the config given to infinity.models.load. Differs: " + "; ".join(differ))
+    object.__delattr__(model, _PLACED)
+    return placed
