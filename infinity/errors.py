@@ -15,3 +15,16 @@ class ConfigPathError(OSError, ConfigError):
     An OSError (errno, strerror naming the config key, filename) and a ConfigError at once, so
     callers catching either see it.
     """
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory cannot be loaded as it is (a file missing, truncated or corrupt, a
+    tensor absent, unknown or of the wrong shape); the message names the file and the tensor.
+
+    Attributes: `path` (the file at fault) and `tensor` (the tensor's name, or None).
+    """
+
+    def __init__(self, message: str, *, path: str, tensor: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.tensor = tensor

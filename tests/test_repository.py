@@ -24,7 +24,7 @@ LAYERS: dict[str, set[str]] = {
     # models sits above the engine: a loaded model's store is laid out by the engine's own plan
     # (precision, units, budgets), so initialize adopts it without a copy.
     "infinity.models": {"infinity.engine", "infinity.zero", "infinity.config", "infinity.store",
-                        "infinity.memory", "infinity.errors"},
+                        "infinity.memory", "infinity.errors", "aio"},
     "infinity.engine": {"infinity.config", "infinity.zero", "infinity.optim", "infinity.checkpoint",
                         "infinity.store", "infinity.memory", "infinity.errors", "aio"},
     "infinity.checkpoint": {"infinity.config", "infinity.store", "infinity.memory",

@@ -2,7 +2,14 @@
 
 from infinity.engine._engine import Engine
 from infinity.engine._initialize import initialize
-from infinity.engine._placement import Layout, Placed, attach_placed, choose_model_precision, lay_out, open_store
+from infinity.engine._placement import (
+           Layout,
+           Placed,
+           attach_placed,
+           choose_model_precision,
+           lay_out,
+           open_store,
+)
 
 __all__ = ["Engine", "Layout", "Placed", "attach_placed", "choose_model_precision", "initialize", "lay_out",
            "open_store"]

@@ -1,0 +1,148 @@
+"""The tensors of a safetensors checkpoint (one file, or shards named by an index) as byte
+ranges in their files, read piece by piece with pread into the caller's buffer.
+
+[Note: no mmap] safe_open memory-maps a file; every page a copy touches stays in the process's
+resident set (RssFile) until the kernel needs it back, so a load through it peaks at the size of
+the checkpoint. pread goes through the page cache, which the process does not own: the peak is
+the caller's buffer. The format (8-byte little-endian header length, a JSON header of
+{name: {dtype, shape, data_offsets}}, then the data) is read here directly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from infinity.errors import CheckpointError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+           "U8": torch.uint8, "BOOL": torch.bool}
+_MAX_HEADER = 100 << 20  # as the safetensors library: a larger header is a corrupt file
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRecord:
+    """Where one tensor's bytes are."""
+
+    name: str
+    path: str  # file holding it
+    dtype: torch.dtype
+    shape: torch.Size
+    start: int  # byte offset of its first element in the file
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+def read_header(path: str) -> dict[str, TensorRecord]:
+    """The tensors of one safetensors file; CheckpointError if it is truncated or corrupt."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: truncated ({size} bytes, not even a header length)", path=path)
+            (length,) = struct.unpack("<Q", head)
+            if length > _MAX_HEADER or 8 + length > size:
+                raise CheckpointError(f"{path}: truncated or corrupt: header of {length} bytes in a file of "
+                                      f"{size} bytes", path=path)
+            header = json.loads(f.read(length))
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot be read: {exc.strerror}", path=path) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: corrupt header ({exc})", path=path) from None
+    records = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _DTYPES[info["dtype"]]
+            shape = torch.Size(int(d) for d in info["shape"])
+            begin, end = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: corrupt header entry for tensor {name!r}: {info!r}",
+                                  path=path, tensor=name) from None
+        nbytes = math.prod(shape) * dtype.itemsize
+        if end - begin != nbytes:
+            raise CheckpointError(f"{path}: tensor {name!r} has {end - begin} bytes for shape {tuple(shape)} "
+                                  f"{dtype} ({nbytes} bytes)", path=path, tensor=name)
+        if 8 + length + end > size:
+            raise CheckpointError(f"{path}: truncated: tensor {name!r} ends at byte {8 + length + end}, the "
+                                  f"file has {size}", path=path, tensor=name)
+        records[name] = TensorRecord(name, path, dtype, shape, 8 + length + begin, nbytes)
+    return records
+
+
+def index_checkpoint(directory: str) -> dict[str, TensorRecord]:
+    """Every tensor of the checkpoint in `directory` (model.safetensors, or the shards its
+    index names), checked: each shard present and whole, each indexed tensor in its shard."""
+    index_path = os.path.join(directory, INDEX_FILE)
+    single = os.path.join(directory, SINGLE_FILE)
+    if not os.path.exists(index_path):
+        if not os.path.exists(single):
+            raise CheckpointError(f"{directory}: no {SINGLE_FILE} nor {INDEX_FILE} (only local safetensors "
+                                  "checkpoints are read)", path=directory)
+        return read_header(single)
+    try:
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError
+    except OSError as exc:
+        raise CheckpointError(f"{index_path}: cannot be read: {exc.strerror}", path=index_path) from None
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise CheckpointError(f"{index_path}: corrupt index (no weight_map object)", path=index_path) from None
+    by_file: dict[str, list[str]] = {}
+    for name, file in weight_map.items():
+        by_file.setdefault(str(file), []).append(name)
+    records: dict[str, TensorRecord] = {}
+    for file, names in by_file.items():
+        path = os.path.join(directory, file)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path}: shard missing; {INDEX_FILE} names it for {len(names)} tensors "
+                                  f"({names[0]!r} first)", path=path, tensor=names[0])
+        found = read_header(path)
+        for name in names:
+            if name not in found:
+                raise CheckpointError(f"{path}: tensor {name!r} is not in this shard, but {INDEX_FILE} "
+                                      "says it is", path=path, tensor=name)
+            records[name] = found[name]
+    return records
+
+
+class ShardReader:
+    """Open shard files, read by byte range (one descriptor per file, closed by close())."""
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int] = {}
+
+    def read(self, record: TensorRecord, first: int, out: torch.Tensor) -> None:
+        """Fill `out` (a CPU uint8 tensor) with the record's bytes from element `first` on."""
+        fd = self._fds.get(record.path)
+        if fd is None:
+            fd = self._fds[record.path] = os.open(record.path, os.O_RDONLY)
+        view = memoryview(out.numpy())
+        offset = record.start + first * record.dtype.itemsize
+        done = 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n == 0:
+                raise CheckpointError(f"{record.path}: truncated while reading tensor {record.name!r} (at byte "
+                                      f"{offset + done})", path=record.path, tensor=record.name)
+            done += n
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
