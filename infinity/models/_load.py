@@ -111,7 +111,7 @@ def _match(model: torch.nn.Module, records: dict[str, TensorRecord], directory: 
     sources: dict[int, TensorRecord] = {}
     buffers = []
     ignore_unexpected = _patterns(model, "_keys_to_ignore_on_load_unexpected")
-    for name, record in records.items():
+    for name, record in sorted(records.items()):  # the first error by name: the same on every run
         if name in params:
             p = params[name]
             if record.shape != p.shape:
