@@ -72,6 +72,22 @@ def test_write_read_through_extents(tmp_path):
             f.write(h, extents[0], torch.ones(2))
 
 
+def test_write_in_pieces_at_offsets(tmp_path):
+    """A tensor written piece by piece (`at`) reads back whole; a piece past the end is refused."""
+    with aio.SwapFile(tmp_path / "swap", 8 << 20) as f, aio.Handle() as h:
+        t = torch.randn(3 * 4096 + 5)
+        e = f.allocate(t.numel() * 4)
+        for first in range(0, t.numel(), 4096):
+            f.write(h, e, t[first:first + 4096], at=first * 4).wait()
+        out = torch.empty_like(t)
+        f.read(h, e, out).wait()
+        assert torch.equal(out, t)
+        with pytest.raises(ValueError, match="at 49152 does not fit"):
+            f.write(h, e, torch.ones(6), at=4 * 3 * 4096)
+        with pytest.raises(ValueError, match="does not fit"):
+            f.write(h, e, torch.ones(1), at=-4)
+
+
 def test_missing_directory(tmp_path):
     with pytest.raises(aio.AIOError, match="does not exist"):
         aio.SwapFile(tmp_path / "nope" / "swap", 1 << 20)

@@ -361,3 +361,33 @@ def test_real_cuda_side_stream_paths(tmp_path):
         _assert_holds(store, data)
         moves = store.stats()["moves"]
         assert moves["device->host"]["moves"] > 0 and moves["host->device"]["moves"] > 0
+
+
+@pytest.mark.parametrize("tier", ["nvme", "host"])
+@pytest.mark.parametrize("checksum", [False, True], ids=["plain", "checksum"])
+def test_put_chunks_streams_a_tensor_in_pieces(tmp_path, tier, checksum):
+    """Pieces land in order into one entry that reads back whole (and verifies, with checksums);
+    a wrong count, dtype or a failing producer leaves no key and no space behind."""
+    with TensorStore({"host": 4 * MiB, "nvme": 8 * MiB}, nvme_path=tmp_path, checksum=checksum) as s:
+        t = torch.randn(300_000)
+        s.put_chunks("t", (600, 500), torch.float32, t.split(64 << 10), tier)
+        assert s.tiers_of("t") == [tier]
+        assert torch.equal(s.fetch("t").result(), t.view(600, 500))
+        s.release("t")
+        used = s.stats()["tiers"][tier].used_nbytes
+
+        def failing():
+            yield torch.zeros(10)
+            raise OSError("the producer failed")
+
+        cases = [([torch.zeros(10)], ValueError, "gave 40 of 400 bytes"),
+                 ([torch.zeros(101)], ValueError, "exceed 400 bytes"),
+                 ([torch.zeros(100, dtype=torch.float64)], ValueError, "expected torch.float32"),
+                 (failing(), OSError, "the producer failed")]
+        for chunks, error, message in cases:
+            with pytest.raises(error, match=message):
+                s.put_chunks("u", (100,), torch.float32, chunks, tier)
+            assert "u" not in s
+            assert s.stats()["tiers"][tier].used_nbytes == used
+        with pytest.raises(ValueError, match="already in the store"):
+            s.put_chunks("t", (1,), torch.float32, [torch.zeros(1)], tier)
