@@ -43,6 +43,9 @@ from infinity.zero import (
     ParamCoordinator,
     StoredGrad,
     UnitState,
+    buffers_to,
+    create_units,
+    is_deferred,
     place_units,
 )
 
@@ -85,11 +88,12 @@ class Engine:
             build_lr_schedule(config.scheduler, optimizer_lr=adam.lr)  # its errors come first
         self.precision, self.device = choose_model_precision(config)
         placed = take_placed(model, config, self.precision, self.device)  # see [Note: placed models]
+        deferred = placed is None and is_deferred(model)  # built under zero.Init
         if placed is None:
             if config.fp16.enabled or config.bf16.enabled:
                 model.to(self.precision.compute)
-            model.to(self.device)
-            layout = lay_out(model, config, self.precision, self.device)
+            buffers_to(model, self.device) if deferred else model.to(self.device)
+            layout = lay_out(model, config, self.precision, self.device, meta_ok=deferred)
         else:
             layout = placed.layout
         self.units, uses, self.plan = layout.units, layout.uses, layout.plan
@@ -101,7 +105,9 @@ class Engine:
         self._worker: ThreadPoolExecutor | None = None
         self._stepping: dict[int, Future] | None = None  # units stepped during this backward
         try:
-            if placed is None:
+            if deferred:  # see [Note: deferred parameters]
+                create_units(model, self.units, self.store, home=self.plan.param_home, device=self.device)
+            elif placed is None:
                 place_units(self.units, self.store, home=self.plan.param_home, device=self.device)
             if self.plan.grads_tier is not None:  # the budget cannot hold them in RAM
                 for u in self.units:

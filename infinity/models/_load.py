@@ -30,7 +30,7 @@ from infinity.engine import (
 from infinity.errors import CheckpointError
 from infinity.models._meta import build_on_meta
 from infinity.models._safetensors import ShardReader, TensorRecord, index_checkpoint
-from infinity.zero import FetchUnit
+from infinity.zero import FetchUnit, buffers_to
 
 logger = logging.getLogger(__name__)
 
@@ -77,10 +77,7 @@ def load(path: str | os.PathLike[str], config: dict[str, Any] | str | os.PathLik
         _replace_meta(model, layout)
         for module_name, name, record in buffers:
             _copy_buffer(model.get_submodule(module_name), name, record)
-        for module in model.modules():
-            for name, buf in module._buffers.items():
-                if buf is not None:
-                    module._buffers[name] = buf.to(device)
+        buffers_to(model, device)
     except BaseException:
         store.close()
         raise

@@ -3,35 +3,12 @@ values anywhere), while buffers (rotary tables and the like, small) are computed
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 
 import torch
 
 from infinity.errors import CheckpointError
-
-
-@contextlib.contextmanager
-def parameters_on_meta() -> Iterator[None]:
-    """Within the block, each parameter a module registers moves to the meta device at once.
-
-    Layers allocate their weight (untouched memory, never resident) and then initialise it;
-    once moved, the initialisation runs on meta and costs nothing. Not thread-safe: it patches
-    nn.Module.register_parameter for the duration (accelerate's init_empty_weights does the same).
-    """
-    original = torch.nn.Module.register_parameter
-
-    def register(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
-        original(module, name, param)
-        if param is not None and param.device.type != "meta":
-            module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
-
-    torch.nn.Module.register_parameter = register
-    try:
-        yield
-    finally:
-        torch.nn.Module.register_parameter = original
+from infinity.zero import parameters_on_meta
 
 
 def build_on_meta(directory: str, dtype: torch.dtype) -> torch.nn.Module:

@@ -5,8 +5,10 @@ from infinity.zero._common import PrefetchStats, UnitState
 from infinity.zero.coordinator import ParamCoordinator
 from infinity.zero.grads import GradBuffer, RamGrad, StoredGrad
 from infinity.zero.hooks import ModelHooks
+from infinity.zero.init import Init, buffers_to, create_units, is_deferred, parameters_on_meta
 from infinity.zero.trace import Trace, TraceBook
 from infinity.zero.unit import FetchUnit, ParamSlot, place_units, plan_units
 
-__all__ = ["FetchUnit", "GradBuffer", "ModelHooks", "ParamCoordinator", "ParamSlot", "PrefetchStats",
-           "RamGrad", "StoredGrad", "Trace", "TraceBook", "UnitState", "place_units", "plan_units"]
+__all__ = ["FetchUnit", "GradBuffer", "Init", "ModelHooks", "ParamCoordinator", "ParamSlot", "PrefetchStats",
+           "RamGrad", "StoredGrad", "Trace", "TraceBook", "UnitState", "buffers_to", "create_units", "is_deferred", "parameters_on_meta",
+           "place_units", "plan_units"]
