@@ -30,6 +30,7 @@ from infinity.engine import (
 from infinity.errors import CheckpointError
 from infinity.models._meta import build_on_meta
 from infinity.models._safetensors import ShardReader, TensorRecord, index_checkpoint
+from infinity.store import TensorStore
 from infinity.zero import FetchUnit, buffers_to
 
 logger = logging.getLogger(__name__)
@@ -131,7 +132,7 @@ def _match(model: torch.nn.Module, records: dict[str, TensorRecord], directory: 
     return sources, buffers
 
 
-def _stream(layout: Layout, store: Any, sources: dict[int, TensorRecord], window: int) -> None:
+def _stream(layout: Layout, store: TensorStore, sources: dict[int, TensorRecord], window: int) -> None:
     """Put every unit into the store, slice by slice, through two buffers within `window`."""
     widest_src = max((r.dtype.itemsize for r in sources.values()), default=4)
     widest_dst = max((u.dtype.itemsize for u in layout.units), default=4)

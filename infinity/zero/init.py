@@ -104,8 +104,12 @@ def create_units(model: torch.nn.Module, units: list[FetchUnit], store: TensorSt
     placeholders: dict[torch.dtype, torch.Tensor] = {}
     for unit, modules in order:
         for module in modules:
-            if _materialise(module, holders, slot_of):
-                initialise(module) if initialise is not None else module.reset_parameters()
+            if not _materialise(module, holders, slot_of):
+                continue  # created with an earlier unit (a parameter of it is in a resident unit)
+            if initialise is not None:
+                initialise(module)
+            else:
+                module.reset_parameters()
         flat = torch.cat([s.param.detach().reshape(-1) for s in unit.slots]).to(unit.dtype)
         store.put(unit.key, flat, home)
         del flat
