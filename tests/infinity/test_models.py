@@ -280,3 +280,20 @@ def test_a_shard_truncated_after_indexing_is_named_while_reading(tmp_path, monke
 def test_not_a_directory(tmp_path):
     with pytest.raises(CheckpointError, match="not a directory"):
         infinity.models.load(tmp_path / "nowhere", config(tmp_path))
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("param", ["none", "nvme"])
+def test_loads_onto_the_accelerator(tmp_path, param):
+    """offload_param "none" puts the units straight into the device tier (put_chunks copies each
+    slice to the GPU); "nvme" stages through host as usual. Logits equal the original's on GPU."""
+    original = tiny_llama()
+    cfg = config(tmp_path, param=param)
+    model = infinity.models.load(saved(tmp_path, original), cfg, window=WINDOW)
+    ids = batches(1)[0]
+    with infinity.initialize(model, cfg) as engine, torch.no_grad():
+        assert engine.plan.param_home == (Tier.DEVICE if param == "none" else Tier.NVME)
+        assert model.model.rotary_emb.inv_freq.is_cuda
+        got = engine(ids.cuda()).logits
+    expected = original.cuda()(ids.cuda()).logits
+    torch.testing.assert_close(got, expected)
