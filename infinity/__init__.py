@@ -1,5 +1,5 @@
 """Infinity: fine-tune models larger than accelerator memory and RAM with tiered offload."""
 
-from infinity.errors import BudgetError, ConfigError, ConfigPathError
+from infinity.errors import BudgetError, CheckpointError, ConfigError, ConfigPathError
 
-__all__ = ["BudgetError", "ConfigError", "ConfigPathError"]
+__all__ = ["BudgetError", "CheckpointError", "ConfigError", "ConfigPathError"]
