@@ -7,7 +7,12 @@ import math
 import pytest
 import torch
 
-from infinity.checkpoint import CheckpointReader, CheckpointWriter, is_infinity_checkpoint, latest_tag
+from infinity.checkpoint import (
+    CheckpointReader,
+    CheckpointWriter,
+    is_infinity_checkpoint,
+    latest_tag,
+)
 from infinity.errors import CheckpointError
 
 TENSORS = {
