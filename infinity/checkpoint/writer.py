@@ -64,6 +64,28 @@ def remove_debris(directory: Path) -> None:
             path.unlink()
 
 
+def tensor_entry(name: str, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, array: str,
+                 chunk_nbytes: int) -> TensorEntry:
+    """The entry of a tensor about to be written: chunks of whole rows of dim 0, each at most
+    `chunk_nbytes` (or one row, when a row is larger)."""
+    shape = tuple(int(d) for d in shape)
+    stored = shape or (1,)
+    row_nbytes = math.prod(stored[1:]) * storage_dtype(dtype_name(dtype)).itemsize
+    chunk_rows = max(1, chunk_nbytes // row_nbytes) if row_nbytes else max(1, stored[0])
+    return TensorEntry(name=name, shape=shape, dtype=dtype_name(dtype), array=array,
+                       chunk_rows=min(chunk_rows, max(1, stored[0])), crc32c=[])
+
+
+def array_options(entry: TensorEntry) -> dict[str, Any]:
+    """zarr.create_array keywords for `entry`: raw little-endian chunks (no compression, so a
+    chunk file is the tensor's bytes), every chunk written even when all zeros."""
+    return {"shape": entry.stored_shape,
+            "chunks": (entry.chunk_rows, *(max(1, d) for d in entry.stored_shape[1:])),
+            "dtype": storage_dtype(entry.dtype), "compressors": None, "fill_value": 0,
+            "config": {"write_empty_chunks": True},
+            "attributes": {"name": entry.name, "dtype": entry.dtype}}
+
+
 class TensorSink:
     """Receives one tensor's elements in order, as flat pieces of any size, and writes whole
     chunks. Holds at most one chunk. Get one from CheckpointWriter.open_tensor."""
@@ -159,18 +181,8 @@ class CheckpointWriter:
         """A sink for tensor `name`; write its elements in order, then close() it."""
         if name in self._names:
             raise CheckpointError(f"tensor {name!r} is already in checkpoint {self.tag!r}")
-        shape = tuple(int(d) for d in shape)
-        stored = shape or (1,)
-        row_nbytes = math.prod(stored[1:]) * storage_dtype(dtype_name(dtype)).itemsize
-        chunk_rows = max(1, self._chunk_nbytes // row_nbytes) if row_nbytes else max(1, stored[0])
-        chunk_rows = min(chunk_rows, max(1, stored[0]))
-        entry = TensorEntry(name=name, shape=shape, dtype=dtype_name(dtype),
-                            array=f"arrays/{len(self._entries)}", chunk_rows=chunk_rows, crc32c=[])
-        array = zarr.create_array(
-            store=str(self._staging / entry.array), shape=stored,
-            chunks=(chunk_rows, *(max(1, d) for d in stored[1:])),
-            dtype=storage_dtype(entry.dtype), compressors=None, fill_value=0,
-            config={"write_empty_chunks": True}, attributes={"name": name, "dtype": entry.dtype})
+        entry = tensor_entry(name, shape, dtype, f"arrays/{len(self._entries)}", self._chunk_nbytes)
+        array = zarr.create_array(store=str(self._staging / entry.array), **array_options(entry))
         self._names.add(name)
         self._entries.append(entry)
         sink = TensorSink(array, entry, self._on_progress)
