@@ -19,6 +19,7 @@ Without an install: `python -m tools.convert ...` from the repository root.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import sys
 
@@ -54,6 +55,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _return_freed_memory() -> None:
+    """Keep glibc from hoarding freed tensors. After the first large free it raises its mmap
+    threshold, so later tensor-sized buffers come from the heap and stay there when freed, and
+    peak RSS creeps toward the checkpoint's size (measured: 72 MiB instead of 25 MiB converting
+    64 MiB into 16 MiB torch shards). A fixed 1 MiB threshold keeps them mmapped; a free
+    returns them to the OS."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return  # not glibc: its allocator is someone else's business
+    libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+
+
 def _summary(result) -> str:
     width = max([len("file")] + [len(f.name) for f in result.files])
     lines = [f"{'file':<{width}}  {'tensors':>7}  {'MiB':>10}"]
@@ -70,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    _return_freed_memory()
     try:
         conversion = Conversion(args.src, to=args.to, tag=args.tag, dtype=DTYPES.get(args.dtype),
                                 max_shard_nbytes=args.max_shard_size, model_config=args.model_config)
