@@ -13,13 +13,16 @@ import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
+from safetensors import safe_open
 
-from infinity.checkpoint._common import ProgressCallback, dtype_name, to_storage
+from infinity.checkpoint._common import ProgressCallback, dtype_name, to_storage, torch_dtype
 from infinity.errors import CheckpointError
 
 _CODES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
           "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+_NAMES = {code: name for name, code in _CODES.items()}
 
 
 def write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...], torch.dtype]],
@@ -51,3 +54,31 @@ def write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...], torc
             if f.tell() - start != end - begin:
                 raise CheckpointError(f"tensor {name!r} gave {f.tell() - start} bytes, its shape "
                                       f"needs {end - begin}")
+
+
+def read_safetensors(path: Path, block_nbytes: int) -> Iterator[tuple[str, list[int], torch.dtype, Iterator[np.ndarray]]]:
+    """(name, shape, dtype, raw byte blocks of at most `block_nbytes`) of every tensor in the
+    file at `path`, in file order. The safetensors library opens the file first, so a header it
+    would refuse fails here; the bytes are then read block by block, never the whole shard."""
+    with safe_open(str(path), framework="pt") as f:
+        names = set(f.keys())  # noqa: SIM118 (safe_open is no dict)
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+        header.pop("__metadata__", None)
+        if set(header) != names:
+            raise CheckpointError(f"{path}: header names differ from what safetensors reads")
+        base = 8 + length
+        for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+            begin, end = info["data_offsets"]
+            yield name, info["shape"], torch_dtype(_NAMES[info["dtype"]]), _blocks(f, base + begin, end - begin, block_nbytes)
+
+
+def _blocks(f, offset: int, nbytes: int, block_nbytes: int) -> Iterator[np.ndarray]:
+    f.seek(offset)
+    while nbytes > 0:
+        block = f.read(min(nbytes, block_nbytes))
+        if not block:
+            raise CheckpointError(f"{f.name} ends {nbytes} bytes early")
+        nbytes -= len(block)
+        yield np.frombuffer(block, dtype=np.uint8)

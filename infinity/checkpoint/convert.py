@@ -19,13 +19,12 @@ import logging
 import math
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import zarr
-from safetensors import safe_open
 
 import aio
 from infinity.checkpoint._common import (
@@ -34,9 +33,10 @@ from infinity.checkpoint._common import (
     from_storage,
     storage_dtype,
     to_storage,
+    torch_dtype,
 )
 from infinity.checkpoint._durable import TEMPORARY_PREFIX, fsync_tree, replace_durably
-from infinity.checkpoint._safetensors import write_safetensors
+from infinity.checkpoint._safetensors import read_safetensors, write_safetensors
 from infinity.checkpoint._shards import plan_shards, write_index
 from infinity.checkpoint.naming import is_model_weight
 from infinity.checkpoint.reader import CheckpointReader
@@ -226,11 +226,14 @@ class Conversion:
         """Read the output back; CheckpointError unless every tensor has the source's shape,
         the planned dtype and the bytes written."""
         seen: dict[str, tuple[tuple[int, ...], torch.dtype, int]] = {}
-        for name, tensor in self._read_back(staging, files):
-            flat = to_storage(tensor).reshape(-1)
-            seen[name] = (tuple(tensor.shape), tensor.dtype, aio.crc32c(flat))
-            if on_progress is not None:
-                on_progress(flat.nbytes)
+        for name, shape, dtype, pieces in self._read_back(staging, files):
+            crc = 0
+            for piece in pieces:
+                flat = to_storage(piece).reshape(-1) if isinstance(piece, torch.Tensor) else piece
+                crc = aio.crc32c(flat, crc)
+                if on_progress is not None:
+                    on_progress(flat.nbytes)
+            seen[name] = (tuple(shape), dtype, crc)
         for name, dtype in self.dtypes.items():
             shape = tuple(self.source.shape(name))
             if name not in seen:
@@ -241,23 +244,29 @@ class Conversion:
                                       f"{got_dtype} crc {got_crc:#x}, wrote {shape} {dtype} crc "
                                       f"{crcs[name]:#x}")
 
-    def _read_back(self, staging: Path, files: list[ConvertedFile]) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, tensor) pairs of the output, one whole tensor at a time."""
+    def _read_back(self, staging: Path, files: list[ConvertedFile]) -> Iterator[tuple[str, Any, torch.dtype, Iterable]]:
+        """(name, shape, dtype, flat pieces) of each output tensor; pieces are bounded (a chunk
+        or a read block) except for torch shards, which are loaded whole."""
         if self.format in ("hf", "safetensors"):
             for file in files:
-                with safe_open(str(staging / file.name), framework="pt") as f:
-                    for name in f.keys():  # noqa: SIM118 (safe_open is no dict)
-                        yield name, f.get_tensor(name)
+                yield from read_safetensors(staging / file.name, DEFAULT_CHUNK_NBYTES)
         elif self.format == "torch":
             for file in files:
-                yield from torch.load(staging / file.name, mmap=True, weights_only=True).items()
+                for name, tensor in torch.load(staging / file.name, mmap=True, weights_only=True).items():
+                    yield name, tensor.shape, tensor.dtype, [tensor]
         elif self.format == "infinity":
             reader = CheckpointReader(staging)
             for name in reader.names():
-                yield name, torch.cat(list(reader.iter_chunks(name)) or
-                                      [torch.empty(0, dtype=reader.dtype(name))]).reshape(reader.shape(name))
+                yield name, reader.shape(name), reader.dtype(name), reader.iter_chunks(name)
         else:
             group = zarr.open_group(str(staging), mode="r")
             for name in self.dtypes:
                 array = group[name]
-                yield name, from_storage(array[...], array.attrs["dtype"]).reshape(self.source.shape(name))
+                dtype = torch_dtype(array.attrs["dtype"])
+                yield name, array.shape if self.source.shape(name) else (), dtype, self._zarr_rows(array)
+
+    @staticmethod
+    def _zarr_rows(array: Any) -> Iterator[torch.Tensor]:
+        rows = array.chunks[0]
+        for start in range(0, array.shape[0] if array.size else 0, rows):
+            yield from_storage(array[start:start + rows], array.attrs["dtype"])
