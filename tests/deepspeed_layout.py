@@ -73,8 +73,13 @@ def moments(weight: torch.Tensor) -> dict[str, torch.Tensor]:
 def write(root: Path, params: dict[str, torch.Tensor], *, stage: int, world_size: int = 2,
           precision: str = "bf16", buffers: dict | None = None, frozen: dict | None = None,
           shared: dict[str, str] | None = None, tag: str = "global_step7",
-          sub_group_numel: int = 1000, groups: list[list[str]] | None = None) -> dict[str, torch.Tensor]:
+          sub_group_numel: int = 1000, groups: list[list[str]] | None = None,
+          nvme_offload: bool = False) -> dict[str, torch.Tensor]:
     """Write a checkpoint of `params` (trainable, fp32) under root/tag (and root/latest).
+
+    `nvme_offload` (stage 3): the optimizer files hold empty placeholders and the master weights
+    and moments go to offloaded_tensors/rank<RR>/ swap files named by ds_ids, as DeepSpeed's
+    NVMe optimizer offload saves them.
 
     Returns what a reader must give back: fp32 weights and "exp_avg/<name>" moments of the
     trainable params, buffers as given, frozen params in the run's low precision, tied aliases.
@@ -95,7 +100,7 @@ def write(root: Path, params: dict[str, torch.Tensor], *, stage: int, world_size
     with _deepspeed_classes() as (loss_scaler, stage_enum, fragment_address):
         if stage == 3:
             _write_stage3(directory, params, frozen, module, common, world_size, sub_group_numel,
-                          prefix, loss_scaler, stage_enum)
+                          prefix, loss_scaler, stage_enum, nvme_offload)
         else:
             _write_stage12(directory, params, frozen, module, common, world_size, stage,
                            groups or [list(params)], prefix, loss_scaler, stage_enum, fragment_address)
@@ -112,8 +117,20 @@ def _adam_state(step_groups: list[dict[str, torch.Tensor]]) -> dict:
                               "params": [i]} for i in range(len(step_groups))]}
 
 
+def _write_swap_files(directory, rank, sub_groups, ds_ids, flat):
+    """DeepSpeed's swap files of one rank: raw fp32, padded with junk to 256 elements."""
+    folder = directory / "offloaded_tensors" / f"rank{rank:02d}"
+    folder.mkdir(parents=True)
+    for i, names in enumerate(sub_groups):
+        ident = f"{ds_ids[names[0]]}_{ds_ids[names[-1]]}"
+        for kind, prefix in (("fp32", ""), ("exp_avg", "exp_avg-"), ("exp_avg_sq", "exp_avg_sq-")):
+            data = flat[kind][i]
+            _padded(data, math.ceil(data.numel() / 256) * 256).numpy().tofile(folder / f"{prefix}{ident}.tensor.swp")
+        (folder / f"{ident}_gradient_0_8.tensor.swp").write_bytes(b"g" * 32)  # DeepSpeed skips these
+
+
 def _write_stage3(directory, params, frozen, module, common, n, sub_group_numel, prefix,
-                  loss_scaler, stage_enum):
+                  loss_scaler, stage_enum, nvme_offload):
     sub_groups: list[list[str]] = [[]]
     for name, weight in params.items():  # DeepSpeed cuts sub-groups by sub_group_size
         if sub_groups[-1] and sum(params[k].numel() for k in sub_groups[-1]) + weight.numel() > sub_group_numel:
@@ -135,6 +152,10 @@ def _write_stage3(directory, params, frozen, module, common, n, sub_group_numel,
         flat = {kind: [torch.cat([share(source(params[k]), rank) for k in g]) for g in sub_groups]
                 for kind, source in (("fp32", lambda w: w), ("exp_avg", lambda w: moments(w)["exp_avg"]),
                                      ("exp_avg_sq", lambda w: moments(w)["exp_avg_sq"]))}
+        if nvme_offload:
+            ds_ids = {name: 3 + 2 * i for i, name in enumerate(params)}  # grow in parameter order
+            _write_swap_files(directory, rank, sub_groups, ds_ids, flat)
+            flat = {kind: [torch.empty(0) for _ in groups] for kind, groups in flat.items()}
         zero = {"zero_stage": stage_enum.weights, "loss_scaler": loss_scaler(),
                 "dynamic_loss_scale": False, "overflow": False, "partition_count": n,
                 "optimizer_state_dict": _adam_state([{"exp_avg": a, "exp_avg_sq": b} for a, b in

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from infinity.checkpoint._common import ProgressCallback
+from infinity.checkpoint._offloaded import OFFLOAD_DIR, offloaded_groups, rank_dir
 from infinity.checkpoint._unpickle import load_pt
 from infinity.checkpoint.naming import ADAM_STATES, optimizer_state_name
 from infinity.errors import CheckpointError
@@ -118,8 +119,9 @@ class DeepSpeedReader:
     and frozen parameters as saved, tied aliases) and Adam moments as "exp_avg/<name>".
 
     Raises CheckpointError naming the file for a missing rank file, a truncated or foreign
-    file, tensor-parallel or NVMe-offloaded checkpoints (not supported), or shapes that do not
-    add up to the flat groups.
+    file, tensor-parallel or stage 1/2 NVMe-offloaded checkpoints (not supported), or shapes
+    that do not add up to the flat groups. ZeRO-3 checkpoints of NVMe-offloaded optimizers are
+    read from their `offloaded_tensors/` swap files (_offloaded.py).
     """
 
     def __init__(self, directory: str | Path, tag: str | None = None) -> None:
@@ -218,21 +220,36 @@ class DeepSpeedReader:
         return zero
 
     def _check_not_offloaded(self, groups: list[torch.Tensor]) -> None:
-        if sum(g.numel() for g in groups) == 0 and (self.path / "offloaded_tensors").is_dir():
+        if sum(g.numel() for g in groups) == 0 and (self.path / OFFLOAD_DIR).is_dir():
             raise CheckpointError(f"{self.path}: the fp32 groups are empty and the data is in "
-                                  f"offloaded_tensors/ (NVMe optimizer offload), which this reader "
-                                  f"does not read yet")
+                                  f"{OFFLOAD_DIR}/ (NVMe optimizer offload), which this reader "
+                                  f"reads only for ZeRO-3 checkpoints")
+
+    def _stage3_groups(self, zeros: list[dict], group_shapes: list[dict]) -> dict[str, list[list[torch.Tensor]]]:
+        """Per kind ("weight", "exp_avg", "exp_avg_sq" when present), per rank, the sub-group
+        tensors: from the optimizer files, or from the swap files of an NVMe-offloaded run."""
+        numels = [sum(math.ceil(math.prod(s) / self.world_size) for s in g.values()) for g in group_shapes]
+        stored = [list(z["fp32_flat_groups"]) for z in zeros]
+        if sum(numels) and not any(t.numel() for groups in stored for t in groups):
+            dirs = [rank_dir(self.path, r) for r in range(self.world_size)]
+            found = {"weight": [offloaded_groups(d, numels, None) for d in dirs]}
+            for state in ADAM_STATES:
+                if any(p.name.startswith(f"{state}-") for p in dirs[0].iterdir()):
+                    found[state] = [offloaded_groups(d, numels, state) for d in dirs]
+            logger.info("%s: NVMe-offloaded optimizer state read from %s/", self.path, OFFLOAD_DIR)
+            return found
+        found = {"weight": stored}
+        for state in ADAM_STATES:
+            parts = [self._moments(z, state) for z in zeros]
+            if all(p is not None for p in parts):
+                found[state] = parts
+        return found
 
     # -- the layouts --
     def _read_stage3(self, models: list[dict], zeros: list[dict]) -> None:
         shapes = {k: v for group in models[0]["param_shapes"] for k, v in group.items()}
-        families = {"weight": [_Flat(list(z["fp32_flat_groups"])) for z in zeros]}
-        for z in zeros:
-            self._check_not_offloaded(list(z["fp32_flat_groups"]))
-        for state in ADAM_STATES:
-            parts = [self._moments(z, state) for z in zeros]
-            if all(p is not None for p in parts):
-                families[state] = [_Flat(p) for p in parts]
+        families = {kind: [_Flat(groups) for groups in ranks]
+                    for kind, ranks in self._stage3_groups(zeros, models[0]["param_shapes"]).items()}
         available = families["weight"][0].numel
         offset = 0
         for name, shape in shapes.items():

@@ -3,6 +3,7 @@ DeepSpeed: exactly the weights and moments they were built from, and clear error
 
 import os
 import pickle
+import shutil
 import sys
 
 import deepspeed_layout
@@ -125,15 +126,36 @@ def test_shapes_that_do_not_match_the_flat_groups_are_refused(tmp_path):
         DeepSpeedReader(tmp_path)
 
 
-def test_tensor_parallel_and_nvme_offloaded_checkpoints_are_refused_clearly(tmp_path):
+def test_tensor_parallel_checkpoints_are_refused_clearly(tmp_path):
     deepspeed_layout.write(tmp_path, _params(), stage=3, world_size=1)
-    tag = tmp_path / "global_step7"
-    (tag / "bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt").write_bytes(b"")
+    (tmp_path / "global_step7" / "bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt").write_bytes(b"")
     with pytest.raises(CheckpointError, match="tensor-parallel"):
         DeepSpeedReader(tmp_path)
-    (tag / "bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt").unlink()
-    empty = tmp_path / "empty"
-    deepspeed_layout.write(empty, {"w": torch.empty(0)}, stage=3, world_size=1)
-    (empty / "global_step7" / "offloaded_tensors" / "rank00").mkdir(parents=True)
-    with pytest.raises(CheckpointError, match="offloaded_tensors/ .*NVMe"):
-        DeepSpeedReader(empty)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_zero3_checkpoint_of_an_nvme_offloaded_optimizer_reads_its_swap_files(tmp_path, world_size):
+    expected = deepspeed_layout.write(tmp_path, _params(), stage=3, world_size=world_size, **EXTRAS,
+                                      sub_group_numel=60, nvme_offload=True)
+    _check(DeepSpeedReader(tmp_path), expected)
+
+
+@pytest.mark.parametrize("damage, complaint", [
+    ("truncate", r"holds 8 bytes, its sub-group needs \d+ \(truncated\?\)"),
+    ("delete", r"holds 3 'exp_avg-<first>_<last>.tensor.swp' files; the checkpoint has 4 sub-groups"),
+    ("no rank dir", r"rank01 is missing"),
+])
+def test_damaged_swap_files_are_named(tmp_path, damage, complaint):
+    deepspeed_layout.write(tmp_path, _params(), stage=3, world_size=2, sub_group_numel=60, nvme_offload=True)
+    folder = tmp_path / "global_step7" / "offloaded_tensors" / "rank01"
+    if damage == "no rank dir":
+        shutil.rmtree(folder)
+    else:
+        files = sorted(folder.glob("exp_avg-*.tensor.swp"))
+        assert len(files) == 4, "the test needs several sub-groups"
+        if damage == "truncate":
+            os.truncate(files[1], 8)
+        else:
+            files[1].unlink()
+    with pytest.raises(CheckpointError, match=complaint):
+        DeepSpeedReader(tmp_path)
