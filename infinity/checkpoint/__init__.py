@@ -10,6 +10,7 @@ from infinity.checkpoint.deepspeed import (
 from infinity.checkpoint.manifest import FORMAT_VERSION, Manifest, TensorEntry
 from infinity.checkpoint.naming import ADAM_STATES, is_model_weight, optimizer_state_name
 from infinity.checkpoint.reader import CheckpointReader, is_infinity_checkpoint, latest_tag
+from infinity.checkpoint.rng import load_rng_state, save_rng_state
 from infinity.checkpoint.sources import TensorSource, open_source
 from infinity.checkpoint.writer import CheckpointWriter, TensorSink, remove_debris
 
@@ -32,7 +33,9 @@ __all__ = [
     "is_infinity_checkpoint",
     "is_model_weight",
     "latest_tag",
+    "load_rng_state",
     "open_source",
     "optimizer_state_name",
     "remove_debris",
+    "save_rng_state",
 ]
