@@ -105,11 +105,13 @@ class Conversion:
         return sum(self._nbytes(n) for n in self.dtypes)
 
     def run(self, destination: str | Path, on_progress: ProgressCallback | None = None) -> ConversionResult:
-        """Write the output to `destination` (which must not exist), verify it, publish it."""
+        """Write the output to `destination` (which must not exist; its parent must), verify it,
+        publish it."""
         destination = Path(destination)
         if destination.exists():
             raise CheckpointError(f"{destination} exists; give a new output path")
-        destination.parent.mkdir(parents=True, exist_ok=True)
+        if not destination.parent.is_dir():  # made here, it would be debris after a failure
+            raise CheckpointError(f"{destination.parent} does not exist; create it first")
         staging = destination.parent / f"{TEMPORARY_PREFIX}{destination.name}-{uuid.uuid4().hex[:8]}"
         staging.mkdir()
         try:

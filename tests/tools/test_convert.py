@@ -140,6 +140,7 @@ def _bad_infinity(tmp_path, damage):
     ("truncated chunk", "tensor 'w': chunk file"),
     ("no model config", "--to hf needs the model's config.json"),
     ("destination exists", "exists; give a new output path"),
+    ("missing parent", "does not exist; create it first"),
 ])
 def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, capsys, case, complaint):
     if case == "not a checkpoint":
@@ -156,7 +157,8 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, capsys, case,
     if case == "destination exists":
         (tmp_path / "out").mkdir()
     before = sorted(p.name for p in tmp_path.iterdir())
-    assert main([str(src), str(tmp_path / "out"), "--to", "hf" if case == "no model config" else "safetensors"]) == 2
+    out = tmp_path / "nowhere" / "out" if case == "missing parent" else tmp_path / "out"
+    assert main([str(src), str(out), "--to", "hf" if case == "no model config" else "safetensors"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("infinity-convert: error: ") and complaint in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == before
