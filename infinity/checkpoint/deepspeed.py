@@ -337,6 +337,19 @@ class DeepSpeedReader:
                                       f"which the checkpoint does not hold")
             self._tensors[alias] = self._tensors[owner]
 
+    @staticmethod
+    def _adam_step(zero: dict) -> int | None:
+        """Adam's step count (bias correction needs it to resume), from the first group."""
+        inner = zero.get("optimizer_state_dict") or zero.get("base_optimizer_state")
+        states = inner.get("state") if isinstance(inner, dict) else None
+        if isinstance(inner, list):
+            states = dict(enumerate(inner))
+        for state in (states or {}).values():
+            if isinstance(state, dict) and "step" in state:
+                step = state["step"]
+                return int(step.item() if isinstance(step, torch.Tensor) else step)
+        return None
+
     def _metadata(self, model: dict, zero: dict) -> dict[str, Any]:
         """JSON facts about the run (steps, versions, config) for a converted checkpoint."""
         scaler = zero.get("loss_scaler")
@@ -346,6 +359,7 @@ class DeepSpeedReader:
             "global_steps": model.get("global_steps"), "global_samples": model.get("global_samples"),
             "skipped_steps": model.get("skipped_steps"),
             "loss_scale": getattr(scaler, "cur_scale", None), "ds_config": model.get("ds_config"),
+            "optimizer_step": self._adam_step(zero), "lr_scheduler": model.get("lr_scheduler"),
         }
         for key, value in list(facts.items()):
             try:
