@@ -95,15 +95,25 @@ class CheckpointReader:
             raise CheckpointError(f"read({name!r}, rows) takes a step-1 slice, got {rows}")
         if not entry.shape:
             raise CheckpointError(f"tensor {name!r} is 0-d; read it without rows")
-        out = torch.empty((max(0, stop - start), *entry.shape[1:]), dtype=self.dtype(name))
-        if stop <= start or not entry.numel:
-            return out
-        first, last = start // entry.chunk_rows, (stop - 1) // entry.chunk_rows
-        for index in range(first, last + 1):
-            chunk_start, _ = entry.chunk_rows_range(index)
-            chunk = self._read_chunk(entry, index).reshape(-1, *entry.shape[1:])
-            lo, hi = max(start, chunk_start), min(stop, chunk_start + chunk.shape[0])
-            out[lo - start:hi - start] = chunk[lo - chunk_start:hi - chunk_start]
+        stop = max(start, stop)
+        flat = self.read_flat(name, start * entry.row_numel, stop * entry.row_numel)
+        return flat.reshape(stop - start, *entry.shape[1:])
+
+    def read_flat(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of tensor `name` flattened, verified, reading only the chunks
+        that hold them: a rank's ZeRO-3 partition (elements [r*p, (r+1)*p)) for any number of
+        ranks, whatever partitioning wrote the checkpoint."""
+        entry = self.entry(name)
+        if not 0 <= start <= stop <= entry.numel:
+            raise CheckpointError(f"read_flat({name!r}, {start}, {stop}): tensor {name!r} has "
+                                  f"{entry.numel} elements")
+        out = torch.empty(stop - start, dtype=self.dtype(name))
+        chunk_numel = entry.chunk_rows * entry.row_numel
+        for index in range(start // chunk_numel, -(-stop // chunk_numel) if stop > start else 0):
+            chunk = self._read_chunk(entry, index)
+            base = index * chunk_numel
+            lo, hi = max(start, base), min(stop, base + chunk.numel())
+            out[lo - start:hi - start] = chunk[lo - base:hi - base]
         return out
 
     def iter_chunks(self, name: str, on_progress: ProgressCallback | None = None) -> Iterator[torch.Tensor]:

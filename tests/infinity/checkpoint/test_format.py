@@ -58,6 +58,20 @@ def test_any_row_slice_reads_alone(tmp_path, rows):
     assert torch.equal(CheckpointReader(tmp_path).read("embed.weight", rows), TENSORS["embed.weight"][rows])
 
 
+@pytest.mark.parametrize("ranks", [1, 2, 3, 7])
+def test_any_flat_partition_reads_alone(tmp_path, ranks):
+    """ZeRO-3 partitions for any rank count: rank r's elements [r*p, (r+1)*p) of the flat tensor."""
+    _save(tmp_path)
+    reader = CheckpointReader(tmp_path)
+    flat = TENSORS["embed.weight"].reshape(-1)
+    p = -(-flat.numel() // ranks)
+    parts = [reader.read_flat("embed.weight", min(r * p, flat.numel()), min((r + 1) * p, flat.numel()))
+             for r in range(ranks)]
+    assert torch.equal(torch.cat(parts), flat)
+    with pytest.raises(CheckpointError, match="has 600 elements"):
+        reader.read_flat("embed.weight", 590, 601)
+
+
 def test_a_slice_reads_only_its_chunks(tmp_path):
     """Damage outside the slice does not matter: only the chunks holding the rows are read."""
     tag = _save(tmp_path)
