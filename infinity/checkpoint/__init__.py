@@ -1,6 +1,7 @@
 """Checkpoints: the Infinity format (atomic, verified, sliceable) and DeepSpeed checkpoints read
 without DeepSpeed, converted to Hugging Face, safetensors, torch or zarr with bounded memory."""
 
+from infinity.checkpoint.async_writer import AsyncCheckpointWriter
 from infinity.checkpoint.convert import FORMATS, Conversion, ConversionResult, ConvertedFile
 from infinity.checkpoint.deepspeed import (
     DeepSpeedReader,
@@ -18,6 +19,7 @@ __all__ = [
     "ADAM_STATES",
     "FORMATS",
     "FORMAT_VERSION",
+    "AsyncCheckpointWriter",
     "CheckpointReader",
     "CheckpointWriter",
     "Conversion",
