@@ -7,11 +7,13 @@ and their ratio. A ratio near 1.0 means the store adds no cost over the disk.
 
     python -m tools.bench_store --path /tmp --tensors 16 --tensor-size 64M
     python -m tools.bench_store --path /nvme --mode optimizer --params 50M --tile 4M
+    python -m tools.bench_store --path /nvme --mode optimizer --params 50M --checksum ab
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import shutil
@@ -53,7 +55,8 @@ def bench_stream(args: argparse.Namespace, directory: str) -> dict:
     rounds: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
     with aio.Handle(**_engine(args)) as handle, \
             aio.SwapFile(f"{directory}/raw.swap", n * nbytes) as swap, \
-            TensorStore(budgets, nvme_path=directory, aio_handle=handle, keep_timeline=False) as store:
+            TensorStore(budgets, nvme_path=directory, aio_handle=handle, keep_timeline=False,
+                        checksum=args.checksum == "on") as store:
         extents = [swap.allocate(nbytes) for _ in range(n)]
         keys = [f"t{i}" for i in range(n)]
         fill = aio.aligned_empty(nbytes).fill_(7)
@@ -82,11 +85,13 @@ def bench_stream(args: argparse.Namespace, directory: str) -> dict:
 
 
 def bench_optimizer(args: argparse.Namespace, directory: str) -> dict:
-    """One SwappedOptimizer step against the floor: 24 bytes/param over the raw read+write stream."""
-    params = [torch.zeros(args.params)]
-    params[0].grad = torch.full_like(params[0], 1e-3)
+    """One SwappedOptimizer step against the floor: 24 bytes/param over the raw read+write stream.
+
+    With --checksum ab, two stores (checksums on and off) step in turns, swapping order every
+    round, and the cost of the checksums is the median of the per-round ratios."""
     tile_nbytes = 12 * args.tile
     tiles = -(-args.params // args.tile)
+    variants = {"ab": [True, False], "on": [True], "off": [False]}[args.checksum]
     with aio.Handle(**_engine(args)) as handle:
         with aio.SwapFile(f"{directory}/raw.swap", tiles * tile_nbytes) as swap:
             extents = [swap.allocate(tile_nbytes) for _ in range(tiles)]
@@ -94,18 +99,34 @@ def bench_optimizer(args: argparse.Namespace, directory: str) -> dict:
                 swap.write(handle, e, aio.aligned_empty(tile_nbytes).zero_()).wait()
             raw_gbps = max(bench.window_stream(handle, swap, extents, tile_nbytes, 1, True) for _ in range(args.repeat))
         budgets = {"host": 4 * tile_nbytes + (1 << 20), "nvme": tiles * tile_nbytes + (1 << 20)}
-        with TensorStore(budgets, nvme_path=directory, aio_handle=handle, keep_timeline=False) as store:
-            opt = SwappedOptimizer(params, store, tile_numel=args.tile)
-            times = []
-            for _ in range(args.repeat + 1):
-                start = time.perf_counter()
-                opt.step()
-                store.flush()
-                times.append(time.perf_counter() - start)
-    step_s = min(times[1:])  # the first step warms the arena and caches
+        with contextlib.ExitStack() as stack:
+            steppers = {}
+            for checksum in variants:
+                store = stack.enter_context(TensorStore(budgets, nvme_path=directory, aio_handle=handle,
+                                                        keep_timeline=False, checksum=checksum))
+                params = [torch.zeros(args.params)]
+                params[0].grad = torch.full_like(params[0], 1e-3)
+                steppers[checksum] = (SwappedOptimizer(params, store, tile_numel=args.tile), store)
+            times: dict[bool, list[float]] = {c: [] for c in variants}
+            for r in range(args.repeat + 1):
+                for checksum in variants if r % 2 == 0 else variants[::-1]:
+                    opt, store = steppers[checksum]
+                    start = time.perf_counter()
+                    opt.step()
+                    store.flush()
+                    times[checksum].append(time.perf_counter() - start)
     floor_s = 24 * args.params / (raw_gbps * GB)
-    return {"optimizer step": {"params": args.params, "tile": args.tile, "step_s": step_s,
-                               "raw_gbps": raw_gbps, "floor_s": floor_s, "ratio": step_s / floor_s}}
+    results = {}
+    for checksum in variants:
+        step_s = min(times[checksum][1:])  # the first step warms the arena and caches
+        results[f"optimizer step (checksum {'on' if checksum else 'off'})"] = {
+            "params": args.params, "tile": args.tile, "step_s": step_s, "median_s": statistics.median(times[checksum][1:]),
+            "raw_gbps": raw_gbps, "floor_s": floor_s, "ratio": step_s / floor_s}
+    if len(variants) == 2:
+        ratios = [on / off for on, off in zip(times[True][1:], times[False][1:])]
+        results["checksum cost"] = {"median_ratio": statistics.median(ratios),
+                                    "ratio_range": f"{min(ratios):.3f}-{max(ratios):.3f}"}
+    return results
 
 
 def _engine(args: argparse.Namespace) -> dict:
@@ -124,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=2, help="tensors read ahead")
     parser.add_argument("--params", type=parse_size, default="50M", help="parameters (optimizer mode)")
     parser.add_argument("--tile", type=parse_size, default="4M", help="elements per optimizer tile")
+    parser.add_argument("--checksum", choices=["on", "off", "ab"], default="on",
+                        help="the store's crc32c of NVMe data; ab: on and off in turns (optimizer mode)")
     parser.add_argument("--block-size", type=parse_size, default="1M", help="aio block size")
     parser.add_argument("--queue-depth", type=int, default=32, help="aio queue depth")
     parser.add_argument("--threads", type=int, default=1, help="aio queues")
@@ -134,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "stream" and args.tensors <= 2 * (args.window + 2):
         parser.error(f"--tensors must be more than twice --window + 2 ({2 * (args.window + 2)}): with "
                      f"fewer, the store's host tier holds them all and serves repeats from memory")
+    if args.mode == "stream" and args.checksum == "ab":
+        parser.error("--checksum ab is for --mode optimizer")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         directory = tempfile.mkdtemp(prefix="infinity-bench-store-", dir=args.path)

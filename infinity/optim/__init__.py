@@ -4,7 +4,7 @@ from infinity.optim._native import adam_step, available_isas, resolve_isa
 from infinity.optim.cpu_adam import CPUAdam
 from infinity.optim.loss_scaler import DynamicLossScaler
 from infinity.optim.lr_schedule import LRSchedule, WarmupCosineLR, WarmupDecayLR, WarmupLR
-from infinity.optim.swapped import StepResult, SwappedOptimizer
+from infinity.optim.swapped import StepResult, SwappedOptimizer, UnitSpec
 
 __all__ = [
     "CPUAdam",
@@ -12,6 +12,7 @@ __all__ = [
     "LRSchedule",
     "StepResult",
     "SwappedOptimizer",
+    "UnitSpec",
     "WarmupCosineLR",
     "WarmupDecayLR",
     "WarmupLR",

@@ -1,59 +1,82 @@
-"""Adam whose fp32 master weights and moments live on NVMe, streamed through in fixed tiles.
+"""Adam whose fp32 master weights and moments live in the store (NVMe), streamed through in tiles.
 
-All parameters are laid end to end in one flat index space, cut into tiles of `tile_numel`
-elements (DeepSpeed's `sub_group_size`), independent of parameter sizes. Tile i is one store
-entry of shape (3, n): master weights, exp_avg, exp_avg_sq. A step streams the tiles: read
-tile i+1 (prefetch), update tile i with the CPU Adam kernel, write tile i back (asynchronously
-on release) while the next one computes, so host memory holds a few tiles whatever the model
-size and the step runs at the speed of the disk.
+Two ways to cut the state into tiles (store entries of shape (rows, n)):
 
-Gradients stay in host memory (param.grad) and are read in place; the new parameter values are
-written into param.data (rounded to its dtype by the kernel). The global gradient norm and fp16
-overflow are computed from the gradients alone, before any state is read, so a skipped step
-costs no I/O.
+- param mode, `SwappedOptimizer(params, store)`: parameters laid end to end, cut into tiles of
+  `tile_numel` elements (DeepSpeed's `sub_group_size`) independent of parameter sizes; each
+  tile holds master, exp_avg, exp_avg_sq. `step()` updates every tile.
+- unit mode, `SwappedOptimizer.from_units(units, store)`: each engine fetch unit (a module's
+  parameters flattened, as FSDP's FlatParameter) is cut on its own, so `step_unit(u, grad)` can
+  update unit u as soon as its gradient is final, from a worker thread while backward goes on.
+  A float32 unit's values entry is its master (tiles hold exp_avg, exp_avg_sq); a bf16/fp16
+  unit's tiles hold the fp32 master too and the kernel writes the rounded values in the same
+  pass.
+
+A pass streams tiles: read tile i+1 (prefetch), update tile i with the CPU Adam kernel, write it
+back (asynchronously, on release) while the next one computes, so host memory holds a few tiles
+whatever the model size and a step runs at the speed of the disk.
+
+[Note: retry-safe steps] Each tile records the step it holds (`_tile_steps`). A pass updates
+only tiles below the step being built, so after a pass raised (an I/O error on a read or a
+write-back) the same call with the same gradients finishes the step and updates no tile twice.
+Everything a pass fetches is released on every path; a tile (or values entry) is released
+dirty once changed, and the store keeps a changed copy until its write-back succeeds. A pass
+(and `flush()`) rewrites any entry of an already-updated tile whose write-back failed.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
 
 import torch
 
 from infinity.optim._native import adam_step, check_hyperparameters, check_threads
+from infinity.optim._state import StreamedState
+from infinity.optim._tiles import (
+    GRAD_DTYPES,
+    GroupValues,
+    Segment,
+    UnitSpec,
+    check_grad,
+    cut_per_group,
+    cut_tiles,
+    spans,
+    tile_numel_of,
+)
 from infinity.store import TensorStore, Tier
 
 logger = logging.getLogger(__name__)
 
-_TILE_ROWS = 3  # master, exp_avg, exp_avg_sq
-_STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
 
-
-class Segment(NamedTuple):
-    """The part of one parameter that falls in one tile."""
-
-    param: int  # index into the optimizer's parameters
-    param_offset: int  # first element in the flattened parameter
-    tile_offset: int  # first element in the tile
-    numel: int
+__all__ = ["StepResult", "SwappedOptimizer", "UnitSpec"]
 
 
 class StepResult(NamedTuple):
-    applied: bool  # False when the gradients overflowed and the step was skipped
-    grad_norm: float  # global L2 norm of the unscaled gradients (inf/nan on overflow)
+    applied: bool  # False when the gradients were not finite and the step was skipped
+    grad_norm: float  # global L2 norm of the unscaled gradients (inf/nan when skipped)
     clip_coef: float  # factor the gradients were multiplied by (1.0 when not clipped)
 
 
-class SwappedOptimizer:
-    """Adam / AdamW over CPU parameters with all optimizer state in the store's NVMe tier.
+def _check_scale(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
 
-    Args:
+
+class SwappedOptimizer(StreamedState):
+    """Adam / AdamW with all optimizer state in a TensorStore, streamed through in tiles.
+
+    Args (param mode; see `from_units` for unit mode):
         params: CPU tensors (float32, bfloat16 or float16), contiguous.
-        store: a TensorStore with an NVMe budget for 12 bytes per parameter (rounded up per
-            tile) and a host budget for at least 3 tiles (4 recommended).
-        lr, betas, eps, weight_decay, adamw_mode: as in infinity.optim.CPUAdam.
+        store: a TensorStore. With state_tier NVME: an NVMe budget for 12 bytes per parameter
+            (rounded up per tile) and a host budget for at least 3 tiles (4 recommended).
+        lr, betas, eps, weight_decay, adamw_mode: as in infinity.optim.CPUAdam. `lr` may be
+            changed between steps (a scheduler).
         tile_numel: elements per tile (`sub_group_size`); the I/O unit of a step.
         max_grad_norm: clip the global gradient norm to this (0: no clipping).
         threads: kernel threads (default: all cores).
@@ -63,267 +86,353 @@ class SwappedOptimizer:
             master weights start from it and new values are written into it. The parameter
             tensor still carries the shape and `.grad`. Such a parameter is fetched to the host
             tier whole while its tiles are updated, so it must fit there beside 3 tiles.
+        state_tier: home of the tiles: Tier.NVME (offload_optimizer nvme) or Tier.HOST (cpu).
+
+    Non-finite gradients (`step`): with loss_scale != 1 (fp16 and a dynamic loss scaler) it is
+    an overflow: the step is skipped (logged at info) for the scaler to lower the scale. With
+    loss_scale 1 (fp32 / bf16) the step is skipped with a warning. Both count in
+    `skipped_steps`, as DeepSpeed counts them; neither reads or writes any state.
     """
 
     def __init__(self, params: Iterable[torch.Tensor], store: TensorStore, *, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, adamw_mode: bool = True, tile_numel: int = 1 << 22,
                  max_grad_norm: float = 0.0, threads: int | None = None,
-                 name: str = "optim", param_keys: Sequence[str | None] | None = None) -> None:
-        self.params = list(params)
+                 name: str = "optim", param_keys: Sequence[str | None] | None = None,
+                 state_tier: Tier | str = Tier.NVME) -> None:
+        self.params: list[torch.Tensor] | None = list(params)
         if not self.params:
             raise ValueError("SwappedOptimizer got no parameters")
         for i, p in enumerate(self.params):
             if not isinstance(p, torch.Tensor) or p.device.type != "cpu" or not p.is_contiguous():
                 raise ValueError(f"param {i} must be a contiguous CPU tensor, got "
                                  f"{getattr(p, 'device', type(p))}")
-            if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            if p.dtype not in GRAD_DTYPES:
                 raise ValueError(f"param {i} has dtype {p.dtype}; expected float32, bfloat16 or float16")
         self.param_keys = list(param_keys) if param_keys is not None else [None] * len(self.params)
         if len(self.param_keys) != len(self.params):
             raise ValueError(f"param_keys has {len(self.param_keys)} entries for {len(self.params)} params")
-        if tile_numel < 1:
-            raise ValueError(f"tile_numel must be >= 1, got {tile_numel}")
         if max_grad_norm < 0:
             raise ValueError(f"max_grad_norm must be >= 0, got {max_grad_norm}")
-        check_hyperparameters(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay)
-        check_threads(threads)  # wrong values fail here, not at the first step
-        self.lr, self.betas, self.eps = lr, (float(betas[0]), float(betas[1])), eps
-        self.weight_decay, self.adamw_mode = weight_decay, adamw_mode
-        self.max_grad_norm, self.threads = max_grad_norm, threads
-        self.store, self.name = store, name
+        self.max_grad_norm = max_grad_norm
         self.steps = [0] * len(self.params)  # per parameter, as torch counts them
-        self.tile_numel = tile_numel
-        self.tiles = _cut_tiles([p.numel() for p in self.params], tile_numel)
-        self._by_param: dict[int, list[tuple[int, Segment]]] = {}  # param -> its (tile, segment)s
-        for t, segments in enumerate(self.tiles):
-            for seg in segments:
-                self._by_param.setdefault(seg.param, []).append((t, seg))
-        self._check_budgets()
-        self._write_initial_state()
+        self.units: list[UnitSpec] | None = None
+        self._configure(store, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        adamw_mode=adamw_mode, tile_numel=tile_numel, threads=threads, name=name,
+                        state_tier=state_tier)
+        self._set_groups(shapes=[p.shape for p in self.params], dtypes=[p.dtype for p in self.params],
+                         keys=self.param_keys, host=self.params, master_row=[True] * len(self.params),
+                         tiles=cut_tiles([p.numel() for p in self.params], tile_numel))
+
+    @classmethod
+    def from_units(cls, units: Sequence[UnitSpec], store: TensorStore, *, lr: float = 1e-3,
+                   betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                   weight_decay: float = 0.0, adamw_mode: bool = True, tile_numel: int = 1 << 22,
+                   threads: int | None = None, name: str = "optim",
+                   state_tier: Tier | str = Tier.NVME) -> SwappedOptimizer:
+        """An optimizer over engine fetch units, stepped one unit at a time (`step_unit`).
+
+        Each unit's values are a 1-D store entry (`UnitSpec.values_key`). Tiles are cut per
+        unit. float32 unit: the values entry is the fp32 master, tiles hold exp_avg and
+        exp_avg_sq (8 B/element). bf16/fp16 unit: tiles hold an fp32 master (started from the
+        values, upcast) and the moments (12 B/element); new values are rounded into the values
+        entry. A unit's values entry is fetched to the host tier whole while its tiles are
+        updated: the host budget must hold it beside 3 tiles per concurrent `step_unit`.
+        """
+        self = cls.__new__(cls)
+        self.params, self.param_keys, self.max_grad_norm = None, [], 0.0
+        self.units = [UnitSpec(*u) for u in units]
+        if not self.units:
+            raise ValueError("SwappedOptimizer.from_units got no units")
+        for u, spec in enumerate(self.units):
+            if isinstance(spec.numel, bool) or not isinstance(spec.numel, int) or spec.numel < 1:
+                raise ValueError(f"unit {u}: numel must be an int >= 1, got {spec.numel!r}")
+            if spec.dtype not in GRAD_DTYPES:
+                raise ValueError(f"unit {u}: dtype {spec.dtype}; expected float32, bfloat16 or float16")
+            if spec.values_key not in store:
+                raise ValueError(f"unit {u}: values_key {spec.values_key!r} is not in the store")
+        self._configure(store, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        adamw_mode=adamw_mode, tile_numel=tile_numel, threads=threads, name=name,
+                        state_tier=state_tier)
+        self._set_groups(shapes=[torch.Size([u.numel]) for u in self.units],
+                         dtypes=[u.dtype for u in self.units],
+                         keys=[u.values_key for u in self.units], host=None,
+                         master_row=[u.dtype != torch.float32 for u in self.units],
+                         tiles=cut_per_group([u.numel for u in self.units], tile_numel))
+        return self
 
     # -- set-up ---------------------------------------------------------------------------------
+
+    def _configure(self, store: TensorStore, *, lr: float, betas: tuple[float, float], eps: float,
+                   weight_decay: float, adamw_mode: bool, tile_numel: int, threads: int | None,
+                   name: str, state_tier: Tier | str) -> None:
+        if isinstance(tile_numel, bool) or not isinstance(tile_numel, int) or tile_numel < 1:
+            raise ValueError(f"tile_numel must be an int >= 1, got {tile_numel!r}")
+        check_hyperparameters(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay)
+        check_threads(threads)  # wrong values fail here, not at the first step
+        self.state_tier = Tier.of(state_tier)
+        if self.state_tier == Tier.DEVICE:
+            raise ValueError("state_tier must be Tier.NVME or Tier.HOST: the CPU kernel updates host memory")
+        self.lr, self.betas, self.eps = lr, (float(betas[0]), float(betas[1])), eps
+        self.weight_decay, self.adamw_mode = weight_decay, adamw_mode
+        self.threads, self.store, self.name, self.tile_numel = threads, store, name, tile_numel
+        self.skipped_steps = 0  # steps skipped for non-finite gradients (fp16 overflow included)
+        self._completed = 0  # steps applied; tiles hold this step between steps
+        self._lock = threading.Lock()  # finish_step against itself
+
+    def _set_groups(self, *, shapes: list[torch.Size], dtypes: list[torch.dtype],
+                    keys: list[str | None], host: list[torch.Tensor] | None,
+                    master_row: list[bool], tiles: list[list[Segment]]) -> None:
+        """Record what is stepped (parameters or units) and how it is tiled; write the tiles."""
+        self._shapes, self._dtypes, self._keys, self._host = shapes, dtypes, keys, host
+        self._numels = [math.prod(s) for s in shapes]
+        self._master_row = master_row
+        self.tiles = tiles
+        self._tile_master = [master_row[t[0].param] for t in tiles]
+        self._tile_steps = [0] * len(tiles)  # See [Note: retry-safe steps]
+        self._by_group: list[list[tuple[int, Segment]]] = [[] for _ in shapes]
+        for t, segments in enumerate(tiles):
+            for seg in segments:
+                self._by_group[seg.param].append((t, seg))
+        self._group_tiles = [[t for t, _ in pairs] for pairs in self._by_group]
+        self._check_budgets()
+        self._write_initial_state()
 
     def _key(self, tile: int) -> str:
         return f"{self.name}/tile{tile}"
 
-    def _tile_numel(self, tile: int) -> int:
-        last = self.tiles[tile][-1]
-        return last.tile_offset + last.numel
-
     def _check_budgets(self) -> None:
-        tile_nbytes = _TILE_ROWS * 4 * self.tile_numel
+        if self.state_tier == Tier.HOST:
+            if not self.store.budgets.get(Tier.HOST):
+                raise ValueError("state_tier HOST needs a store with a host budget")
+            return
+        if not self.store.budgets.get(Tier.NVME):
+            raise ValueError("SwappedOptimizer needs a store with an NVMe budget for its state "
+                             "(or state_tier=Tier.HOST)")
+        rows, numel = max((3 if master else 2, tile_numel_of(segments))
+                          for master, segments in zip(self._tile_master, self.tiles))
+        tile_nbytes = rows * 4 * numel
         host = self.store.budgets.get(Tier.HOST, 0)
         if len(self.tiles) > 1 and host < 3 * tile_nbytes:
             raise ValueError(
                 f"the store's host budget ({host} bytes) must hold at least 3 optimizer tiles of "
-                f"{tile_nbytes} bytes (tile_numel={self.tile_numel}: 12 bytes per element) to "
-                f"stream; raise the host budget or lower tile_numel (sub_group_size)"
+                f"{tile_nbytes} bytes (tile_numel={self.tile_numel}: {rows * 4} bytes per element) "
+                f"to stream; raise the host budget or lower tile_numel (sub_group_size)"
             )
-        if not self.store.budgets.get(Tier.NVME):
-            raise ValueError("SwappedOptimizer needs a store with an NVMe budget for its state")
+
+    def _values(self) -> GroupValues:
+        return GroupValues(self.store, self._keys, self._host, self._numels, self._dtypes)
 
     def _write_initial_state(self) -> None:
-        values = _ParamValues(self)
-        for t, segments in enumerate(self.tiles):
-            tile = torch.zeros(_TILE_ROWS, self._tile_numel(t))
-            for seg in segments:
-                flat = values.get(seg.param)
-                tile[0, seg.tile_offset:seg.tile_offset + seg.numel] = flat[seg.param_offset:seg.param_offset + seg.numel]
-                values.segment_done(seg, dirty=False)
-            self.store.put(self._key(t), tile, Tier.NVME)
+        values = self._values()
+        try:
+            last = _last_tile_of(self.tiles, range(len(self.tiles)))
+            for t, segments in enumerate(self.tiles):
+                master = self._tile_master[t]
+                tile = torch.zeros(3 if master else 2, tile_numel_of(segments))
+                for seg in segments if master else ():
+                    part, cols = spans(seg)
+                    tile[0, cols] = values.get(seg.param)[part]
+                for group in last.get(t, ()):
+                    values.release(group)
+                self.store.put(self._key(t), tile, self.state_tier)
+        except BaseException:
+            for t in range(len(self.tiles)):  # nothing half-made stays in the store
+                if self._key(t) in self.store:
+                    self.store.drop(self._key(t))
+            raise
+        finally:
+            values.release_all()
 
-    # -- the step -------------------------------------------------------------------------------
+    # -- param mode -----------------------------------------------------------------------------
 
     @torch.no_grad()
     def step(self, *, loss_scale: float = 1.0) -> StepResult:
-        """One optimizer step over every tile; skipped (no I/O) when gradients overflow.
+        """One optimizer step over every tile (param mode).
 
         `loss_scale` is what the loss was multiplied by (fp16); gradients are divided by it
-        inside the kernel, together with the clip factor.
+        inside the kernel, together with the clip factor. Non-finite gradients skip the step
+        without I/O (see the class docstring). If it raises (an I/O error), call it again with
+        the same gradients: see [Note: retry-safe steps].
         """
+        if self.params is None:
+            raise TypeError("step() is for param mode; an optimizer from from_units() steps with "
+                            "begin_step / step_unit / finish_step")
+        loss_scale = _check_scale("loss_scale", loss_scale)
         grads = [p.grad for p in self.params]
+        for i, g in enumerate(grads):
+            if g is not None:
+                check_grad(f"param {i}'s gradient", g, self._numels[i])
         norm = _global_norm(grads) / loss_scale
         if not math.isfinite(norm):
-            logger.info("gradient overflow (norm %s): step skipped", norm)
+            self.skipped_steps += 1
+            if loss_scale != 1.0:
+                logger.info("gradient overflow (norm %s at loss scale %s): step skipped", norm, loss_scale)
+            else:
+                logger.warning("non-finite gradients (norm %s): step skipped (%d skipped so far)",
+                               norm, self.skipped_steps)
             return StepResult(False, norm, 1.0)
         clip = 1.0
         if self.max_grad_norm > 0:
             clip = min(1.0, self.max_grad_norm / (norm + 1e-6))
-        grad_scale = clip / loss_scale
-        live = [g is not None for g in grads]
-        steps = [s + 1 if ok else s for s, ok in zip(self.steps, live)]
-        keys = [self._key(t) for t in range(len(self.tiles))]
-        self.store.set_next_use({key: t for t, key in enumerate(keys)})
-        self.store.prefetch(keys[:1])
-        values = _ParamValues(self)
-        for t, key in enumerate(keys):
-            if t + 1 < len(keys):
-                self.store.prefetch(keys[t + 1:t + 2])
-            tile = self.store.fetch(key, Tier.HOST).result()
-            self._update_tile(t, tile, grads, steps, grad_scale, values)
-            # Done for this step: needed again at the next one, after every tile still to come.
-            self.store.set_next_use({key: len(keys)})
-            self.store.release(key, Tier.HOST, dirty=True)
-        self.steps = steps
+        target = self._completed + 1
+        steps = [s + 1 if g is not None else s for s, g in zip(self.steps, grads)]
+        self._stream(range(len(self.tiles)), target, grads.__getitem__, steps.__getitem__,
+                     clip / loss_scale)
+        self.steps, self._completed = steps, target
         return StepResult(True, norm, clip)
 
-    def _update_tile(self, t: int, tile: torch.Tensor, grads: list[torch.Tensor | None],
-                     steps: list[int], grad_scale: float, values: _ParamValues) -> None:
-        for seg in self.tiles[t]:
-            grad = grads[seg.param]
-            if grad is None:
-                continue
-            p = self.params[seg.param]
-            part = slice(seg.param_offset, seg.param_offset + seg.numel)
-            cols = slice(seg.tile_offset, seg.tile_offset + seg.numel)
-            master, out = tile[0, cols], values.get(seg.param)[part]
-            adam_step(master, grad.view(-1)[part], tile[1, cols], tile[2, cols], step=steps[seg.param],
+    # -- unit mode ------------------------------------------------------------------------------
+
+    @property
+    def completed_steps(self) -> int:
+        """Steps applied (param mode: `step()` calls not skipped; unit mode: `finish_step()`s)."""
+        return self._completed
+
+    def begin_step(self) -> int:
+        """The number of the step being built (completed steps + 1); idempotent until
+        `finish_step()`. Calling it is optional: `step_unit` always builds this step."""
+        return self._completed + 1
+
+    @torch.no_grad()
+    def step_unit(self, u: int, grad: torch.Tensor, *, grad_scale: float = 1.0,
+                  check_finite: bool = True) -> None:
+        """Update unit u's tiles for the step being built.
+
+        `grad`: 1-D contiguous CPU tensor of the unit's numel (float32/bfloat16/float16),
+        multiplied by `grad_scale` (clip factor / loss scale, decided by the caller) inside the
+        kernel. Non-finite gradients raise ValueError before anything is updated: overflow and
+        skipped steps are decided by the caller over all units. The check is one pass over the
+        gradient (a sum); `check_finite=False` skips it for a caller that has checked already
+        (e.g. from the gradient norm it computes for clipping). Retry-safe (see
+        [Note: retry-safe steps]); safe for different units from different threads at once.
+        """
+        self._unit(u, "step_unit")
+        grad_scale = _check_scale("grad_scale", grad_scale)
+        check_grad(f"unit {u}'s gradient", grad, self._numels[u])
+        if grad.dim() != 1:
+            raise ValueError(f"unit {u}'s gradient must be 1-D, got shape {tuple(grad.shape)}")
+        # Any inf/nan makes the sum non-finite; float16 is summed in float32 not to overflow.
+        if check_finite and not math.isfinite(
+                float(grad.sum(dtype=torch.float32 if grad.dtype == torch.float16 else None))):
+            raise ValueError(f"unit {u}'s gradient has non-finite values (inf/nan); check for "
+                             f"overflow before stepping and skip the whole step")
+        target = self._completed + 1
+        self._stream(self._group_tiles[u], target, lambda _: grad, lambda _: target, grad_scale)
+
+    def finish_step(self) -> None:
+        """Every unit has been stepped: completed steps += 1. Raises ValueError naming the
+        units whose tiles do not all hold the step being built."""
+        self._unit(0, "finish_step")
+        with self._lock:
+            target = self._completed + 1
+            missing = [u for u, tiles in enumerate(self._group_tiles)
+                       if any(self._tile_steps[t] < target for t in tiles)]
+            if missing:
+                raise ValueError(f"finish_step: units {missing} were not stepped for step {target}")
+            self._completed = target
+
+    def _unit(self, u: int, verb: str) -> None:
+        if self.units is None:
+            raise TypeError(f"{verb}() is for unit mode (SwappedOptimizer.from_units); use step()")
+        if isinstance(u, bool) or not isinstance(u, int) or not 0 <= u < len(self.units):
+            raise ValueError(f"unit must be an int in [0, {len(self.units)}), got {u!r}")
+
+    # -- streaming ------------------------------------------------------------------------------
+
+    def _stream(self, tiles: Iterable[int], target: int, grad_of: Callable[[int], torch.Tensor | None],
+                step_of: Callable[[int], int], grad_scale: float) -> None:
+        """Bring every tile in `tiles` to step `target`. See [Note: retry-safe steps]."""
+        tiles = list(tiles)
+        todo = [t for t in tiles if self._tile_steps[t] < target]
+        for t in tiles:
+            if self._tile_steps[t] >= target:
+                self._rewrite_if_unsaved(self._key(t))
+        keys = [self._key(t) for t in todo]
+        self.store.set_next_use({key: i for i, key in enumerate(keys)})
+        last = _last_tile_of(self.tiles, todo)
+        values = self._values()
+        held: str | None = None
+        try:
+            first = self.tiles[todo[0]] if todo else []  # its values entries are read with it
+            self.store.prefetch([k for k in (self._keys[s.param] for s in first) if k] + keys[:1])
+            for i, (t, key) in enumerate(zip(todo, keys)):
+                if i + 1 < len(keys):
+                    self.store.prefetch(keys[i + 1:i + 2])
+                future = self.store.fetch(key, Tier.HOST)
+                held = key
+                self._update_tile(t, future.result(), grad_of, step_of, grad_scale, values)
+                self._tile_steps[t] = target
+                # Done for this step: needed again at the next one, after every other tile.
+                self.store.set_next_use({key: len(self.tiles)})
+                held = None
+                self.store.release(key, Tier.HOST, dirty=True)
+                for group in last.get(t, ()):
+                    values.release(group)
+            for group in {s.param for t in tiles for s in self.tiles[t]} - {s.param for t in todo for s in self.tiles[t]}:
+                if self._keys[group] is not None:  # a retry: values whose write-back failed
+                    self._rewrite_if_unsaved(self._keys[group])
+        finally:
+            try:
+                if held is not None:
+                    self.store.release(held, Tier.HOST)
+            finally:
+                values.release_all()
+
+    def _update_tile(self, t: int, tile: torch.Tensor, grad_of: Callable[[int], torch.Tensor | None],
+                     step_of: Callable[[int], int], grad_scale: float, values: GroupValues) -> None:
+        """Run the kernel over tile t's segments; every input is fetched first, so a tile is
+        updated whole or not at all."""
+        work = [(seg, grad_of(seg.param)) for seg in self.tiles[t]]
+        work = [(seg, grad, values.get(seg.param)) for seg, grad in work if grad is not None]
+        master_row = self._tile_master[t]
+        for seg, grad, flat in work:
+            part, cols = spans(seg)
+            out = flat[part]
+            if master_row:
+                master, exp_avg, exp_avg_sq = tile[0, cols], tile[1, cols], tile[2, cols]
+            else:  # a float32 unit: its values are the master
+                master, exp_avg, exp_avg_sq = out, tile[0, cols], tile[1, cols]
+            lowp = out if out.dtype != torch.float32 else None
+            adam_step(master, grad.view(-1)[part], exp_avg, exp_avg_sq, step=step_of(seg.param),
                       lr=self.lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
                       weight_decay=self.weight_decay, adamw=self.adamw_mode, grad_scale=grad_scale,
-                      out_lowp=None if p.dtype == torch.float32 else out, threads=self.threads)
-            if p.dtype == torch.float32:
+                      out_lowp=lowp, threads=self.threads)
+            if master_row and lowp is None:
                 out.copy_(master)
-            values.segment_done(seg, dirty=True)
+            values.modified(seg.param)
 
-    # -- state, streamed ------------------------------------------------------------------------
+    def _rewrite_if_unsaved(self, key: str) -> None:
+        """Start the write-back again of an entry whose last one failed (the store kept the
+        changed host copy)."""
+        if not self.store.unsaved(key):
+            return
+        future = self.store.fetch(key, Tier.HOST)
+        done = False
+        try:
+            future.result()
+            done = True
+        finally:
+            self.store.release(key, Tier.HOST, dirty=done)
 
-    def iter_state(self) -> Iterator[tuple[int, dict[str, Any]]]:
-        """Yield (param index, {"step", "master", "exp_avg", "exp_avg_sq"}) one parameter at a
-        time: memory holds one parameter's state and one tile, whatever the model size."""
-        for i in range(len(self.params)):
-            yield i, self._param_state(i)
-
-    def _param_state(self, i: int) -> dict[str, Any]:
-        state = {name: torch.empty(self.params[i].shape, dtype=torch.float32) for name in _STATE_NAMES}
-        for t, seg in self._by_param.get(i, []):
-            tile = self.store.fetch(self._key(t), Tier.HOST).result()
-            for row, name in enumerate(_STATE_NAMES):
-                state[name].view(-1)[seg.param_offset:seg.param_offset + seg.numel] = \
-                    tile[row, seg.tile_offset:seg.tile_offset + seg.numel]
-            self.store.release(self._key(t), Tier.HOST)
-        return {"step": self.steps[i], **state}
-
-    def load_state(self, states: Iterable[tuple[int, dict[str, Any]]]) -> None:
-        """Consume what iter_state yields (parameters in order), writing tiles as they fill.
-        A state without "master" takes the parameter's current value (torch state dicts)."""
-        held: int | None = None
-        expected = 0
-        for i, state in states:
-            if i != expected:
-                raise ValueError(f"load_state expects parameters in order: got {i}, expected {expected}")
-            expected += 1
-            p = self.params[i]
-            values = {name: state.get(name, p.detach() if name == "master" else None) for name in _STATE_NAMES}
-            for name, value in values.items():
-                if value is None or tuple(value.shape) != tuple(p.shape):
-                    raise ValueError(f"param {i}: state {name!r} has shape "
-                                     f"{None if value is None else tuple(value.shape)}, expected {tuple(p.shape)}")
-            for t, segments in enumerate(self.tiles):
-                for s in (s for s in segments if s.param == i):
-                    if held != t:
-                        if held is not None:
-                            self.store.release(self._key(held), Tier.HOST, dirty=True)
-                        tile, held = self.store.fetch(self._key(t), Tier.HOST).result(), t
-                    for row, name in enumerate(_STATE_NAMES):
-                        tile[row, s.tile_offset:s.tile_offset + s.numel] = \
-                            values[name].reshape(-1)[s.param_offset:s.param_offset + s.numel]
-            self.steps[i] = int(state["step"])
-        if held is not None:
-            self.store.release(self._key(held), Tier.HOST, dirty=True)
-        if expected != len(self.params):
-            raise ValueError(f"load_state got {expected} parameters, the optimizer has {len(self.params)}")
+    def flush(self) -> None:
+        """Wait for every write-back of the state; one that failed earlier is started again
+        first. Raises the AIOError of a write-back that fails (call again to retry)."""
+        for key in [self._key(t) for t in range(len(self.tiles))] + [k for k in self._keys if k]:
+            self._rewrite_if_unsaved(key)
         self.store.flush()
 
-    def state_dict(self) -> dict[str, Any]:
-        """torch.optim.AdamW's format: state by parameter index, plus one param group.
 
-        The "state" mapping is lazy: each parameter's moments are read from NVMe when its
-        entry is accessed, so iterating it (as torch's load_state_dict and checkpoint writers
-        do) holds one parameter's state at a time. torch.save of it materialises everything.
-        """
-        group = {"lr": self.lr, "betas": self.betas, "eps": self.eps,
-                 "weight_decay": self.weight_decay, "amsgrad": False, "maximize": False,
-                 "foreach": None, "capturable": False, "differentiable": False, "fused": None,
-                 "decoupled_weight_decay": self.adamw_mode, "params": list(range(len(self.params)))}
-        return {"state": _LazyState(self), "param_groups": [group]}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load torch's Adam/AdamW format (master weights are taken from the parameters)."""
-        state = state_dict["state"]
-
-        def states() -> Iterator[tuple[int, dict[str, Any]]]:
-            for i, p in enumerate(self.params):
-                s = state.get(i) or state.get(str(i))
-                if s is None:
-                    zeros = torch.zeros(p.shape)
-                    yield i, {"step": 0, "exp_avg": zeros, "exp_avg_sq": zeros}
-                else:
-                    yield i, {"step": int(float(s["step"])), "exp_avg": s["exp_avg"],
-                              "exp_avg_sq": s["exp_avg_sq"]}
-
-        self.load_state(states())
-
-
-class _LazyState(Mapping[int, dict[str, Any]]):
-    """torch-format optimizer state, read from the tiles one parameter at a time on access."""
-
-    def __init__(self, optimizer: SwappedOptimizer) -> None:
-        self._opt = optimizer
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        if not isinstance(i, int) or not 0 <= i < len(self._opt.params) or not self._opt.steps[i]:
-            raise KeyError(i)
-        s = self._opt._param_state(i)
-        return {"step": torch.tensor(float(s["step"])), "exp_avg": s["exp_avg"], "exp_avg_sq": s["exp_avg_sq"]}
-
-    def __iter__(self) -> Iterator[int]:
-        return (i for i, step in enumerate(self._opt.steps) if step)
-
-    def __len__(self) -> int:
-        return sum(1 for step in self._opt.steps if step)
-
-
-class _ParamValues:
-    """Where each parameter's values are during one pass over the tiles: `param.data`, or its
-    store entry, fetched to the host when its first segment comes and released (written back
-    if changed) after its last, so a parameter spanning many tiles is read and written once."""
-
-    def __init__(self, optimizer: SwappedOptimizer) -> None:
-        self._opt = optimizer
-        self._held: dict[int, torch.Tensor] = {}
-
-    def get(self, i: int) -> torch.Tensor:
-        """The flat values of parameter i."""
-        key = self._opt.param_keys[i]
-        if key is None:
-            return self._opt.params[i].data.view(-1)
-        if i not in self._held:
-            self._held[i] = self._opt.store.fetch(key, Tier.HOST).result().view(-1)
-        return self._held[i]
-
-    def segment_done(self, seg: Segment, *, dirty: bool) -> None:
-        key = self._opt.param_keys[seg.param]
-        if key is not None and seg.param_offset + seg.numel == self._opt.params[seg.param].numel():
-            if self._held.pop(seg.param, None) is not None:
-                self._opt.store.release(key, Tier.HOST, dirty=dirty)
-
-
-def _cut_tiles(numels: list[int], tile_numel: int) -> list[list[Segment]]:
-    """Cut parameters laid end to end into tiles of tile_numel elements (the last may be short)."""
-    tiles: list[list[Segment]] = [[]]
-    used = 0
-    for i, numel in enumerate(numels):
-        done = 0
-        while done < numel:
-            if used == tile_numel:
-                tiles.append([])
-                used = 0
-            take = min(numel - done, tile_numel - used)
-            tiles[-1].append(Segment(i, done, used, take))
-            used += take
-            done += take
-    return [t for t in tiles if t]
+def _last_tile_of(tiles: list[list[Segment]], order: Iterable[int]) -> dict[int, list[int]]:
+    """tile -> the groups whose last segment in `order` it holds (their values can go then)."""
+    last: dict[int, int] = {}
+    for t in order:
+        for seg in tiles[t]:
+            last[seg.param] = t
+    by_tile: dict[int, list[int]] = {}
+    for group, t in last.items():
+        by_tile.setdefault(t, []).append(group)
+    return by_tile
 
 
 def _global_norm(grads: list[torch.Tensor | None]) -> float:

@@ -2,22 +2,19 @@
 
 Each tier's memory is reserved once: an Arena for the device and host tiers, one preallocated
 aio.SwapFile for NVMe. An entry has a home (the slowest tier holding it) and may have faster
-copies that act as caches. When a tier is full the store evicts the unpinned, unused copy
-whose next use is farthest away (hints from the caller), else the least recently used; a home
-copy that is evicted moves down a tier.
-
-[Note: fetched tensors stay put] A tensor returned by a fetch is a view of an arena block. The
-store never moves or evicts a copy that is in use (fetched, not yet released) and never
-compacts an arena while any of its copies is in use or has I/O in flight, so the view stays
-valid until `release`. After release it must not be used again.
+copies that act as caches. When a tier is full the store evicts a copy that is not in use
+nor pinned, in the order of [Note: eviction order] (prefetched-unused last, farthest next use,
+idle before busy, least recently used); the last valid copy of a tensor that is evicted is
+first written down a tier. See [Note: fetched tensors stay put] and [Note: no waiting under
+the lock] in `_core`.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
-import threading
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -26,12 +23,10 @@ from typing import Any
 import torch
 
 import aio
-from aio.buffers import PAGE_NBYTES
 from infinity.errors import BudgetError
-from infinity.memory import Arena
 from infinity.store._common import Tier
-from infinity.store._entry import Copy, Entry, PendingMove
-from infinity.store.moves import MoveLog
+from infinity.store._core import StoreCore
+from infinity.store._entry import Entry, PendingMove
 
 logger = logging.getLogger(__name__)
 
@@ -66,15 +61,15 @@ class TensorFuture:
     def result(self, timeout: float | None = None) -> torch.Tensor:
         """The tensor on the fetched tier, valid until release(); see [Note: fetched tensors stay put].
 
-        Raises AIOTimeoutError after `timeout` seconds, or the AIOError of a failed read; the
-        fetch still counts as a use either way, so release() it.
+        Raises AIOTimeoutError after `timeout` seconds, or the AIOError of a failed read (a
+        later call reads again); the fetch still counts as a use either way, so release() it.
         """
         if self._tensor is None:
-            self._tensor = self._store._complete(self._entry, self._tier, timeout)
+            self._tensor = self._store._run(lambda: self._store._fetched_tensor(self._entry, self._tier), timeout)
         return self._tensor
 
 
-class TensorStore:
+class TensorStore(StoreCore):
     """Tensors by key on device, host and NVMe tiers with hard byte budgets.
 
     Args:
@@ -86,41 +81,36 @@ class TensorStore:
         device: the device tier's device; default CUDA when present, else host memory.
         rank: data-parallel rank, part of the swap file's name (used only where the file system
             cannot create it unlinked at once, see aio.SwapFile).
+        keep_timeline: record every move for write_trace (counters are kept either way).
+        checksum: record a crc32c of every tensor written to NVMe and check it on every read
+            back; a mismatch (the swap file changed behind the store) is an AIOError naming
+            the key, the file and the offset, and the read copy is not used. Off by default:
+            it costs 10-20% of an optimizer step (docs/performance.md).
 
-    Thread-safe: every method takes the store's lock; I/O is waited for outside it where the
-    caller waits (TensorFuture.result).
+    The store has a clock, `clock`: the number of fetches so far. Next-use hints are distances
+    on it: `set_next_use({key: d})` means "needed at the d-th fetch from now".
+
+    Thread-safe. No call waits for I/O while holding the store's lock (see [Note: no waiting
+    under the lock]), so a thread blocked on a slow write-back never stalls another's fetch
+    of a resident tensor.
     """
 
     def __init__(self, budgets: Mapping[Tier | str, int], *, nvme_path: str | os.PathLike[str] | None = None,
                  aio_handle: aio.Handle | None = None, aio_options: Mapping[str, Any] | None = None,
                  device: str | torch.device | None = None, rank: int = 0,
-                 keep_timeline: bool = True) -> None:
-        self.budgets = {Tier.of(t): int(n) for t, n in budgets.items()}
-        for tier, nbytes in self.budgets.items():
+                 keep_timeline: bool = True, checksum: bool = False) -> None:
+        budgets = {Tier.of(t): int(n) for t, n in budgets.items()}
+        for tier, nbytes in budgets.items():
             if nbytes < 0:
                 raise ValueError(f"budget for {tier.label} must be >= 0 bytes, got {nbytes}")
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if self.device.type != "cpu" and self.budgets.get(Tier.NVME) and not self.budgets.get(Tier.HOST):
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type != "cpu" and budgets.get(Tier.NVME) and not budgets.get(Tier.HOST):
             raise ValueError("NVMe <-> accelerator moves are staged in host memory: give the host tier a budget")
-        self._lock = threading.RLock()
-        self._entries: dict[str, Entry] = {}
-        self._clock = 0
-        self.moves = MoveLog(keep_timeline=keep_timeline)
-        self._arenas: dict[Tier, Arena] = {}
-        self._swap: aio.SwapFile | None = None
-        self._own_handle = aio_handle is None
-        self._handle: aio.Handle | None = aio_handle
-        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        super().__init__(budgets, device, aio_handle, aio_handle is None, keep_timeline, checksum)
         try:
-            # Host blocks start on pages so aio moves them with O_DIRECT, never through the cache.
-            if self.budgets.get(Tier.DEVICE):
-                self._arenas[Tier.DEVICE] = Arena(self.budgets[Tier.DEVICE], self.device,
-                                                  alignment=PAGE_NBYTES if self.device.type == "cpu" else 256)
-            if self.budgets.get(Tier.HOST):
-                self._arenas[Tier.HOST] = Arena(self.budgets[Tier.HOST], "cpu", pinned=torch.cuda.is_available(),
-                                                alignment=PAGE_NBYTES)
-            if self.budgets.get(Tier.NVME):
-                self._swap = self._open_swap(nvme_path, self.budgets[Tier.NVME], rank)
+            self._open_arenas()
+            if budgets.get(Tier.NVME):
+                self._swap = self._open_swap(nvme_path, budgets[Tier.NVME], rank)
                 if self._handle is None:
                     self._handle = aio.Handle(**dict(aio_options or {}))
         except BaseException:
@@ -144,118 +134,222 @@ class TensorStore:
         name = f"infinity-rank{rank}-pid{os.getpid()}-{uuid.uuid4().hex[:12]}.swap"  # one per store
         return aio.SwapFile(os.path.join(directory, name), nbytes)
 
+    @property
+    def clock(self) -> int:
+        """Fetches so far: the clock of next-use hints."""
+        return self._clock
+
     # -- public verbs --------------------------------------------------------------------------
 
     def put(self, key: str, tensor: torch.Tensor, tier: Tier | str = Tier.NVME) -> None:
         """Store a copy of `tensor` under a new `key`, at home on `tier` (returns once stored)."""
         tier = Tier.of(tier)
-        with self._lock:
-            if key in self._entries:
+        source = tensor.detach().to("cpu").contiguous() if tier == Tier.NVME else tensor.detach()
+        entry = Entry(key, tensor.shape, tensor.dtype, tensor.numel() * tensor.element_size(), next(self._orders))
+        source_tier = Tier.HOST if tensor.device.type == "cpu" else Tier.DEVICE
+        crc = aio.crc32c(source) if self.checksum and tier == Tier.NVME else None
+
+        def reserve() -> PendingMove | None:
+            if key in self._entries or key in self._putting:
                 raise ValueError(f"key {key!r} is already in the store; drop() it first")
-            entry = Entry(key, tensor.shape, tensor.dtype, tensor.numel() * tensor.element_size(), tier)
             copy = self._allocate(entry, tier)
             start = self.moves.now()
+            if tier != Tier.NVME:  # a memory copy: done under the lock
+                copy.block.tensor.copy_(source)
+                copy.valid = True
+                self.moves.record(key, source_tier, tier, entry.nbytes, start, self.moves.now())
+                self._register(entry)
+                return None
             try:
-                if tier == Tier.NVME:
-                    source = tensor.detach().to("cpu").contiguous()
-                    self._swap.write(self._handle, copy.extent, source).wait()
-                else:
-                    copy.block.tensor.copy_(tensor.detach())
+                request = self._swap.write(self._handle, copy.extent, source)
             except BaseException:
-                self._free_copy(entry, tier)  # the entry was never registered: give its space back
+                self._free_copy(entry, tier)
                 raise
-            self.moves.record(key, Tier.HOST if tensor.device.type == "cpu" else Tier.DEVICE, tier,
-                              entry.nbytes, start, self.moves.now())
+            copy.filling = move = PendingMove(entry, None, copy, start, request=request, src_tier=source_tier)
             copy.valid = True
-            self._entries[key] = entry
+            copy.crc = crc
+            self._putting[key] = move
+            return move
+
+        move = self._run(reserve)
+        if move is None:
+            return
+        move.wait_quietly()
+        with self._lock:
+            self._putting.pop(key, None)
+            self._check_open()  # close() has settled the move and freed the tier
+            error = self._settle_move(move)
+            if error is not None:
+                self._free_copy(entry, tier)  # the entry was never registered: give its space back
+                raise error
+            self._register(entry)
 
     def fetch(self, key: str, tier: Tier | str = Tier.HOST, *, next_use: float | None = None) -> TensorFuture:
-        """Start bringing `key` to `tier` ("device" or "host"); the copy is in use until release()."""
+        """Start bringing `key` to `tier` ("device" or "host"); the copy is in use until release().
+
+        `next_use`: when it is needed again, as a distance on the store's clock from now
+        (as in set_next_use)."""
         tier = self._fast_tier(tier)
-        with self._lock:
+        if next_use is not None:
+            _check_distance(key, next_use)
+
+        def start() -> TensorFuture:
             entry = self._entry(key)
             copy = self._start_fetch(entry, tier)
+            self._clock += 1
+            self._touch(copy)
+            if copy.uses == 0:
+                self._in_use[tier] += 1
             copy.uses += 1
             copy.prefetched = False
             if next_use is not None:
-                entry.next_use = next_use
+                entry.next_use = self._clock + next_use
+            self._refresh(entry)
             return TensorFuture(self, entry, tier)
 
-    def prefetch(self, keys: Iterable[str], tier: Tier | str = Tier.HOST) -> None:
-        """Start bringing `keys` to `tier` without taking a use; stops quietly when the tier is full."""
+        return self._run(start)
+
+    def prefetch(self, keys: Iterable[str], tier: Tier | str = Tier.HOST) -> list[str]:
+        """Start bringing `keys` to `tier` without taking a use (a device prefetch stops on the
+        host when there is one). Returns the keys started or found present or in flight; stops
+        at the first key that does not fit without evicting a copy in use, pinned, or itself
+        prefetched and not yet fetched (logged at debug level)."""
         tier = self._fast_tier(tier)
-        with self._lock:
-            for key in keys:
-                entry = self._entry(key)
-                try:
-                    copy = self._start_fetch(entry, Tier.HOST if tier == Tier.DEVICE and Tier.HOST in self._arenas else tier)
-                except BudgetError:
-                    return
-                copy.prefetched = copy.uses == 0
+        target = Tier.HOST if tier == Tier.DEVICE and Tier.HOST in self._arenas else tier
+
+        def start(key: str) -> None:
+            entry = self._entry(key)
+            self._prefetching = True
+            try:
+                copy = self._start_fetch(entry, target)
+            finally:
+                self._prefetching = False
+            self._touch(copy)
+            copy.prefetched = copy.uses == 0
+            self._refresh(entry)
+
+        started = []
+        for key in keys:
+            try:
+                self._run(lambda: start(key))  # noqa: B023 (run at once)
+            except BudgetError as exc:
+                logger.debug("prefetch to %s stops at %r: %s", target.label, key, exc)
+                break
+            started.append(key)
+        return started
 
     def release(self, key: str, tier: Tier | str = Tier.HOST, *, dirty: bool = False) -> None:
         """End a fetch. With dirty=True the tensor was modified: it is written down to its home
-        (asynchronously) and copies on other tiers are dropped."""
+        (asynchronously) and copies on faster tiers are dropped. Waits (without the lock) for
+        an earlier write-back of the same key to finish first, so writes land in order."""
         tier = self._fast_tier(tier)
-        with self._lock:
+
+        def end() -> Entry:
             entry = self._entry(key)
             copy = entry.copies.get(tier)
             if copy is None or copy.uses == 0:
                 raise ValueError(f"release of {key!r} on {tier.label} without a fetch")
-            copy.uses -= 1
             if dirty:
-                self._mark_modified(entry, tier)
+                for t, other in entry.copies.items():
+                    if t != tier and other.uses:
+                        raise ValueError(f"{key!r} was modified on {tier.label} while in use on {t.label}")
+                for other in list(entry.copies.values()):
+                    self._need_idle(other)
+            copy.uses -= 1
+            if copy.uses == 0:
+                self._in_use[tier] -= 1
+            if dirty:
+                for t in [t for t in entry.copies if t < tier]:
+                    self._free_copy(entry, t)
+                for t in [t for t in entry.copies if t > tier]:
+                    entry.copies[t].valid = False
+            self._refresh(entry)
+            return entry
+
+        entry = self._run(end)
+        if dirty:
+            self._run(lambda: self._write_down(entry))
 
     def set_next_use(self, hints: Mapping[str, float]) -> None:
-        """Tell the store when keys are needed next (any increasing unit, e.g. step index)."""
+        """Tell the store when keys are needed next, as distances on its clock from now:
+        {key: d} means at the d-th fetch from now. Smaller is sooner; the copy needed farthest
+        away is evicted first."""
+        for key, distance in hints.items():
+            _check_distance(key, distance)
         with self._lock:
-            for key, when in hints.items():
-                self._entry(key).next_use = when
+            self._check_open()
+            for key, distance in hints.items():
+                entry = self._entry(key)
+                entry.next_use = self._clock + distance
+                self._refresh(entry)
 
     def pin(self, key: str, tier: Tier | str = Tier.HOST) -> None:
         """Keep `key` resident on `tier` (fetching it if needed) until unpin()."""
         tier = self._fast_tier(tier)
-        with self._lock:
+
+        def start() -> Entry:
             entry = self._entry(key)
-            self._start_fetch(entry, tier).pins += 1
-        self._complete(entry, tier, None)
+            copy = self._start_fetch(entry, tier)
+            self._touch(copy)
+            copy.pins += 1
+            self._refresh(entry)
+            return entry
+
+        entry = self._run(start)
+        self._run(lambda: self._fetched_tensor(entry, tier))
 
     def unpin(self, key: str, tier: Tier | str = Tier.HOST) -> None:
         tier = self._fast_tier(tier)
         with self._lock:
-            copy = self._entry(key).copies.get(tier)
+            self._check_open()
+            entry = self._entry(key)
+            copy = entry.copies.get(tier)
             if copy is None or copy.pins == 0:
                 raise ValueError(f"unpin of {key!r} on {tier.label} that is not pinned")
             copy.pins -= 1
+            self._refresh(entry)
 
     def evict(self, key: str, tier: Tier | str) -> None:
-        """Drop the copy of `key` on `tier` now; a home copy moves down a tier."""
+        """Drop the copy of `key` on `tier` now; the last valid copy is first written down a
+        tier (waiting for that write, without the lock)."""
         tier = Tier.of(tier)
-        with self._lock:
+
+        def drop_copy() -> None:
             entry = self._entry(key)
             copy = entry.copies.get(tier)
             if copy is None:
                 return
-            if not copy.evictable:
-                raise ValueError(f"cannot evict {key!r} from {tier.label}: it is in use or pinned")
+            if copy.uses or copy.pins:
+                raise ValueError(f"cannot evict {key!r} from {tier.label}: it is in use ({copy.uses} "
+                                 f"fetches not released) or pinned ({copy.pins} pins)")
             self._evict(entry, tier)
 
+        self._run(drop_copy)
+
     def drop(self, key: str) -> None:
-        """Forget `key` and free its space on every tier."""
-        with self._lock:
+        """Forget `key` and free its space on every tier (waiting for its moves, without the lock)."""
+        def forget() -> None:
             entry = self._entry(key)
-            if any(c.uses for c in entry.copies.values()):
-                raise ValueError(f"cannot drop {key!r}: it is in use (fetched, not released)")
+            in_use = [t.label for t, c in entry.copies.items() if c.uses]
+            if in_use:
+                raise ValueError(f"cannot drop {key!r}: it is in use on {', '.join(in_use)} (fetched, not released)")
+            for copy in list(entry.copies.values()):
+                self._need_idle(copy, quiet=True)  # its bytes are discarded: a failed move is logged
             for tier in list(entry.copies):
                 self._free_copy(entry, tier)
             del self._entries[key]
 
+        self._run(forget)
+
     def flush(self) -> None:
-        """Wait for every move in flight; raises the first I/O error."""
+        """Wait for every move started before the call; raises the first I/O error."""
         with self._lock:
-            for entry in list(self._entries.values()):
-                for copy in list(entry.copies.values()):
-                    self._settle(copy)
+            self._check_open()
+            moves = list(self._moving)
+        for move in moves:
+            move.wait_quietly()
+            with self._lock:
+                self._settle(move)
 
     def __contains__(self, key: str) -> bool:
         return key in self._entries
@@ -265,12 +359,21 @@ class TensorStore:
         with self._lock:
             return [t.label for t, c in sorted(self._entry(key).copies.items()) if c.valid]
 
+    def unsaved(self, key: str) -> bool:
+        """Whether a slower copy of `key` lacks changes a faster one holds because their
+        write-back failed; the store keeps the faster copy (writing it down again before
+        evicting it) and the caller may retry with fetch + release(dirty=True)."""
+        with self._lock:
+            copies = sorted(self._entry(key).copies.items())
+            return any(c.valid and any(not s.valid and s.filling is None for t, s in copies if t > tier)
+                       for tier, c in copies)
+
     def stats(self) -> dict[str, Any]:
         """Per-tier occupancy and per-direction move counters."""
         with self._lock:
             tiers = {}
             for tier, budget in self.budgets.items():
-                copies = [e.copies[tier] for e in self._entries.values() if tier in e.copies]
+                copies = sum(tier in e.copies for e in self._entries.values())
                 if tier == Tier.NVME and self._swap is not None:
                     used = self._swap.nbytes - self._swap.free_nbytes()
                     largest = self._swap.largest_hole_nbytes()
@@ -279,7 +382,7 @@ class TensorStore:
                     used, largest = st.live_nbytes, st.largest_hole_nbytes
                 else:
                     used = largest = 0
-                tiers[tier.label] = TierStats(budget, used, len(copies), largest)
+                tiers[tier.label] = TierStats(budget, used, copies, largest)
             return {"tiers": tiers, "moves": self.moves.summary()}
 
     def write_trace(self, path: str | os.PathLike[str]) -> None:
@@ -287,21 +390,10 @@ class TensorStore:
         self.moves.write_trace(path)
 
     def close(self) -> None:
-        """Wait for moves in flight, then free every tier and remove the swap file."""
-        try:
-            with self._lock:
-                for entry in self._entries.values():
-                    for copy in entry.copies.values():
-                        if copy.busy:
-                            self._settle(copy, raise_errors=False)
-                self._entries.clear()
-        finally:
-            if self._own_handle and self._handle is not None:
-                self._handle.close()
-            if self._swap is not None:
-                self._swap.close()
-            for arena in self._arenas.values():
-                arena.close()
+        """Wait for the moves in flight, free every tier and remove the swap file. Raises the
+        AIOError of the first move that failed (the others are logged) after freeing all.
+        Calls from other threads meanwhile and later raise ValueError (closed)."""
+        self._close()
 
     def __enter__(self) -> TensorStore:
         return self
@@ -309,7 +401,7 @@ class TensorStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- fetching ------------------------------------------------------------------------------
+    # -- helpers -------------------------------------------------------------------------------
 
     def _fast_tier(self, tier: Tier | str) -> Tier:
         tier = Tier.of(tier)
@@ -319,238 +411,12 @@ class TensorStore:
             raise ValueError(f"the store has no {tier.label} budget")
         return tier
 
-    def _entry(self, key: str) -> Entry:
-        try:
-            return self._entries[key]
-        except KeyError:
-            raise KeyError(f"no tensor {key!r} in the store") from None
-
-    def _start_fetch(self, entry: Entry, tier: Tier) -> Copy:
-        """Make sure a copy on `tier` exists and is (or is being) filled. Lock held."""
-        self._clock += 1
-        copy = entry.copies.get(tier)
-        if copy is not None and copy.valid:
-            copy.last_use = self._clock
-            return copy
-        source = entry.valid_below(tier)
-        if source is None:
-            raise RuntimeError(f"{entry.key!r} has no valid copy (a write-back failed earlier?)")
-        if tier == Tier.DEVICE and source.tier == Tier.NVME and Tier.HOST in self._arenas:
-            self._start_fetch(entry, Tier.HOST)  # staged through host; the device copy is made at result()
-            copy = copy or self._allocate(entry, tier)
-        else:
-            copy = copy or self._allocate(entry, tier)
-            self._fill(entry, copy, source)
-        copy.last_use = self._clock
-        return copy
-
-    def _fill(self, entry: Entry, dst: Copy, src: Copy) -> None:
-        """Start copying src's bytes into dst. Lock held."""
-        self._settle(src)  # its own bytes must have landed, and earlier write-backs be ordered
-        start = self.moves.now()
-        if src.tier == Tier.NVME:
-            request = self._swap.read(self._handle, src.extent, dst.block.tensor)
-            dst.filling = PendingMove(entry.key, Tier.NVME, dst.tier, entry.nbytes, start, request=request)
-        elif dst.tier == Tier.NVME:
-            request = self._swap.write(self._handle, dst.extent, src.block.tensor)
-            move = PendingMove(entry.key, src.tier, Tier.NVME, entry.nbytes, start, request=request)
-            src.draining = dst.filling = move
-        else:
-            event = self._device_copy(dst.block.tensor, src.block.tensor)
-            move = PendingMove(entry.key, src.tier, dst.tier, entry.nbytes, start, event=event)
-            if event is None:
-                move.finish(self.moves)
-            else:  # the source must not be freed or changed until the side stream has read it
-                dst.filling = src.draining = move
-        dst.valid = True
-
-    def _device_copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
-        """Copy between host and device tiers; on CUDA on the side stream, returning its event."""
-        if self._copy_stream is None:
-            dst.copy_(src)
-            return None
-        with torch.cuda.stream(self._copy_stream):
-            dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._copy_stream)
-        return event
-
     def _ready(self, entry: Entry, tier: Tier) -> bool:
         with self._lock:
             copy = entry.copies.get(tier)
-            if copy is None or not copy.valid:
-                return False
-            return copy.moves_done()
+            return copy is not None and copy.valid and copy.moves_done()
 
-    def _complete(self, entry: Entry, tier: Tier, timeout: float | None) -> torch.Tensor:
-        """Wait for the fetched copy (I/O outside the lock) and return its tensor."""
-        while True:
-            with self._lock:
-                copy = entry.copies.get(tier)
-                if copy is None:
-                    raise RuntimeError(f"{entry.key!r} left {tier.label} before its fetch completed")
-                if copy.valid:
-                    pending = copy.filling or copy.draining
-                    if pending is None:
-                        return copy.block.tensor
-                else:  # a device copy waiting for its bytes to be staged on the host
-                    host = entry.copies.get(Tier.HOST)
-                    if host is None or not host.valid:
-                        self._start_fetch(entry, Tier.HOST)  # the stage was evicted meanwhile
-                        continue
-                    if host.filling is None:
-                        self._fill(entry, copy, host)
-                        continue
-                    pending = host.filling
-            try:
-                pending.wait(timeout)
-            except aio.AIOTimeoutError:
-                raise
-            except aio.AIOError:
-                pass  # settled below, which marks the copy and raises the error
-            with self._lock:
-                self._settle_move(pending)
 
-    # -- writing back --------------------------------------------------------------------------
-
-    def _mark_modified(self, entry: Entry, tier: Tier) -> None:
-        """The copy on `tier` was changed: drop faster copies, refresh slower ones. Lock held."""
-        for t, other in entry.copies.items():
-            if t != tier and other.uses:
-                raise ValueError(f"{entry.key!r} was modified on {tier.label} while in use on {t.label}")
-        for t in [t for t in entry.copies if t < tier]:
-            self._free_copy(entry, t)
-        if tier == Tier.DEVICE and self._copy_stream is not None and Tier.NVME in entry.copies \
-                and Tier.HOST not in entry.copies:
-            self._allocate(entry, Tier.HOST)  # accelerator memory reaches NVMe through the host
-        src = entry.copies[tier]
-        for t in sorted(t for t in entry.copies if t > tier):
-            dst = entry.copies[t]
-            self._settle(dst)
-            dst.valid = False
-            self._fill(entry, dst, src)
-            src = dst
-
-    def _settle(self, copy: Copy, *, raise_errors: bool = True) -> None:
-        """Wait for the moves in and out of `copy` and record them. Lock held."""
-        for move in (copy.filling, copy.draining):
-            if move is not None:
-                self._settle_move(move, raise_errors=raise_errors)
-
-    def _settle_move(self, move: PendingMove, *, raise_errors: bool = True) -> None:
-        """Wait for one move; on failure the destination is marked invalid (the source keeps
-        the bytes, so nothing is lost) and the AIOError is raised. Lock held."""
-        error = None
-        try:
-            move.wait()
-        except aio.AIOError as exc:
-            error = exc
-        entry = self._entries.get(move.key)
-        for c in entry.copies.values() if entry is not None else ():
-            if c.filling is move:
-                c.filling = None
-                c.valid = c.valid and error is None
-            if c.draining is move:
-                c.draining = None
-        if error is None:
-            move.finish(self.moves)
-        elif raise_errors:
-            raise error
-        else:
-            logger.error("%s: move %s -> %s failed: %s", move.key, move.src.label, move.dst.label, error)
-
-    # -- space ---------------------------------------------------------------------------------
-
-    def _allocate(self, entry: Entry, tier: Tier) -> Copy:
-        """Reserve room for `entry` on `tier`, evicting others as needed. Lock held."""
-        if tier not in self.budgets or not self.budgets[tier]:
-            raise ValueError(f"the store has no {tier.label} budget")
-        copy = Copy(tier)
-        if tier == Tier.NVME:
-            try:
-                copy.extent = self._swap.allocate(entry.nbytes)
-            except aio.AIOError as exc:
-                raise BudgetError(f"NVMe tier full: cannot hold {entry.key!r} ({entry.nbytes} bytes): {exc}") from None
-        else:
-            copy.block = self._arena_alloc(entry, tier)
-        entry.copies[tier] = copy
-        return copy
-
-    def _arena_alloc(self, entry: Entry, tier: Tier):
-        arena = self._arenas[tier]
-        span = -(-entry.nbytes // arena.alignment) * arena.alignment
-        while True:
-            st = arena.stats()
-            if st.largest_hole_nbytes >= span:
-                return arena.alloc(entry.shape, entry.dtype)
-            if st.free_nbytes >= span and self._may_compact(tier):
-                self._quiesce(tier)  # compaction moves blocks: no I/O may target them
-                return arena.alloc(entry.shape, entry.dtype)
-            if span > st.capacity_nbytes:
-                raise BudgetError(f"{entry.key!r} ({entry.nbytes} bytes) is larger than the whole "
-                                  f"{tier.label} budget ({st.capacity_nbytes} bytes)")
-            victim = self._pick_victim(tier, exclude=entry)
-            if victim is None:
-                raise BudgetError(
-                    f"{tier.label} tier cannot hold {entry.key!r} ({entry.nbytes} bytes): "
-                    f"{st.free_nbytes} of {st.capacity_nbytes} bytes free (largest hole "
-                    f"{st.largest_hole_nbytes}); the rest is in use, pinned, or has nowhere to go. "
-                    f"Release or unpin tensors, or raise the {tier.label} budget."
-                )
-            self._evict(victim, tier)
-
-    def _may_compact(self, tier: Tier) -> bool:
-        return not any(e.copies[tier].uses for e in self._entries.values() if tier in e.copies)
-
-    def _quiesce(self, tier: Tier) -> None:
-        for entry in list(self._entries.values()):
-            copy = entry.copies.get(tier)
-            if copy is not None and copy.busy:
-                self._settle(copy)
-
-    def _pick_victim(self, tier: Tier, exclude: Entry) -> Entry | None:
-        """The evictable entry on `tier` used farthest in the future, else least recently.
-
-        Prefetched copies not yet fetched go last (evicting one wastes its read). Among copies
-        needed equally late, idle ones go first: evicting one with a move in flight would wait
-        for that I/O (e.g. a write-back just started)."""
-        best, best_rank = None, None
-        for entry in self._entries.values():
-            copy = entry.copies.get(tier)
-            if entry is exclude or copy is None or not copy.evictable:
-                continue
-            if tier == entry.home and self._tier_below(tier) is None:
-                continue
-            rank = (not copy.prefetched, entry.next_use, copy.moves_done(), -copy.last_use)
-            if best_rank is None or rank > best_rank:
-                best, best_rank = entry, rank
-        return best
-
-    def _tier_below(self, tier: Tier) -> Tier | None:
-        for t in (Tier.HOST, Tier.NVME):
-            if t > tier and self.budgets.get(t):
-                return t
-        return None
-
-    def _evict(self, entry: Entry, tier: Tier) -> None:
-        """Drop entry's copy on `tier`; a home copy first moves down. Lock held."""
-        copy = entry.copies[tier]
-        self._settle(copy)
-        if tier == entry.home:
-            below = self._tier_below(tier)
-            if below is None:
-                raise BudgetError(f"cannot evict {entry.key!r} from {tier.label}: no slower tier to move it to")
-            dst = entry.copies.get(below) or self._allocate(entry, below)
-            self._fill(entry, dst, copy)
-            self._settle(dst)
-            entry.home = below
-        self._free_copy(entry, tier)
-
-    def _free_copy(self, entry: Entry, tier: Tier) -> None:
-        copy = entry.copies[tier]
-        self._settle(copy, raise_errors=False)
-        if copy.block is not None:
-            self._arenas[tier].free(copy.block)
-        if copy.extent is not None:
-            self._swap.free(copy.extent)
-        del entry.copies[tier]
+def _check_distance(key: str, distance: float) -> None:
+    if not isinstance(distance, (int, float)) or math.isnan(distance):
+        raise ValueError(f"next-use hint for {key!r} must be a number (a distance in fetches), got {distance!r}")

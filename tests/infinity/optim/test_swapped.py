@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import aio
+from infinity.optim._tiles import cut_tiles
 from infinity.optim.cpu_adam import CPUAdam
-from infinity.optim.swapped import SwappedOptimizer, _cut_tiles
+from infinity.optim.swapped import SwappedOptimizer
 from infinity.store import TensorStore
 
 MiB = 1 << 20
@@ -202,7 +203,7 @@ def test_bad_input(store):
 
 
 def test_tiles_cover_every_element_once():
-    tiles = _cut_tiles([5, 0, 12, 3], 4)
+    tiles = cut_tiles([5, 0, 12, 3], 4)
     seen = [(s.param, s.param_offset + k) for t in tiles for s in t for k in range(s.numel)]
     assert sorted(seen) == [(0, k) for k in range(5)] + [(2, k) for k in range(12)] + [(3, k) for k in range(3)]
     assert all(sum(s.numel for s in t) <= 4 for t in tiles)
@@ -247,3 +248,59 @@ def test_state_dict_is_lazy_and_complete(store):
     assert state[0]["exp_avg"].shape == params[0].shape and float(state[0]["step"]) == 1.0
     with pytest.raises(KeyError):
         state[3]
+
+
+@pytest.mark.parametrize("scale", [0, 0.0, -1.0, float("nan"), float("inf"), "8"])
+def test_loss_scale_must_be_finite_and_positive(store, scale):
+    params = _params(9)
+    opt = SwappedOptimizer(params, store, tile_numel=TILE)
+    for p, g in zip(params, _grads(params, 0)):
+        p.grad = g
+    before = [p.clone() for p in params]
+    with pytest.raises(ValueError, match="loss_scale must be a finite number > 0"):
+        opt.step(loss_scale=scale)
+    assert all(torch.equal(p, b) for p, b in zip(params, before)) and opt.completed_steps == 0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("dtype, loss_scale, level", [
+    (torch.float32, 1.0, "WARNING"),  # fp32 / bf16: a warning and a count
+    (torch.bfloat16, 1.0, "WARNING"),
+    (torch.float16, 1024.0, "INFO"),  # fp16 with a loss scaler: a routine overflow
+])
+def test_non_finite_gradients_skip_the_step(store, caplog, bad, dtype, loss_scale, level):
+    params = _params(10, dtype)
+    opt = SwappedOptimizer(params, store, tile_numel=TILE)
+    before = [p.clone() for p in params]
+    moves = store.stats()["moves"]
+    for p, g in zip(params, _grads(params, 0)):
+        p.grad = g
+    params[3].grad[17] = bad
+    with caplog.at_level("INFO", logger="infinity.optim.swapped"):
+        result = opt.step(loss_scale=loss_scale)
+    assert not result.applied and not math.isfinite(result.grad_norm)
+    assert opt.skipped_steps == 1 and opt.completed_steps == 0 and opt.steps == [0] * len(params)
+    assert [r.levelname for r in caplog.records] == [level]
+    assert "skipped" in caplog.records[0].getMessage()
+    assert store.stats()["moves"] == moves  # no tile was read or written
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    params[3].grad[17] = 0.0
+    assert opt.step(loss_scale=loss_scale).applied and opt.completed_steps == 1
+    assert opt.skipped_steps == 1
+
+
+def test_state_on_the_host_tier_without_nvme():
+    ref = _params(11)
+    ours = [p.clone() for p in ref]
+    with TensorStore({"host": 1 * MiB}) as host_only:
+        opt_ref = CPUAdam(ref, lr=1e-2)
+        opt = SwappedOptimizer(ours, host_only, lr=1e-2, tile_numel=TILE, state_tier="host")
+        for step in range(3):
+            for p, q, g in zip(ref, ours, _grads(ref, step)):
+                p.grad, q.grad = g, g.clone()
+            opt_ref.step()
+            assert opt.step().applied
+        assert all(torch.equal(p, q) for p, q in zip(ref, ours))
+        assert host_only.tiers_of(opt._key(0)) == ["host"]
+        with pytest.raises(ValueError, match="state_tier must be"):
+            SwappedOptimizer(ours, host_only, state_tier="device", name="d")

@@ -12,7 +12,7 @@ import torch
 
 import aio
 from infinity.errors import BudgetError
-from infinity.store import TensorStore
+from infinity.store import TensorStore, Tier
 
 MiB = 1 << 20
 
@@ -224,15 +224,24 @@ def test_trace_and_counters(store, tmp_path):
     store.flush()
     stats = store.stats()
     assert stats["tiers"]["nvme"].used_nbytes >= 400_000
-    assert stats["moves"]["nvme->host"]["nbytes"] == 400_000
-    assert stats["moves"]["device->host"]["nbytes"] == 400_000
-    assert stats["moves"]["host->nvme"]["gbps"] > 0
+    moves = stats["moves"]
+    lanes = ["host->nvme", "nvme->host", "host->device", "device->host"]  # put, stage, copy, write-back
+    assert sorted(moves) == sorted(lanes)
+    counts = {"host->nvme": 2, "nvme->host": 1, "host->device": 1, "device->host": 1}  # put + write-back
+    assert all(moves[lane]["moves"] == n and moves[lane]["nbytes"] == n * 400_000 for lane, n in counts.items())
+    assert moves["host->nvme"]["gbps"] > 0
     path = tmp_path / "trace.json"
     store.write_trace(path)
     events = json.loads(path.read_text())["traceEvents"]
-    lanes = {e["args"]["name"] for e in events if e["ph"] == "M"}
-    assert {"nvme->host", "host->device", "device->host", "host->nvme"} <= lanes
-    assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")
+    names = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    slices = [e for e in events if e["ph"] == "X"]
+    # one slice per move, on its direction's row, with its bytes and a real duration
+    assert sorted(names[e["tid"]] for e in slices) == sorted(["host->nvme"] * 2 + lanes[1:])
+    assert all(e["name"] == "a" and e["args"]["nbytes"] == 400_000 and e["dur"] > 0 for e in slices)
+    start = {names[e["tid"]]: e["ts"] for e in slices}
+    read = next(e for e in slices if names[e["tid"]] == "nvme->host")
+    assert read["ts"] + read["dur"] <= start["host->device"]  # the device copy waits for the staged read
+    assert start["host->device"] < start["device->host"]
 
 
 class _LazyEvent:
@@ -320,3 +329,35 @@ def test_failed_read_is_raised_by_result_and_can_be_retried(tmp_path):
         assert torch.equal(s.fetch("x", "host").result(timeout=30), torch.arange(1000.0))
         s.release("x", "host")
     handle.close()
+
+
+@pytest.mark.requires_cuda
+def test_real_cuda_side_stream_paths(tmp_path):
+    """The accelerator paths on a real GPU: staging through pinned host memory, copies on the
+    side stream, write-backs device -> host -> NVMe, all read back bit for bit."""
+    with TensorStore({"device": 1 * MiB, "host": 2 * MiB, "nvme": 64 * MiB}, nvme_path=tmp_path,
+                     device="cuda") as store:
+        assert store._copy_stream is not None and store._arenas[Tier.HOST].pinned
+        data = _tensors(30, seed=11, max_numel=100_000)
+        for key, t in data.items():
+            store.put(key, t, "nvme")
+        rng = random.Random(11)
+        for _ in range(150):
+            key = rng.choice(list(data))
+            t = store.fetch(key, "device").result(timeout=30)
+            assert t.is_cuda and torch.equal(t.cpu(), data[key])
+            modify = rng.random() < 0.4
+            if modify:
+                t.add_(1) if t.dtype != torch.int64 else t.add_(2)
+                data[key] = t.cpu()
+            store.release(key, "device", dirty=modify)
+            if rng.random() < 0.2:
+                store.evict(key, "host")
+        store.flush()
+        for key in data:
+            store.evict(key, "device")
+            store.evict(key, "host")
+            assert store.tiers_of(key) == ["nvme"]
+        _assert_holds(store, data)
+        moves = store.stats()["moves"]
+        assert moves["device->host"]["moves"] > 0 and moves["host->device"]["moves"] > 0

@@ -1,0 +1,387 @@
+"""Engine: forward / backward / step of a model whose parameters, gradients and optimizer state
+live in the tiered store (DeepSpeed's engine API, one process).
+
+    engine = infinity.initialize(model, config)
+    loss = engine(**batch).loss
+    engine.backward(loss)
+    engine.step()          # every micro-batch; updates at accumulation boundaries
+
+Order of one step (at a boundary): release every unit (the values are about to change), global
+gradient norm over the units' flat gradient buffers, fp16 overflow check (skip, lower the scale),
+clip factor, one optimizer step over the units, zero the gradient buffers, LR schedule.
+
+[Note: optimizer overlapped with backward] When the step needs no gradient but a unit's own
+(no clipping, no fp16 overflow check), the backward of a boundary micro-batch steps each unit on
+a worker thread as soon as its gradients are final, while backward goes on with earlier layers.
+The unit was released first, so nothing computes from its values while they change. Each unit
+gets the same kernel call with the same gradient and grad_scale as after backward, so the
+result is the same. Resident units (held until the step) are stepped after backward. With
+clipping or fp16 the whole step runs after backward (the norm / overflow needs every gradient).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from infinity.config import AdamParams, Config, OptimizerConfig, build_lr_schedule
+from infinity.engine import _checkpoint
+from infinity.engine._plan import MemoryPlan, plan_memory
+from infinity.engine._precision import choose_precision, cpu_has_bf16_units
+from infinity.engine._timeline import Timeline
+from infinity.optim import DynamicLossScaler, SwappedOptimizer, UnitSpec
+from infinity.store import TensorStore, Tier
+from infinity.zero import (
+    FetchUnit,
+    ModelHooks,
+    ParamCoordinator,
+    StoredGrad,
+    UnitState,
+    place_units,
+    plan_units,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def _peak_rss_bytes() -> int:
+    """VmHWM of this process (peak resident set), 0 where /proc is missing."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class Engine:
+    """A model wrapped for training with ZeRO-3 style offload; build it with `infinity.initialize`.
+
+    Attributes:
+        module: the wrapped model (its parameters hold empty placeholders between uses).
+        global_steps: optimizer steps taken (skipped fp16 steps included, as DeepSpeed counts).
+        micro_steps: calls of `step()` (one per micro-batch).
+    """
+
+    def __init__(self, model: torch.nn.Module, config: Config) -> None:
+        self.config = config
+        self.module = model
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._closed = False
+        zero = config.zero_optimization
+        accelerator = torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if accelerator else torch.device("cpu")
+        self.precision = choose_precision(
+            fp16=config.fp16.enabled, bf16=config.bf16.enabled,
+            compute_dtype=config.infinity.compute_dtype, accelerator=accelerator,
+            bf16_units=cpu_has_bf16_units())
+        if config.fp16.enabled or config.bf16.enabled:
+            model.to(self.precision.compute)
+        model.to(self.device)
+        # Below stage 3 nothing is partitioned: every parameter stays resident.
+        persistence = zero.stage3_param_persistence_threshold if zero.stage == 3 else 1 << 62
+        self.units, uses = plan_units(model, persistence_numel=persistence,
+                                      storage_dtype=self.precision.storage)
+        prefetch_numel = zero.stage3_prefetch_bucket_size if config.infinity.trace_prefetch else 0
+        self.plan: MemoryPlan = plan_memory(
+            self.units, offload_param=zero.offload_param.device if zero.stage == 3 else "none",
+            offload_optimizer=zero.offload_optimizer.device, accelerator=accelerator,
+            prefetch_numel=prefetch_numel, tile_numel=zero.sub_group_size,
+            host_memory_budget=config.infinity.host_memory_budget)
+        logger.info("engine: stage %d, params at home on %s, optimizer state %s; store budgets %s",
+                    zero.stage, self.plan.param_home.label,
+                    self.plan.state_tier.label,
+                    {t.label: n for t, n in self.plan.budgets.items()})
+        nvme_path = zero.offload_param.nvme_path if self.plan.param_home == Tier.NVME else None
+        nvme_path = nvme_path or zero.offload_optimizer.nvme_path
+        aio_options = {**config.aio.handle_options(), "backend": config.infinity.aio_backend}
+        self.timeline = Timeline(time.perf_counter())
+        self.store = TensorStore(self.plan.budgets, nvme_path=nvme_path, device=self.device,
+                                 aio_options=aio_options)
+        self.coordinator: ParamCoordinator | None = None
+        self._hooks: ModelHooks | None = None
+        self._worker: ThreadPoolExecutor | None = None
+        self._stepping: dict[int, Future] | None = None  # units stepped during this backward
+        try:
+            place_units(self.units, self.store, home=self.plan.param_home, device=self.device)
+            if self.plan.grads_tier is not None:  # the budget cannot hold them in RAM
+                for u in self.units:
+                    if u.requires_grad:
+                        u.grad = StoredGrad(f"grad/{u.key}", u.numel, u.compute_dtype, self.store,
+                                            self.plan.grads_tier)
+            self.coordinator = ParamCoordinator(
+                self.units, self.store, fetch_tier=self.plan.fetch_tier, device=self.device,
+                prefetch_numel=prefetch_numel, max_live_numel=zero.stage3_max_live_parameters,
+                max_reuse_numel=zero.stage3_max_reuse_distance, on_grads_final=self._grads_final)
+            self._hooks = ModelHooks(model, self.units, uses, self.coordinator)
+            self._trained = [u for u in self.units if u.requires_grad]
+            self._index = {u: i for i, u in enumerate(self._trained)}
+            self.optimizer = self._make_optimizer()
+        except BaseException:
+            self._teardown(restore_params=True)  # the model gets back what was moved
+            raise
+        fp16 = config.fp16
+        self.scaler = DynamicLossScaler(
+            scale=fp16.initial_scale, window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
+            min_scale=fp16.min_loss_scale) if fp16.enabled and fp16.dynamic else None
+        self._static_scale = fp16.initial_scale if fp16.enabled and not fp16.dynamic else 1.0
+        self._schedule = None if config.scheduler is None else \
+            build_lr_schedule(config.scheduler, optimizer_lr=self.optimizer.lr)
+        self._schedule_steps = 0
+        if self._schedule is not None:
+            self.optimizer.lr = self._schedule.lr_at(-1)
+        self.last_grad_norm: float | None = None
+        # See [Note: optimizer overlapped with backward].
+        self.overlap = config.gradient_clipping == 0 and not fp16.enabled
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="infinity-optim") if self.overlap else None
+        self.units_stepped_in_backward = 0
+
+    def _make_optimizer(self) -> SwappedOptimizer:
+        """Per-unit CPU Adam with its state in the store's host tier (offload_optimizer "none"
+        or "cpu") or NVMe tier."""
+        opt = self.config.optimizer or OptimizerConfig(type="AdamW", params=AdamParams())
+        p = opt.params
+        hyper = {"lr": p.lr, "betas": p.betas, "eps": p.eps, "weight_decay": p.weight_decay,
+                 "adamw_mode": opt.decoupled_weight_decay}
+        specs = [UnitSpec(u.numel, u.dtype, u.key) for u in self._trained]
+        return SwappedOptimizer.from_units(specs, self.store, state_tier=self.plan.state_tier,
+                                           tile_numel=self.config.zero_optimization.sub_group_size,
+                                           **hyper)
+
+    # -- training loop -------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model; returns what the model returns."""
+        self._check_open()
+        with self.timeline.region("forward", "compute"):
+            return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backpropagate `loss` divided by gradient_accumulation_steps (times the fp16 loss
+        scale); gradients land in the units' flat buffers. Returns `loss` unchanged."""
+        self._check_open()
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+            raise ValueError("backward() needs a scalar loss tensor that requires grad, got "
+                             f"{type(loss).__name__}{tuple(getattr(loss, 'shape', ()))}")
+        if self._stepping is not None:
+            raise RuntimeError("backward() twice in one accumulation boundary: call step() first")
+        scaled = loss
+        if self.config.gradient_accumulation_steps > 1:
+            scaled = scaled / self.config.gradient_accumulation_steps
+        if self.config.fp16.enabled:
+            scaled = scaled * self._loss_scale()
+        if self.overlap and self.is_gradient_accumulation_boundary():
+            self.optimizer.begin_step()
+            self._stepping = {}
+        try:
+            with self.timeline.region("backward", "compute"):
+                scaled.backward()
+        finally:
+            self.coordinator.end_backward()
+        return loss
+
+    def _grads_final(self, unit: FetchUnit) -> None:
+        """Coordinator callback: start the unit's optimizer step when overlapping."""
+        self.timeline.record(unit.key, "grads final", time.perf_counter())
+        if self._stepping is not None and unit.requires_grad and not unit.persistent \
+                and unit.state is UnitState.RELEASED:
+            i = self._index[unit]
+            self._stepping[i] = self._worker.submit(self._step_unit, i, unit, 1.0)
+            self.units_stepped_in_backward += 1
+
+    def _step_unit(self, i: int, unit: FetchUnit, grad_scale: float) -> None:
+        with self.timeline.region(unit.key, "optimizer"):
+            if unit.grad is None:
+                self.optimizer.step_unit(i, torch.zeros(unit.numel, dtype=unit.compute_dtype),
+                                         grad_scale=grad_scale)
+                return
+            with unit.grad.read() as grad:
+                self.optimizer.step_unit(i, grad, grad_scale=grad_scale)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    def step(self) -> None:
+        """Call after every backward; updates the parameters at accumulation boundaries."""
+        self._check_open()
+        if self.is_gradient_accumulation_boundary():
+            with self.timeline.region("step", "compute"):
+                self._take_step()
+        self.micro_steps += 1
+
+    def _loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else self._static_scale
+
+    def _take_step(self) -> None:
+        self.global_steps += 1
+        self.coordinator.release_all()
+        stepping, self._stepping = self._stepping, None
+        if stepping is not None:
+            self._finish_overlapped(stepping)
+            return
+        scale = self._loss_scale()
+        norm = self._grad_norm() / scale
+        self.last_grad_norm = norm
+        if self.config.fp16.enabled:
+            overflow = not math.isfinite(norm)
+            if self.scaler is not None:
+                self.scaler.update(overflow)
+            if overflow:
+                logger.info("step %d skipped: gradient overflow, loss scale now %g",
+                            self.global_steps, self._loss_scale())
+                self.skipped_steps += 1
+                self._zero_grads()
+                return
+        clip = 1.0
+        if self.config.gradient_clipping > 0 and norm > 0:
+            clip = min(1.0, self.config.gradient_clipping / (norm + 1e-6))
+        self.optimizer.begin_step()
+        for i, unit in enumerate(self._trained):
+            self._step_unit(i, unit, clip / scale)
+        self._end_step()
+
+    def _finish_overlapped(self, stepping: dict[int, Future]) -> None:
+        """Wait for the units stepped during backward, step the others here."""
+        self.last_grad_norm = None
+        for i, unit in enumerate(self._trained):
+            future = stepping.get(i)
+            error = future.exception() if future is not None else None
+            if error is not None:
+                logger.warning("optimizer step of %s on the worker failed (%s); retrying", unit.key, error)
+            if future is None or error is not None:
+                self._step_unit(i, unit, 1.0)  # retry-safe: tiles already stepped are skipped
+        self._end_step()
+
+    def _end_step(self) -> None:
+        self.optimizer.finish_step()
+        self._zero_grads()
+        if self._schedule is not None:  # as DeepSpeed: the schedule advances on applied steps
+            self._schedule_steps += 1
+            self.optimizer.lr = self._schedule.lr_at(self._schedule_steps - 1)
+
+    def _grad_norm(self) -> float:
+        """L2 norm over every unit's gradient buffer (sum of squares in float64)."""
+        total = 0.0
+        for u in self._trained:
+            if u.grad is not None and u.grad.has_grad:
+                with u.grad.read() as grad:
+                    total += float(torch.linalg.vector_norm(grad, dtype=torch.float32)) ** 2
+        return math.sqrt(total)
+
+    def _zero_grads(self) -> None:
+        for u in self._trained:
+            if u.grad is not None:
+                u.grad.zero()
+
+    # -- modes and views -------------------------------------------------------------------------
+
+    def train(self, mode: bool = True) -> Engine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        return self.train(False)
+
+    def get_lr(self) -> list[float]:
+        return [float(self.optimizer.lr)]
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (name, a copy of its current values) one unit at a time (bounded memory)."""
+        self._check_open()
+        self.coordinator.release_all()
+        for unit in self.units:
+            yield from _unit_values(self.store, unit)
+
+    def stats(self) -> dict[str, Any]:
+        """Store tiers and moves, prefetch counters, steps, and peak host memory (VmHWM)."""
+        return {"store": self.store.stats(), "prefetch": asdict(self.coordinator.stats),
+                "global_steps": self.global_steps, "skipped_steps": self.skipped_steps,
+                "optimizer": {"overlap": self.overlap,
+                              "units_stepped_in_backward": self.units_stepped_in_backward},
+                "loss_scale": self._loss_scale() if self.config.fp16.enabled else None,
+                "peak_rss_bytes": _peak_rss_bytes()}
+
+    def write_trace(self, path: str | os.PathLike[str]) -> None:
+        """Save the store's moves and the engine's timeline as one Chrome / Perfetto trace."""
+        self.store.write_trace(path)
+        self.timeline.merge_into(path)
+
+    # -- checkpoints (infinity/engine/_checkpoint.py) ------------------------------------------
+
+    def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
+                        client_state: dict[str, Any] | None = None) -> Path:
+        """Save everything needed to continue bit-identically as `tag` (default `step<N>`)
+        under `save_dir`, crash-safe, and point `save_dir/latest` at it (docs/checkpoints.md)."""
+        self._check_open()
+        return _checkpoint.save_checkpoint(self, save_dir, tag, client_state)
+
+    def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None, *,
+                        load_optimizer_states: bool = True) -> dict[str, Any]:
+        """Restore a checkpoint (tag None: `load_dir/latest`); returns its client_state."""
+        self._check_open()
+        return _checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states)
+
+    # -- end -------------------------------------------------------------------------------------
+
+    def close(self, *, restore_params: bool = True) -> None:
+        """Remove every hook and free the store. With restore_params the model gets its current
+        values back as ordinary tensors (needs RAM for the whole model), else placeholders stay."""
+        if self._closed:
+            return
+        self._closed = True
+        self._teardown(restore_params=restore_params)
+
+    def _teardown(self, *, restore_params: bool) -> None:
+        """Undo what __init__ did, as far as it got."""
+        try:
+            if self._worker is not None:
+                self._worker.shutdown(wait=True)
+            self._stepping = None
+            if self.coordinator is not None:
+                self.coordinator.abort_pass()  # a failed forward may have left modules in use
+                self.coordinator.release_all()
+            if self._hooks is not None:
+                self._hooks.remove()
+            if restore_params:
+                for unit in self.units:
+                    if unit.key in self.store:
+                        values = dict(_unit_values(self.store, unit))
+                        for s in unit.slots:
+                            s.param.data = values[s.name].to(self.device, unit.compute_dtype)
+        finally:
+            self.store.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+
+
+def _unit_values(store: TensorStore, unit: FetchUnit) -> Iterator[tuple[str, torch.Tensor]]:
+    flat = store.fetch(unit.key, Tier.HOST).result()
+    try:
+        copies = [(s.name, flat[s.offset:s.offset + s.shape.numel()].view(s.shape).clone()) for s in unit.slots]
+    finally:
+        store.release(unit.key, Tier.HOST)
+    yield from copies

@@ -1,0 +1,27 @@
+"""`initialize`: the one entry function, as DeepSpeed's `deepspeed.initialize`."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from infinity.config import load_config
+from infinity.engine._engine import Engine
+
+
+def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLike[str]) -> Engine:
+    """Wrap `model` for training under `config` (a DeepSpeed-style dict or JSON file path).
+
+    The model's parameters move into the engine's store (their tensors become empty
+    placeholders between uses); train through the returned Engine, and `close()` it to remove
+    the hooks and get ordinary parameters back.
+
+    Raises ConfigError (a ValueError) or ConfigPathError (an OSError) naming the key at fault,
+    and BudgetError when host_memory_budget cannot hold the memory plan; all before anything
+    is moved.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"initialize() needs a torch.nn.Module, got {type(model).__name__}")
+    return Engine(model, load_config(config, model=model))

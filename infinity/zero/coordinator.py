@@ -1,0 +1,315 @@
+"""ParamCoordinator: brings fetch units in before a module runs and lets them go after, along
+the layer trace.
+
+Verbs, called from the hooks (infinity.zero.hooks): `begin_pass` / `end_pass` around one
+forward (+ backward), `acquire` / `release` around a module's forward, `acquire_for_backward`
+when a module's outputs get their gradients, `grad_ready` when a parameter's gradient is final,
+`end_backward` after `loss.backward()`. Between passes, `release_all` before anything modifies
+the values in the store (the optimizer step).
+
+[Note: prefetch along the trace] After each use at trace position i, units at positions i+1...
+are fetched (taking a store use, state FETCHING) until the elements within the window exceed
+`prefetch_numel` or the live elements would exceed `max_live_numel` (the next unit is always
+allowed). A released unit whose next use in the trace comes within `max_reuse_numel` elements
+stays READY. The store is told the distance (in uses) to each unit's next use, so its eviction
+follows the trace. Budgets are in elements, as DeepSpeed's stage3_* knobs are.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+
+from infinity.errors import BudgetError
+from infinity.store import TensorStore, Tier
+from infinity.zero._common import PrefetchStats, UnitState
+from infinity.zero.saved_views import ViewIndex, pack_saved, unpack_saved
+from infinity.zero.trace import PassCursor, Trace, TraceBook
+from infinity.zero.unit import FetchUnit
+
+logger = logging.getLogger(__name__)
+
+_FAR = float(1 << 30)  # next-use distance of a unit the current trace does not use again
+
+
+class ParamCoordinator:
+    """Fetches, keeps and releases fetch units; records traces and prefetches along them.
+
+    Args:
+        units: every unit of the model (from `build_units`); persistent ones stay fetched
+            from their first use until `release_all`.
+        store: the store holding the units' values.
+        fetch_tier: where modules compute from (Tier.DEVICE with an accelerator, else Tier.HOST).
+        device: the compute device (placeholders are made there).
+        prefetch_numel, max_live_numel, max_reuse_numel: see [Note: prefetch along the trace].
+        max_traces: traces memoised per pass key.
+        on_grads_final: called (lock held, keep it short) when a unit's gradient buffer holds
+            this backward's final gradients, after the unit was released.
+
+    Thread-safe (autograd may run hooks from its own threads).
+    """
+
+    def __init__(self, units: Sequence[FetchUnit], store: TensorStore, *, fetch_tier: Tier,
+                 device: torch.device, prefetch_numel: int, max_live_numel: int,
+                 max_reuse_numel: int, max_traces: int = 4,
+                 on_grads_final: Callable[[FetchUnit], None] | None = None) -> None:
+        self.units = list(units)
+        self.on_grads_final = on_grads_final
+        self.store = store
+        self.fetch_tier = fetch_tier
+        self.prefetch_numel = int(prefetch_numel)
+        self.max_live_numel = int(max_live_numel)
+        self.max_reuse_numel = int(max_reuse_numel)
+        self.stats = PrefetchStats()
+        self._placeholders = {u.compute_dtype: torch.empty(0, dtype=u.compute_dtype, device=device)
+                              for u in self.units}
+        self._book = TraceBook([u.numel for u in self.units], max_traces)
+        self._cursor: PassCursor | None = None
+        self._live_numel = 0  # elements of non-persistent units FETCHING or READY
+        self._views = ViewIndex()  # READY units by address; see [Note: saved parameter views]
+        self._resident = [u for u in self.units if u.persistent]
+        self._resident_ready = False
+        self.in_backward = False  # between the first backward acquire of a pass and its end
+        self._lock = threading.RLock()
+
+    # -- passes --------------------------------------------------------------------------------
+
+    def begin_pass(self, key: Hashable) -> None:
+        """Start a pass (ending one still open) and prefetch the head of its memoised trace."""
+        with self._lock:
+            if self._cursor is not None:
+                self.end_pass()
+            self._cursor = self._book.start(key)
+            if self._cursor.started_on_trace:
+                self.stats.trace_switches += 1
+            self._fetch_resident()
+            self._prefetch_after(-1)
+
+    def abort_pass(self) -> None:
+        """The forward failed: forget the pass (no trace is memoised) and release every
+        non-persistent unit, whatever module calls were left unfinished."""
+        with self._lock:
+            self._cursor = None
+            self.in_backward = False
+            for u in self.units:
+                u.users, u.held_for_backward, u.grads_seen = 0, False, 0
+                if not u.persistent and u.state is not UnitState.RELEASED:
+                    self._release_unit(u)
+
+    def end_pass(self) -> None:
+        """Memoise the pass's trace and release every unit no module is using."""
+        with self._lock:
+            if self._cursor is None:
+                return
+            self._book.finish(self._cursor)
+            self._cursor = None
+            self.in_backward = False
+            for u in self.units:
+                if not u.persistent and u.users == 0 and u.state is not UnitState.RELEASED:
+                    self._release_unit(u)
+
+    def traces(self, key: Hashable) -> int:
+        """How many traces are memoised for pass `key`."""
+        return self._book.count(key)
+
+    # -- uses ----------------------------------------------------------------------------------
+
+    def acquire(self, units: Sequence[FetchUnit]) -> None:
+        """A module is about to run: its units' parameters hold their values on return."""
+        with self._lock:
+            self._fetch_resident()
+            for u in units:
+                self._use(u)
+                u.users += 1
+
+    def release(self, units: Sequence[FetchUnit]) -> None:
+        """A module finished: units no module uses any more are released (or kept for reuse)."""
+        with self._lock:
+            for u in units:
+                if u.users <= 0:
+                    raise RuntimeError(f"unit {u.name!r} released more often than acquired")
+                u.users -= 1
+                if u.users == 0 and not u.persistent and not self._reused_soon(u):
+                    self._release_unit(u)
+
+    def acquire_for_backward(self, units: Sequence[FetchUnit]) -> None:
+        """A module's backward is about to run: hold its units until their gradients are final."""
+        with self._lock:
+            self.in_backward = True
+            todo = [u for u in units if not u.held_for_backward]
+            self.acquire(todo)
+            for u in todo:
+                u.held_for_backward = True
+
+    def grad_ready(self, unit: FetchUnit) -> None:
+        """One parameter's gradient is final; when all of the unit's are, move them to the unit's
+        gradient buffer and let the unit go."""
+        with self._lock:
+            unit.grads_seen += 1
+            if unit.grads_seen == len(unit.slots):
+                self._finish_grads(unit)
+
+    def end_backward(self) -> None:
+        """After loss.backward(): collect gradients of units some of whose parameters got none,
+        release what backward still held, and end the pass."""
+        with self._lock:
+            for u in self.units:
+                if u.grads_seen:
+                    self._finish_grads(u)
+                elif u.held_for_backward:
+                    u.held_for_backward = False
+                    self.release([u])
+            self.end_pass()
+
+    def release_all(self) -> None:
+        """End the pass and release every unit, persistent ones included (before the values in
+        the store change). Raises if a module is still using one."""
+        with self._lock:
+            self.end_pass()
+            for u in self.units:
+                if u.users:
+                    raise RuntimeError(f"unit {u.name!r} is still used by {u.users} module call(s)")
+                if u.state is not UnitState.RELEASED:
+                    self._release_unit(u)
+            self._resident_ready = False
+
+    def pack(self, t: torch.Tensor) -> Any:
+        """Autograd pack hook: see [Note: saved parameter views]."""
+        with self._lock:
+            return pack_saved(self._views, t)
+
+    def unpack(self, saved: Any) -> torch.Tensor:
+        """Autograd unpack hook: see [Note: saved parameter views]."""
+        with self._lock:
+            return unpack_saved(self, saved)
+
+    # -- internals (lock held) -------------------------------------------------------------------
+
+    def _finish_grads(self, unit: FetchUnit) -> None:
+        unit.take_grads()
+        unit.grads_seen = 0
+        if unit.held_for_backward:
+            unit.held_for_backward = False
+            self.release([unit])
+        if self.on_grads_final is not None:
+            self.on_grads_final(unit)
+
+    def _fetch_resident(self) -> None:
+        if self._resident_ready:
+            return
+        for u in self._resident:
+            if u.state is UnitState.RELEASED:
+                self._start(u, next_use=0, make_room=True)
+                self._wait(u)
+        self._resident_ready = True
+
+    def _use(self, u: FetchUnit) -> None:
+        """Record the use in the trace, make the unit READY, then prefetch what follows."""
+        self.stats.acquires += 1
+        pos = -1
+        if self._cursor is not None:
+            if self._cursor.observe(u.index):
+                self.stats.divergences += 1
+                logger.debug("zero: pass left its trace at use %d (unit %r); on demand from here",
+                             self._cursor.pos, u.name)
+                self._drop_prefetched()
+            pos = u.last_pos = self._cursor.pos
+        if u.state is UnitState.READY:
+            self.stats.kept += 1
+        elif u.state is UnitState.FETCHING:
+            self.stats.prefetch_hits += 1
+        else:
+            self.stats.on_demand += 1
+            if self.store.tiers_of(u.key) == [Tier.NVME.label]:
+                self.stats.on_demand_nvme += 1
+            self._start(u, next_use=0, make_room=True)
+        if u.state is UnitState.FETCHING:
+            self._wait(u)
+        self._prefetch_after(pos)
+
+    def _start(self, u: FetchUnit, *, next_use: float, make_room: bool) -> None:
+        u.expect(UnitState.RELEASED)
+        try:
+            u.future = self.store.fetch(u.key, self.fetch_tier, next_use=next_use)
+        except BudgetError:
+            if not make_room:
+                raise
+            self._drop_unused()  # units kept for reuse or prefetched give way to one needed now
+            u.future = self.store.fetch(u.key, self.fetch_tier, next_use=next_use)
+        u.state = UnitState.FETCHING
+        if not u.persistent:
+            self._live_numel += u.numel
+
+    def _wait(self, u: FetchUnit) -> None:
+        start = time.perf_counter()
+        try:
+            flat = u.future.result()
+        finally:
+            self.stats.stall_s += time.perf_counter() - start
+        u.bind(flat)
+        u.state = UnitState.READY
+        self._views.add(u)
+
+    def _release_unit(self, u: FetchUnit) -> None:
+        u.expect(UnitState.FETCHING, UnitState.READY)
+        if u.state is UnitState.READY:
+            self._views.remove(u)
+            u.unbind(self._placeholders[u.compute_dtype])
+        u.future = None
+        u.state = UnitState.RELEASED
+        if not u.persistent:
+            self._live_numel -= u.numel
+        self.store.release(u.key, self.fetch_tier)
+        self.store.set_next_use({u.key: self._next_use_distance(u)})
+
+    def _next_use_distance(self, u: FetchUnit) -> float:
+        trace = self._cursor.trace if self._cursor is not None else None
+        if trace is None or not 0 <= u.last_pos < len(trace):
+            return _FAR
+        nxt = trace.next_pos[u.last_pos]
+        return float(nxt - self._cursor.pos) if nxt < len(trace) else _FAR
+
+    def _reused_soon(self, u: FetchUnit) -> bool:
+        trace = self._cursor.trace if self._cursor is not None else None
+        if trace is None or not 0 <= u.last_pos < len(trace) or self._live_numel > self.max_live_numel:
+            return False
+        nxt = trace.next_pos[u.last_pos]
+        return nxt < len(trace) and trace.numel_between(u.last_pos + 1, nxt) <= self.max_reuse_numel
+
+    def _prefetch_after(self, pos: int) -> None:
+        """Prefetch along every trace the pass may still follow (a route not taken yet costs
+        reads, a route missed costs a stall)."""
+        if self._cursor is None or self.prefetch_numel <= 0:
+            return
+        for trace in self._cursor.candidates:
+            self._prefetch_along(trace, pos)
+
+    def _prefetch_along(self, trace: Trace, pos: int) -> None:
+        for j in range(pos + 1, len(trace)):
+            first = j == pos + 1
+            if not first and trace.numel_between(pos + 1, j + 1) > self.prefetch_numel:
+                return
+            u = self.units[trace.units[j]]
+            if u.state is not UnitState.RELEASED:
+                continue
+            if not first and self._live_numel + u.numel > self.max_live_numel:
+                return
+            try:
+                self._start(u, next_use=float(j - pos), make_room=False)
+            except BudgetError:
+                return  # the tier is full of units in use: the rest is fetched when needed
+
+    def _drop_prefetched(self) -> None:
+        for u in self.units:
+            if u.state is UnitState.FETCHING and u.users == 0:
+                self._release_unit(u)
+
+    def _drop_unused(self) -> None:
+        for u in self.units:
+            if not u.persistent and u.users == 0 and u.state is not UnitState.RELEASED:
+                self._release_unit(u)

@@ -1,0 +1,253 @@
+"""SwappedOptimizer in unit mode (from_units / step_unit / finish_step) equals in-memory CPUAdam
+bit for bit, in any unit order, from several threads, and after a failed step_unit is retried."""
+
+import threading
+
+import pytest
+import torch
+
+from infinity.optim import CPUAdam, SwappedOptimizer, UnitSpec
+from infinity.store import TensorStore, Tier
+
+MiB = 1 << 20
+TILE = 1000
+NUMELS = [2500, 7, 1000, 1234, 3000]  # bigger than a tile, tiny, exactly one tile, ...
+HYPER = dict(betas=(0.8, 0.99), eps=1e-7, weight_decay=0.1)
+
+
+def _store(path, host=1 * MiB, **kw):
+    path.mkdir(exist_ok=True)
+    return TensorStore({"host": host, "nvme": 8 * MiB}, nvme_path=path,
+                       aio_options={"block_size": 64 << 10}, **kw)
+
+
+def _grads(specs, step):
+    g = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(s.numel, generator=g).to(s.dtype) for s in specs]
+
+
+def _ref_step(opt_ref, masters, grads, lr, grad_scale=1.0):
+    for m, g in zip(masters, grads):
+        m.grad = g.float() * grad_scale
+    opt_ref.param_groups[0]["lr"] = lr
+    opt_ref.step()
+
+
+def _run_steps(opt, grads_per_step, lrs, order, grad_scales):
+    for grads, lr, scale in zip(grads_per_step, lrs, grad_scales):
+        opt.lr = lr
+        assert opt.begin_step() == opt.completed_steps + 1 == opt.begin_step()
+        for u in order:
+            opt.step_unit(u, grads[u], grad_scale=scale)
+        opt.finish_step()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("order", ["forward", "reverse"])
+def test_units_equal_cpu_adam_bit_for_bit(tmp_path, dtype, order, put_units, values_of):
+    """lr changed between steps and a grad_scale of 0.5 in one of them, as a scheduler and a
+    clip factor would; bf16 units: the values entry is the master rounded to bf16."""
+    dtypes = [dtype] * len(NUMELS)
+    steps, lrs, scales = 4, [1e-2, 5e-3, 2e-3, 1e-3], [1.0, 0.5, 1.0, 1.0]
+    with _store(tmp_path) as store:
+        masters, specs = put_units(store, dtypes, NUMELS)
+        opt_ref = CPUAdam(masters, lr=lrs[0], **HYPER)
+        opt = SwappedOptimizer.from_units(specs, store, lr=lrs[0], tile_numel=TILE, **HYPER)
+        assert len(opt.tiles) == sum(-(-n // TILE) for n in NUMELS)  # cut per unit
+        all_grads = [_grads(specs, s) for s in range(steps)]
+        units = list(range(len(specs)))
+        _run_steps(opt, all_grads, lrs, units[::-1] if order == "reverse" else units, scales)
+        for grads, lr, scale in zip(all_grads, lrs, scales):
+            _ref_step(opt_ref, masters, grads, lr, scale)
+        assert opt.completed_steps == steps
+        for (u, state), master, spec in zip(opt.iter_state(), masters, specs):
+            assert state["step"] == steps
+            assert torch.equal(state["master"], master), u
+            assert torch.equal(state["exp_avg"], opt_ref.state[master]["exp_avg"]), u
+            assert torch.equal(state["exp_avg_sq"], opt_ref.state[master]["exp_avg_sq"]), u
+            assert torch.equal(values_of(store, spec.values_key), master.to(dtype)), u
+
+
+def test_fp32_units_track_torch_adamw(tmp_path, put_units, values_of):
+    with _store(tmp_path) as store:
+        masters, specs = put_units(store, [torch.float32] * len(NUMELS), NUMELS, seed=1)
+        torch_params = [m.clone().requires_grad_() for m in masters]
+        torch_opt = torch.optim.AdamW(torch_params, lr=1e-2, **HYPER)
+        opt = SwappedOptimizer.from_units(specs, store, lr=1e-2, tile_numel=TILE, **HYPER)
+        for step in range(3):
+            grads = _grads(specs, step)
+            for p, g in zip(torch_params, grads):
+                p.grad = g.clone()
+            torch_opt.step()
+            _run_steps(opt, [grads], [1e-2], range(len(specs)), [1.0])
+        for p, spec in zip(torch_params, specs):
+            torch.testing.assert_close(values_of(store, spec.values_key), p.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_fp32_units_keep_no_master_in_the_tiles(tmp_path, put_units):
+    with _store(tmp_path) as store:
+        _, specs = put_units(store, [torch.float32, torch.bfloat16], [1500, 1500])
+        opt = SwappedOptimizer.from_units(specs, store, tile_numel=TILE)
+        shapes = [tuple(store.fetch(opt._key(t), "host").result().shape) for t in range(len(opt.tiles))]
+        for t in range(len(opt.tiles)):
+            store.release(opt._key(t), "host")
+        assert shapes == [(2, 1000), (2, 500), (3, 1000), (3, 500)]  # 8 B/element vs 12 B/element
+
+
+def test_units_stepped_from_several_threads(tmp_path, put_units, values_of):
+    dtypes = [torch.float32, torch.bfloat16, torch.float32, torch.bfloat16, torch.float16] * 2
+    numels = NUMELS * 2
+    with _store(tmp_path / "a") as store, _store(tmp_path / "b") as serial_store:
+        _, specs = put_units(store, dtypes, numels)
+        store.put("other", torch.ones(3000), "nvme")
+        _, serial_specs = put_units(serial_store, dtypes, numels)
+        opt = SwappedOptimizer.from_units(specs, store, lr=1e-2, tile_numel=TILE, threads=1)
+        serial = SwappedOptimizer.from_units(serial_specs, serial_store, lr=1e-2, tile_numel=TILE)
+        for step in range(3):
+            grads = _grads(specs, step)
+            errors = []
+
+            def work(units, grads=grads, errors=errors):
+                try:
+                    for u in units:
+                        opt.step_unit(u, grads[u])
+                except BaseException as exc:  # noqa: BLE001 - reported below
+                    errors.append(exc)
+
+            workers = [threading.Thread(target=work, args=(range(k, len(specs), 4),)) for k in range(4)]
+            for w in workers:
+                w.start()
+            while any(w.is_alive() for w in workers):  # the caller uses the store meanwhile
+                store.fetch("other", "host").result()
+                store.release("other", "host", dirty=True)
+            for w in workers:
+                w.join(timeout=60)
+            assert not any(w.is_alive() for w in workers) and errors == []
+            opt.finish_step()
+            _run_steps(serial, [grads], [1e-2], range(len(specs)), [1.0])
+        for (u, state), (_, expected) in zip(opt.iter_state(), serial.iter_state()):
+            for name in ("master", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(state[name], expected[name]), (u, name)
+            assert torch.equal(values_of(store, specs[u].values_key), values_of(serial_store, serial_specs[u].values_key))
+
+
+def test_finish_step_names_the_units_not_stepped(tmp_path, put_units):
+    with _store(tmp_path) as store:
+        _, specs = put_units(store, [torch.float32] * 3, [10, 2000, 10])
+        opt = SwappedOptimizer.from_units(specs, store, tile_numel=TILE)
+        grads = _grads(specs, 0)
+        opt.step_unit(0, grads[0])
+        with pytest.raises(ValueError, match=r"units \[1, 2\] were not stepped for step 1"):
+            opt.finish_step()
+        assert opt.completed_steps == 0 and opt.begin_step() == 1
+        opt.step_unit(2, grads[2])
+        opt.step_unit(2, grads[2])  # a repeat is a retry: no tile is updated twice
+        with pytest.raises(ValueError, match=r"units \[1\]"):
+            opt.finish_step()
+        opt.step_unit(1, grads[1])
+        opt.finish_step()
+        assert opt.completed_steps == 1 and opt.begin_step() == 2
+
+
+def test_state_on_the_host_tier_needs_no_nvme(tmp_path, values_of):
+    with TensorStore({"host": 1 * MiB}) as store:
+        specs = []
+        values = [torch.randn(n, generator=torch.Generator().manual_seed(n)) for n in NUMELS]
+        for u, v in enumerate(values):
+            store.put(f"unit{u}", v, "host")
+            specs.append(UnitSpec(v.numel(), torch.float32, f"unit{u}"))
+        masters = [v.clone() for v in values]
+        opt_ref = CPUAdam(masters, lr=1e-2)
+        opt = SwappedOptimizer.from_units(specs, store, lr=1e-2, tile_numel=TILE, state_tier=Tier.HOST)
+        for step in range(2):
+            grads = _grads(specs, step)
+            _ref_step(opt_ref, masters, grads, 1e-2)
+            _run_steps(opt, [grads], [1e-2], range(len(specs)), [1.0])
+        for spec, master in zip(specs, masters):
+            assert torch.equal(values_of(store, spec.values_key), master)
+        assert store.tiers_of(opt._key(0)) == ["host"]
+        with pytest.raises(ValueError, match="NVMe budget"):
+            SwappedOptimizer.from_units(specs, store, name="other")  # state_tier NVME by default
+
+
+def test_unit_state_streams_out_and_back_in(tmp_path, put_units, values_of):
+    dtypes = [torch.bfloat16, torch.float32, torch.float32, torch.bfloat16, torch.float32]
+    with _store(tmp_path / "a") as store, _store(tmp_path / "b") as other:
+        _, specs = put_units(store, dtypes, NUMELS)
+        opt = SwappedOptimizer.from_units(specs, store, lr=1e-2, tile_numel=TILE)
+        for step in range(2):
+            _run_steps(opt, [_grads(specs, step)], [1e-2], range(len(specs)), [1.0])
+        saved = [(u, {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()})
+                 for u, s in opt.iter_state()]
+        _, twin_specs = put_units(other, dtypes, NUMELS, seed=5)  # other values: the state brings its own
+        twin = SwappedOptimizer.from_units(twin_specs, other, lr=1e-2, tile_numel=2 * TILE + 7)
+        twin.load_state(saved)
+        assert twin.completed_steps == 2
+        for step in range(2, 4):
+            grads = _grads(specs, step)
+            _run_steps(opt, [grads], [1e-2], range(len(specs)), [1.0])
+            _run_steps(twin, [grads], [1e-2], range(len(specs)), [1.0])
+        for spec, twin_spec in zip(specs, twin_specs):
+            assert torch.equal(values_of(store, spec.values_key), values_of(other, twin_spec.values_key))
+        state = opt.state_dict()["state"]
+        assert sorted(state) == list(range(len(specs))) and float(state[1]["step"]) == 4.0
+
+
+def test_bad_input(tmp_path, put_units, values_of, in_use):
+    with _store(tmp_path) as store:
+        _, specs = put_units(store, [torch.float32, torch.bfloat16], [100, 50])
+        with pytest.raises(ValueError, match="no units"):
+            SwappedOptimizer.from_units([], store)
+        with pytest.raises(ValueError, match="unit 1: numel"):
+            SwappedOptimizer.from_units([specs[0], UnitSpec(0, torch.float32, "unit1")], store)
+        with pytest.raises(ValueError, match="unit 0: dtype torch.int32"):
+            SwappedOptimizer.from_units([UnitSpec(100, torch.int32, "unit0")], store)
+        with pytest.raises(ValueError, match="'nope' is not in the store"):
+            SwappedOptimizer.from_units([UnitSpec(100, torch.float32, "nope")], store)
+        with pytest.raises(ValueError, match="'unit0' holds 100 x torch.float32; expected 100 x torch.bfloat16"):
+            SwappedOptimizer.from_units([specs[1], UnitSpec(100, torch.bfloat16, "unit0")], store, name="w")
+        assert [k for k in store._entries if k.startswith("w/")] == []  # its tiles were dropped
+        wrong = SwappedOptimizer.from_units([UnitSpec(50, torch.float32, "unit1")], store, name="w")
+        with pytest.raises(ValueError, match="'unit1' holds 50 x torch.bfloat16; expected 50 x torch.float32"):
+            wrong.step_unit(0, torch.ones(50))
+        assert in_use(store) == []
+        opt = SwappedOptimizer.from_units(specs, store, tile_numel=TILE)
+        grad = torch.ones(100)
+        for scale in (0, -1.0, float("nan"), float("inf")):
+            with pytest.raises(ValueError, match="grad_scale must be a finite number > 0"):
+                opt.step_unit(0, grad, grad_scale=scale)
+        for bad, match in ((torch.ones(99), "unit 0's gradient must be contiguous with 100"),
+                           (torch.ones(100, dtype=torch.int64), "unit 0's gradient has dtype"),
+                           (torch.ones(10, 10), "unit 0's gradient must be 1-D"),
+                           (torch.ones(200)[::2], "contiguous")):
+            with pytest.raises((ValueError, TypeError), match=match):
+                opt.step_unit(0, bad)
+        for value in (float("nan"), float("inf"), -float("inf")):
+            bad = grad.clone()
+            bad[3] = value
+            with pytest.raises(ValueError, match="unit 0's gradient has non-finite values"):
+                opt.step_unit(0, bad)
+        with pytest.raises(ValueError, match=r"unit must be an int in \[0, 2\)"):
+            opt.step_unit(2, grad)
+        with pytest.raises(TypeError, match="param mode"):
+            opt.step()
+        assert opt._tile_steps == [0] * len(opt.tiles)  # nothing was updated
+        bad = grad.clone()
+        bad[0] = float("nan")
+        opt.step_unit(0, bad, check_finite=False)  # the caller checked (or chose not to)
+        assert values_of(store, "unit0").isnan().any()
+        param_mode = SwappedOptimizer([torch.ones(10)], store, name="p")
+        with pytest.raises(TypeError, match="unit mode"):
+            param_mode.step_unit(0, torch.ones(10))
+        with pytest.raises(TypeError, match="unit mode"):
+            param_mode.finish_step()
+
+
+def test_large_finite_fp16_gradients_are_not_an_overflow(tmp_path, put_units):
+    """Summed in float16 these would overflow to inf; the finite check sums in float32."""
+    with _store(tmp_path) as store:
+        _, specs = put_units(store, [torch.float16], [100])
+        opt = SwappedOptimizer.from_units(specs, store, lr=1e-3)
+        opt.step_unit(0, torch.full((100,), 60000.0, dtype=torch.float16), grad_scale=1 / 65536)
+        opt.finish_step()
+        assert opt.completed_steps == 1

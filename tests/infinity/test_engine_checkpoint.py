@@ -1,0 +1,107 @@
+"""Engine.save_checkpoint / load_checkpoint: a resumed run ends with exactly the weights of an
+uninterrupted one (fp32 and bf16, optimizer state in RAM or on NVMe, fp16 loss scaling, LR
+schedule); client_state comes back; a checkpoint without moments needs an explicit choice."""
+
+import pytest
+import torch
+
+import infinity
+from infinity import CheckpointError
+from infinity.checkpoint import CheckpointReader, CheckpointWriter
+
+
+def mlp(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1),
+                               torch.nn.Linear(32, 4))
+
+
+def config(swap, optimizer, **extra):
+    return {"train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-2}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                  "sub_group_size": 64, "offload_param": {"device": "none"},
+                                  "offload_optimizer": {"device": optimizer, "nvme_path": str(swap)}},
+            "infinity": {"host_memory_budget": "1GB"}, **extra}
+
+
+def train(engine, steps):
+    for _ in range(steps):
+        x = torch.randn(2, 8).to(engine.precision.compute)  # drawn from the RNG the checkpoint restores
+        loss = engine(x).square().mean()
+        engine.backward(loss)
+        engine.step()
+
+
+@pytest.mark.parametrize("optimizer", ["none", "nvme"])
+@pytest.mark.parametrize("precision", [{}, {"bf16": {"enabled": True}},
+                                       {"fp16": {"enabled": True, "initial_scale_power": 4}}],
+                         ids=["fp32", "bf16", "fp16"])
+def test_a_resumed_run_ends_bit_identical(tmp_path, optimizer, precision):
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    engine = infinity.initialize(mlp(0), config(swap, optimizer, **precision))
+    torch.manual_seed(1)
+    train(engine, 3)
+    path = engine.save_checkpoint(tmp_path / "run", client_state={"batch": 3})
+    train(engine, 4)
+    expected = dict(engine.named_parameters())
+    expected_state = (engine.global_steps, engine.get_lr(), engine.stats()["loss_scale"])
+    engine.close()
+    assert path == tmp_path / "run" / "step3"
+
+    resumed = infinity.initialize(mlp(99), config(swap, optimizer, **precision))  # other weights
+    torch.manual_seed(12345)  # other RNG state: the checkpoint's must win
+    assert resumed.load_checkpoint(tmp_path / "run") == {"batch": 3}
+    assert resumed.global_steps == 3
+    train(resumed, 4)
+    got = dict(resumed.named_parameters())
+    assert (resumed.global_steps, resumed.get_lr(), resumed.stats()["loss_scale"]) == expected_state
+    resumed.close()
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+
+
+def test_the_checkpoint_holds_weights_masters_and_moments_by_name(tmp_path):
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    engine = infinity.initialize(mlp(0), config(swap, "nvme", bf16={"enabled": True}))
+    train(engine, 2)
+    engine.save_checkpoint(tmp_path / "run", tag="mine")
+    engine.close()
+    reader = CheckpointReader(tmp_path / "run")
+    assert reader.tag == "mine"
+    assert reader.dtype("0.weight") == torch.bfloat16 and reader.dtype("master/0.weight") == torch.float32
+    assert reader.shape("exp_avg_sq/3.bias") == (4,)
+    assert reader.metadata["engine"]["global_steps"] == 2 and reader.metadata["engine"]["optimizer_step"] == 2
+    reader.verify()
+
+
+def test_a_checkpoint_without_moments_loads_only_when_asked(tmp_path, caplog):
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    model = mlp(5)
+    with CheckpointWriter(tmp_path / "weights", "w") as writer:
+        for name, p in model.named_parameters():
+            writer.add(name, p.detach())
+    engine = infinity.initialize(mlp(0), config(swap, "none"))
+    with pytest.raises(CheckpointError, match="no Adam moments.*load_optimizer_states=False"):
+        engine.load_checkpoint(tmp_path / "weights")
+    engine.load_checkpoint(tmp_path / "weights", load_optimizer_states=False)
+    assert "starts from zero moments" in caplog.text
+    got = dict(engine.named_parameters())
+    engine.close()
+    for name, p in model.named_parameters():
+        assert torch.equal(got[name], p.detach()), name
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_parameter(tmp_path):
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    with CheckpointWriter(tmp_path / "other", "w") as writer:
+        writer.add("0.weight", torch.zeros(3, 3))
+    engine = infinity.initialize(mlp(0), config(swap, "none"))
+    with pytest.raises(CheckpointError, match=r"'0.weight' has shape \(3, 3\), the model's is \(32, 8\)"):
+        engine.load_checkpoint(tmp_path / "other")
+    engine.close()

@@ -1,0 +1,219 @@
+"""The coordinator driven by its hooks: values arrive before a module runs and leave after,
+gradients land in the units' buffers, traces drive prefetch."""
+
+import contextlib
+import copy
+
+import pytest
+import torch
+
+from infinity.store import TensorStore, Tier
+from infinity.zero import ModelHooks, ParamCoordinator, UnitState, place_units, plan_units
+from infinity.zero.saved_views import SavedView
+
+
+@contextlib.contextmanager
+def managed(model, tmp_path, *, host_nbytes=1 << 20, prefetch_numel=10**9, reuse_numel=0, persistence=0):
+    units, uses = plan_units(model, persistence_numel=persistence)
+    store = TensorStore({"host": host_nbytes, "nvme": 1 << 22}, nvme_path=tmp_path)
+    place_units(units, store, home=Tier.NVME, device=torch.device("cpu"))
+    coordinator = ParamCoordinator(units, store, fetch_tier=Tier.HOST, device=torch.device("cpu"),
+                                   prefetch_numel=prefetch_numel, max_live_numel=10**9,
+                                   max_reuse_numel=reuse_numel)
+    hooks = ModelHooks(model, units, uses, coordinator)
+    try:
+        yield units, coordinator
+    finally:
+        coordinator.release_all()
+        hooks.remove()
+        store.close()
+
+
+def unit_grads(units):
+    grads = {}
+    for u in units:
+        if u.grad is not None:
+            with u.grad.read() as flat:
+                grads.update({s.name: flat[s.offset:s.offset + s.shape.numel()].view(s.shape).clone()
+                              for s in u.slots})
+    return grads
+
+
+def assert_grads_match(units, reference, scale=1.0):
+    grads = unit_grads(units)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name] / scale, p.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+class Shared(torch.nn.Module):
+    """An embedding tied to the output layer, and one block called twice."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(11, 8)
+        self.block = torch.nn.Linear(8, 8)
+        self.out = torch.nn.Linear(8, 11, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, ids):
+        h = self.embed(ids)  # (B, T, 8)
+        h = torch.tanh(self.block(h))
+        h = torch.tanh(self.block(h))
+        return self.out(h)
+
+
+def loss(model, ids):
+    return model(ids).logsumexp(-1).mean()
+
+
+def test_tied_and_twice_used_parameters_get_the_reference_gradients(tmp_path):
+    model = Shared()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 11, (2, 5))
+    with managed(model, tmp_path) as (units, coordinator):
+        for _ in range(2):  # accumulates over two micro-batches
+            loss(model, ids).backward()
+            coordinator.end_backward()
+            assert all(p.grad is None for p in model.parameters())
+            assert all(u.state is UnitState.RELEASED for u in units)
+            assert all(p.numel() == 0 for p in model.parameters())
+        loss(reference, ids).backward()
+        assert_grads_match(units, reference, scale=2.0)
+
+
+def test_backward_is_right_when_released_blocks_hold_other_units(tmp_path):
+    """A host tier with room for about two units: every block is reused between forward and
+    backward, so saved views of weights must be rebuilt from the unit (not the old block)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32, bias=False) for _ in range(6)])
+    reference = copy.deepcopy(model)
+    x = torch.randn(3, 4, 32)  # 3-D input: linear saves a view (weight.t()) for backward
+    with managed(model, tmp_path, host_nbytes=3 * 4096 + 8192, prefetch_numel=0) as (units, coordinator):
+        model(x).square().sum().backward()
+        coordinator.end_backward()
+        reference(x).square().sum().backward()
+        assert_grads_match(units, reference)
+
+
+def test_saved_views_are_recorded_by_position(tmp_path):
+    layer = torch.nn.Linear(4, 4, bias=False)
+    expected = layer.weight.detach().t().clone()
+    with managed(layer, tmp_path) as (units, coordinator):
+        coordinator.acquire(units)
+        saved = coordinator.pack(layer.weight.t())
+        assert isinstance(saved, SavedView) and saved.unit is units[0] and saved.stride == (1, 4)
+        other = torch.ones(3)
+        assert coordinator.pack(other) is other
+        coordinator.release(units)
+        coordinator.release_all()
+        assert layer.weight.numel() == 0
+        # Unpacked after the unit left: fetched again, and held until backward ends.
+        torch.testing.assert_close(coordinator.unpack(saved), expected)
+        assert units[0].state is UnitState.READY and units[0].held_for_backward
+        coordinator.end_backward()
+        assert units[0].state is UnitState.RELEASED
+
+
+class Branchy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(6, 6) for _ in range(3))
+
+    def forward(self, x, route):
+        x = self.a(x)
+        return self.c(self.b(x)) if route else self.c(x)
+
+
+def test_routes_get_their_own_traces_and_prefetch_after_recording(tmp_path):
+    model = Branchy()
+    x = torch.randn(2, 6)
+    with managed(model, tmp_path) as (units, coordinator), torch.no_grad():
+        for route in (True, False):
+            model(x, route)
+        assert coordinator.stats.divergences == 1  # the second route left the first's trace
+        assert coordinator.traces((True, False)) == 2
+        before = coordinator.stats.on_demand
+        for route in (True, False, False, True):
+            model(x, route)
+        assert coordinator.stats.on_demand == before
+        assert all(u.state is UnitState.RELEASED for u in units)
+
+
+def test_a_divergence_falls_back_to_on_demand_for_the_rest_of_the_pass(tmp_path):
+    model = Branchy()
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 6)
+    with managed(model, tmp_path) as (units, coordinator), torch.no_grad():
+        model(x, True)
+        before = coordinator.stats.on_demand
+        out = model(x, False)
+        assert coordinator.stats.divergences == 1
+        assert coordinator.stats.on_demand == before + 1  # c, fetched when needed
+        torch.testing.assert_close(out, reference(x, False))
+
+
+def test_reuse_distance_keeps_a_unit_between_its_uses(tmp_path):
+    model = Shared()
+    ids = torch.randint(0, 11, (2, 5))
+    with managed(model, tmp_path, reuse_numel=10**6) as (units, coordinator), torch.no_grad():
+        loss(model, ids)
+        loss(model, ids)
+        assert coordinator.stats.kept >= 2  # the block between its two calls, embed for out
+
+
+def test_frozen_units_get_no_gradient_and_are_released(tmp_path):
+    model = Shared()
+    model.block.requires_grad_(False)
+    with managed(model, tmp_path) as (units, coordinator):
+        loss(model, torch.randint(0, 11, (2, 5))).backward()
+        coordinator.end_backward()
+        frozen = next(u for u in units if u.name == "block")
+        assert not frozen.requires_grad and frozen.grad is None
+        assert all(u.state is UnitState.RELEASED for u in units)
+
+
+def test_wrong_use_is_refused(tmp_path):
+    layer = torch.nn.Linear(3, 3)
+    with managed(layer, tmp_path) as (units, coordinator):
+        with pytest.raises(RuntimeError, match="released more often than acquired"):
+            coordinator.release(units)
+        coordinator.acquire(units)
+        with pytest.raises(RuntimeError, match="still used"):
+            coordinator.release_all()
+        with pytest.raises(RuntimeError, match="is ready, expected released"):
+            units[0].expect(UnitState.RELEASED)
+        coordinator.release(units)
+
+
+def test_remove_leaves_no_hook(tmp_path):
+    model = Shared()
+    with managed(model, tmp_path):
+        assert model.embed._forward_pre_hooks and model.embed.weight._post_accumulate_grad_hooks
+    for m in model.modules():
+        assert not m._forward_pre_hooks and not m._forward_hooks
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+class Failing(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x, fail):
+        x = self.a(x)
+        if fail:
+            raise ValueError("bad batch")
+        return self.b(x)
+
+
+def test_a_failed_forward_releases_what_it_held(tmp_path):
+    model = Failing()
+    x = torch.randn(2, 4)
+    with managed(model, tmp_path) as (units, coordinator):
+        with pytest.raises(ValueError, match="bad batch"):
+            model(x, True)
+        assert all(u.state is UnitState.RELEASED and u.users == 0 for u in units)
+        model(x, False).sum().backward()
+        coordinator.end_backward()
+        assert all(u.grad is not None for u in units)
