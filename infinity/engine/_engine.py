@@ -52,6 +52,8 @@ from infinity.zero import (
 
 logger = logging.getLogger(__name__)
 
+_DEFAULT_OPTIMIZER = OptimizerConfig(type="AdamW", params=AdamParams())  # no "optimizer" section
+
 
 def _peak_rss_bytes() -> int:
     """VmHWM of this process (peak resident set), 0 where /proc is missing."""
@@ -88,6 +90,9 @@ class Engine:
             fp16=config.fp16.enabled, bf16=config.bf16.enabled,
             compute_dtype=config.infinity.compute_dtype, accelerator=accelerator,
             bf16_units=cpu_has_bf16_units())
+        adam = (config.optimizer or _DEFAULT_OPTIMIZER).params
+        self._schedule = None if config.scheduler is None else \
+            build_lr_schedule(config.scheduler, optimizer_lr=adam.lr)  # its errors come first
         if config.fp16.enabled or config.bf16.enabled:
             model.to(self.precision.compute)
         model.to(self.device)
@@ -138,8 +143,6 @@ class Engine:
             scale=fp16.initial_scale, window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
             min_scale=fp16.min_loss_scale) if fp16.enabled and fp16.dynamic else None
         self._static_scale = fp16.initial_scale if fp16.enabled and not fp16.dynamic else 1.0
-        self._schedule = None if config.scheduler is None else \
-            build_lr_schedule(config.scheduler, optimizer_lr=self.optimizer.lr)
         self._schedule_steps = 0
         if self._schedule is not None:
             self.optimizer.lr = self._schedule.lr_at(-1)
@@ -152,7 +155,7 @@ class Engine:
     def _make_optimizer(self) -> SwappedOptimizer:
         """Per-unit CPU Adam with its state in the store's host tier (offload_optimizer "none"
         or "cpu") or NVMe tier."""
-        opt = self.config.optimizer or OptimizerConfig(type="AdamW", params=AdamParams())
+        opt = self.config.optimizer or _DEFAULT_OPTIMIZER
         p = opt.params
         hyper = {"lr": p.lr, "betas": p.betas, "eps": p.eps, "weight_decay": p.weight_decay,
                  "adamw_mode": opt.decoupled_weight_decay}
@@ -167,8 +170,15 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the model; returns what the model returns."""
+        """Run the model; returns what the model returns. The first batch decides batch sizes
+        the config left to it ("auto"): the first dimension of the first tensor argument."""
         self._check_open()
+        if self.config.batch_pending:
+            first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.dim()), None)
+            if first is not None:
+                self.config = self.config.with_micro_batch(int(first.shape[0]))
+                logger.info("batch sizes from the first batch: micro %d, train %d",
+                            self.config.train_micro_batch_size_per_gpu, self.config.train_batch_size)
         with self.timeline.region("forward", "compute"):
             return self.module(*args, **kwargs)
 
@@ -271,6 +281,12 @@ class Engine:
     def _end_step(self) -> None:
         self.optimizer.finish_step()
         self._zero_grads()
+        if self.global_steps % self.config.steps_per_print == 0:
+            p = self.coordinator.stats
+            logger.info("step %d: lr %.3g, grad norm %s, prefetch hits %d, on demand %d, stall %.2f s",
+                        self.global_steps, self.optimizer.lr,
+                        "n/a" if self.last_grad_norm is None else f"{self.last_grad_norm:.4g}",
+                        p.prefetch_hits, p.on_demand, p.stall_s)
         if self._schedule is not None:  # as DeepSpeed: the schedule advances on applied steps
             self._schedule_steps += 1
             self.optimizer.lr = self._schedule.lr_at(self._schedule_steps - 1)

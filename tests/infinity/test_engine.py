@@ -364,3 +364,23 @@ def test_generate_runs_on_the_trained_values_without_on_demand_fetches(tmp_path)
     engine.close()
     with torch.no_grad():
         assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), generated)
+
+
+def test_a_schedule_without_its_total_steps_fails_before_anything_moves(tmp_path):
+    model = mlp()
+    with pytest.raises(ConfigError, match="total_num_steps"):
+        infinity.initialize(model, config(tmp_path, scheduler={"type": "WarmupDecayLR",
+                                                               "params": {"warmup_num_steps": 2}}))
+    assert all(p.numel() > 0 for p in model.parameters())
+
+
+def test_auto_batch_sizes_come_from_the_first_batch_and_progress_is_logged(tmp_path, caplog):
+    cfg = config(tmp_path, train_micro_batch_size_per_gpu="auto", gradient_accumulation_steps=2,
+                 steps_per_print=1)
+    engine = infinity.initialize(mlp(), cfg)
+    assert engine.config.batch_pending
+    with caplog.at_level("INFO", logger="infinity.engine"):
+        train_engine(engine, mlp_batches(2))
+    assert engine.config.train_micro_batch_size_per_gpu == 2 and engine.config.train_batch_size == 4
+    assert "step 1: lr" in caplog.text
+    engine.close()
