@@ -2,7 +2,7 @@
 
     infinity-nvme-bench --path /tmp --size 2G --fio --repeat 4   # write, read, 4 KiB cost; vs fio
     infinity-nvme-bench --path /tmp --size 1G --sweep --json sweep.json   # best `aio` config block
-    infinity-nvme-bench --path /tmp --size 2G --mix                # training-like reads + writes
+    infinity-nvme-bench --path /tmp --size 2G --mix --repeat 8     # layer fetch/optimizer vs DeepSpeed
     infinity-nvme-bench --path /mnt/nvme --read --block-size 4M --queue-depth 16 --threads 2
     infinity-nvme-bench --path /dev/shm --size 256M --fio          # tmpfs: software cost only
 
@@ -30,7 +30,8 @@ from typing import Any
 from tqdm import tqdm
 
 import aio
-from aio import bench
+from tools import _layer_io as layer_io
+from tools import _nvme_bench_lib as bench
 from tools.cli import parse_size
 
 PROG = "infinity-nvme-bench"
@@ -231,6 +232,46 @@ def _report(args, config, data, ops, fio: str | None) -> dict[str, Any]:
     return result
 
 
+def _layer_report(args, config: bench.EngineConfig, workdir: str) -> dict[str, Any]:
+    """The fetch and optimizer patterns of tools/_layer_io.py, ours and DeepSpeed's handle
+    alternating within each round; the files are removed before the swap-file mix runs."""
+    directory = os.path.join(workdir, "layers")
+    os.mkdir(directory)
+    with tqdm(total=args.repeat * 3 * 2, desc="layers", unit="run", disable=None) as bar:
+        try:
+            runs, info = layer_io.measure(config, directory, args.size, args.repeat,
+                                          on_progress=bar.update)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+    shapes = ", ".join("x".join(map(str, shape)) for shape in info["shapes"])
+    print(f"layers: {info['layers']} layers of 7 bf16 tensors ({shapes}), one file per tensor, "
+          f"{info['window']} layers in flight; block {config.block_size >> 10} KiB, queue depth "
+          f"{config.queue_depth}, threads {config.threads}; median [min-max] of {args.repeat} rounds, "
+          "tools alternating")
+    for tool, counts in info["extents"].items():
+        if counts:
+            print(f"  {tool}: files written in {min(counts)}-{max(counts)} extents "
+                  f"(median {bench.summarize(counts).median:.0f}, filefrag)")
+    if info["deepspeed_skipped"]:
+        print(f"  deepspeed: not measured ({info['deepspeed_skipped']})")
+    ours, rows, ratios = info["tools"][0], [], {}
+    for pattern in layer_io.PATTERNS:
+        by_tool = {tool: [r for r in runs if r.tool == tool and r.pattern == pattern] for tool in info["tools"]}
+        for tool, mine in by_tool.items():
+            if tool == "deepspeed":  # paired: the same round
+                ratios[pattern] = bench.summarize(
+                    a.gbps / b.gbps for a, b in zip(by_tool[ours], mine, strict=True)).median
+            per_request = [r.device_nbytes / r.device_requests / 2**20 for r in mine if r.device_requests]
+            rows.append([pattern, tool, _fmt([r.seconds for r in mine], 1, 3), _fmt([r.gbps for r in mine]),
+                         _fmt(per_request, 1, 1) if per_request else "?",
+                         f"{ratios[pattern]:.2f}" if tool == "deepspeed" else ""])
+    _table(["pattern", "tool", "seconds", "GB/s", "MiB/device request", "ours/deepspeed"], rows)
+    print("  fetch: forward reads; optimizer: reads + write-backs (GB/s counts both). 4K pages: "
+          "ours into buffers of ordinary pages. MiB/device request: the disk's own counters over "
+          "the run, other processes included")
+    return {**info, "runs": [r.as_dict() for r in runs], "ratio_ours_over_deepspeed": ratios}
+
+
 def _run(args: argparse.Namespace, workdir: str, fio: str | None) -> dict[str, Any]:
     configs = _grid(args)
     results: dict[str, Any] = {
@@ -241,6 +282,7 @@ def _run(args: argparse.Namespace, workdir: str, fio: str | None) -> dict[str, A
     print(f"{PROG}: {_human(args.size)} in {workdir} ({results['filesystem']}, "
           f"O_DIRECT {'yes' if results['o_direct'] else 'NO: reads may be served from RAM'})")
     if args.mix:
+        results["layers"] = _layer_report(args, configs[0], workdir)
         steps = len(bench.mix_schedule(bench.plan_layers(args.size)[1], MIX_PASSES))
         with configs[0].open() as handle, tqdm(total=steps * args.repeat, desc="mix", unit="layer",
                                                disable=None) as bar:

@@ -75,7 +75,8 @@ void inf_aio_handle_destroy(struct inf_aio_handle *handle);
 
 /* Queue a transfer of nbytes > 0 between buf and the target at offset; *out receives the
  * request, which the caller must inf_aio_request_free once it is done. The buffer and
- * descriptors must stay valid until then. */
+ * descriptors must stay valid until then. A write reaching past the end of the file first
+ * preallocates its range (see [Note: preallocating extending writes] in handle.c). */
 int inf_aio_submit(struct inf_aio_handle *handle, int op, const struct inf_aio_target *target,
                    void *buf, uint64_t nbytes, int64_t offset, struct inf_aio_request **out);
 

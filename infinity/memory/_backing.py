@@ -20,7 +20,7 @@ import weakref
 
 import torch
 
-from aio.buffers import PAGE_NBYTES  # the machine's page: what O_DIRECT and registration want
+from aio.buffers import PAGE_NBYTES, aligned_empty  # the page: what O_DIRECT and registration want
 
 logger = logging.getLogger(__name__)
 
@@ -67,10 +67,15 @@ class Backing:
         if not is_power_of_two(alignment):
             raise ValueError(f"alignment={alignment} must be a power of two")
         alignment = max(alignment, PAGE_NBYTES)
-        # Over-allocate by one alignment unit and slice, because torch only promises 64 bytes.
-        raw = torch.empty(nbytes + alignment, dtype=torch.uint8, device=device)
-        skip = (-raw.data_ptr()) % alignment
-        self.tensor: torch.Tensor = raw[skip : skip + nbytes]  # 1D, aligned; shares raw's storage
+        if device.type == "cpu":
+            # Huge pages where possible, so direct I/O from and to the arena reaches the disk
+            # in large requests: see [Note: physically contiguous buffers] in aio/buffers.py.
+            self.tensor: torch.Tensor = aligned_empty(nbytes, alignment, pin=False)
+        else:
+            # Over-allocate by one alignment unit and slice, because torch only promises 64 bytes.
+            raw = torch.empty(nbytes + alignment, dtype=torch.uint8, device=device)
+            skip = (-raw.data_ptr()) % alignment
+            self.tensor = raw[skip : skip + nbytes]  # 1D, aligned; shares raw's storage
         if device.type == "cpu":
             # Touch every page now: the memory is the OS's to refuse at start-up, never mid-step.
             self.tensor.zero_()

@@ -65,7 +65,6 @@ class CPUAdam(torch.optim.Optimizer):
             "decoupled_weight_decay": bool(adamw_mode),
         }
         super().__init__(params, defaults)
-        self.threads: int | None = threads
         # - Kernel workers, made once: starting threads on every parameter costs ~40 us each.
         self._pool = ThreadPool(check_threads(threads))
         logger.debug("CPUAdam kernel runs %s", resolve_isa("auto"))

@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 import torch
 
+from infinity.memory import ThreadPool
 from infinity.optim._native import adam_step, check_hyperparameters, check_threads
 from infinity.optim._state import StreamedState
 from infinity.optim._tiles import (
@@ -169,13 +170,15 @@ class SwappedOptimizer(StreamedState):
         if isinstance(tile_numel, bool) or not isinstance(tile_numel, int) or tile_numel < 1:
             raise ValueError(f"tile_numel must be an int >= 1, got {tile_numel!r}")
         check_hyperparameters(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay)
-        check_threads(threads)  # wrong values fail here, not at the first step
+        # Kernel workers, started once: a pass makes a kernel call per tile segment. Units stepped
+        # from several threads take turns on them (each call already uses every core).
+        self._pool = ThreadPool(check_threads(threads))  # wrong values fail here, not at a step
         self.state_tier = Tier.of(state_tier)
         if self.state_tier == Tier.DEVICE:
             raise ValueError("state_tier must be Tier.NVME or Tier.HOST: the CPU kernel updates host memory")
         self.lr, self.betas, self.eps = lr, (float(betas[0]), float(betas[1])), eps
         self.weight_decay, self.adamw_mode = weight_decay, adamw_mode
-        self.threads, self.store, self.name, self.tile_numel = threads, store, name, tile_numel
+        self.store, self.name, self.tile_numel = store, name, tile_numel
         self.skipped_steps = 0  # steps skipped for non-finite gradients (fp16 overflow included)
         self._completed = 0  # steps applied; tiles hold this step between steps
         self._lock = threading.Lock()  # finish_step against itself
@@ -397,7 +400,7 @@ class SwappedOptimizer(StreamedState):
             adam_step(master, grad.view(-1)[part], exp_avg, exp_avg_sq, step=step_of(seg.param),
                       lr=self.lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
                       weight_decay=self.weight_decay, adamw=self.adamw_mode, grad_scale=grad_scale,
-                      out_lowp=lowp, threads=self.threads)
+                      out_lowp=lowp, pool=self._pool)
             if master_row and lowp is None:
                 out.copy_(master)
             values.modified(seg.param)

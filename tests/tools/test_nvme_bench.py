@@ -1,4 +1,4 @@
-"""infinity-nvme-bench end to end on tiny sizes, plus the measuring helpers in aio.bench."""
+"""infinity-nvme-bench end to end on tiny sizes, plus the measuring helpers in tools._nvme_bench_lib."""
 
 import argparse
 import json
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import aio
-from aio import bench
+from tools import _nvme_bench_lib as bench
 from tools import cli, nvme_bench
 
 

@@ -1,8 +1,8 @@
 """Measuring the aio engine: sequential GB/s, small-request cost, a training-like mix, and fio.
 
-Used by `tools/nvme_bench.py` (the `infinity-nvme-bench` command); the functions also serve
-tests and notebooks. Units: bytes, seconds, and GB/s in decimal gigabytes (1e9 bytes/s), as
-fio and disk vendors count them.
+Used by `tools/nvme_bench.py` (the `infinity-nvme-bench` command) and `tools/bench_store.py`:
+benchmark code, kept out of the `aio` package. Units: bytes, seconds, and GB/s in decimal
+gigabytes (1e9 bytes/s), as fio and disk vendors count them.
 
 [Note: honest reads] A read measures the device only if nothing comes from the page cache and
 nothing comes from unwritten extents (which ext4 returns as zeros without touching the disk).
