@@ -105,3 +105,22 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_parameter(tmp_path)
     with pytest.raises(CheckpointError, match=r"'0.weight' has shape \(3, 3\), the model's is \(32, 8\)"):
         engine.load_checkpoint(tmp_path / "other")
     engine.close()
+
+
+def test_an_fp32_checkpoint_resumes_in_a_bf16_run_with_fp32_masters(tmp_path):
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    engine = infinity.initialize(mlp(0), config(swap, "nvme"))
+    train(engine, 2)
+    engine.save_checkpoint(tmp_path / "run")
+    fp32 = dict(engine.named_parameters())
+    engine.close()
+    bf16 = infinity.initialize(mlp(3), config(swap, "nvme", bf16={"enabled": True}))
+    bf16.load_checkpoint(tmp_path / "run")
+    assert {n: t.dtype for n, t in bf16.named_parameters()} == {n: torch.bfloat16 for n in fp32}
+    assert all(torch.equal(t, fp32[n].bfloat16()) for n, t in bf16.named_parameters())
+    state = dict(bf16.optimizer.iter_state())  # the master keeps the fp32 values, not their rounding
+    flat = torch.cat([fp32[s.name].reshape(-1) for s in bf16._trained[0].slots])
+    assert torch.equal(state[0]["master"].reshape(-1)[:flat.numel()], flat)
+    train(bf16, 1)
+    bf16.close()
