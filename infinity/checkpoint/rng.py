@@ -14,6 +14,7 @@ import random
 import numpy as np
 import torch
 
+from infinity.checkpoint.async_writer import AsyncCheckpointWriter
 from infinity.checkpoint.reader import CheckpointReader
 from infinity.checkpoint.writer import CheckpointWriter
 from infinity.errors import CheckpointError
@@ -27,7 +28,7 @@ def _cuda_key(index: int) -> str:
     return f"rng/cuda{index}"
 
 
-def save_rng_state(writer: CheckpointWriter) -> None:
+def save_rng_state(writer: CheckpointWriter | AsyncCheckpointWriter) -> None:
     """Add this process's RNG states to the checkpoint `writer` is writing."""
     writer.add(TORCH_KEY, torch.get_rng_state())
     if torch.cuda.is_available():

@@ -21,6 +21,7 @@ import dataclasses
 import json
 import logging
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,7 @@ import torch
 
 from infinity.checkpoint import (
     ADAM_STATES,
+    AsyncCheckpointWriter,
     CheckpointReader,
     CheckpointWriter,
     load_rng_state,
@@ -46,28 +48,49 @@ MASTER = "master"
 
 
 def save_checkpoint(engine: Engine, directory: str | Path, tag: str | None = None,
-                    client_state: dict[str, Any] | None = None) -> Path:
+                    client_state: dict[str, Any] | None = None, *,
+                    async_budget_nbytes: int | None = None) -> Future[Path]:
     """Write the engine's whole training state as tag `tag` (default `step<global_steps>`)
-    under `directory` and point `directory/latest` at it; returns the tag's path."""
+    under `directory` and point `directory/latest` at it.
+
+    With `async_budget_nbytes` the tensors are copied to host memory (at most that many bytes
+    wait at once) and written by a worker thread: this returns once the last copy is queued,
+    and the Future completes when the tag is committed. Without, the Future is already done."""
     if engine.micro_steps % engine.config.gradient_accumulation_steps:
         logger.warning("checkpoint in the middle of gradient accumulation (micro step %d): the "
                        "accumulated gradients are not saved", engine.micro_steps)
     engine.coordinator.release_all()
     tag = tag or f"step{engine.global_steps}"
-    with CheckpointWriter(directory, tag, metadata=_metadata(engine, client_state)) as writer:
-        for unit in engine.units:
-            for name, values in _unit_values(engine, unit):
-                writer.add(name, values)
-        for i, state in engine.optimizer.iter_state():
-            unit = engine._trained[i]
-            rows = ([MASTER] if unit.dtype != torch.float32 else []) + list(ADAM_STATES)
-            for row in rows:
-                flat = state[row].reshape(-1)
-                for s in unit.slots:
-                    writer.add(optimizer_state_name(row, s.name),
-                               flat[s.offset:s.offset + s.shape.numel()].view(s.shape))
-        save_rng_state(writer)
-    return writer.path
+    metadata = _metadata(engine, client_state)
+    if async_budget_nbytes is None:
+        with CheckpointWriter(directory, tag, metadata=metadata) as writer:
+            _write_state(engine, writer)
+        done: Future[Path] = Future()
+        done.set_result(writer.path)
+        return done
+    saver = AsyncCheckpointWriter(directory, tag, metadata=metadata, budget_nbytes=async_budget_nbytes)
+    try:
+        _write_state(engine, saver)
+    except BaseException:
+        saver.abort()
+        raise
+    return saver.commit()
+
+
+def _write_state(engine: Engine, writer: CheckpointWriter | AsyncCheckpointWriter) -> None:
+    """Every tensor of the engine's state, one unit at a time, then the RNG states."""
+    for unit in engine.units:
+        for name, values in _unit_values(engine, unit):
+            writer.add(name, values)
+    for i, state in engine.optimizer.iter_state():
+        unit = engine._trained[i]
+        rows = ([MASTER] if unit.dtype != torch.float32 else []) + list(ADAM_STATES)
+        for row in rows:
+            flat = state[row].reshape(-1)
+            for s in unit.slots:
+                writer.add(optimizer_state_name(row, s.name),
+                           flat[s.offset:s.offset + s.shape.numel()].view(s.shape))
+    save_rng_state(writer)
 
 
 def load_checkpoint(engine: Engine, directory: str | Path, tag: str | None = None, *,

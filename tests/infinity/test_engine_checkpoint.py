@@ -124,3 +124,35 @@ def test_an_fp32_checkpoint_resumes_in_a_bf16_run_with_fp32_masters(tmp_path):
     assert torch.equal(state[0]["master"].reshape(-1)[:flat.numel()], flat)
     train(bf16, 1)
     bf16.close()
+
+
+def test_a_background_save_holds_the_state_of_its_call(tmp_path):
+    """Training goes on while the save is written (4 KiB of copies queued at most); the
+    checkpoint still resumes to the uninterrupted run's weights."""
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    engine = infinity.initialize(mlp(0), config(swap, "nvme", bf16={"enabled": True}))
+    torch.manual_seed(1)
+    train(engine, 3)
+    assert engine.save_checkpoint(tmp_path / "run", async_save=True, async_budget_nbytes=4096) \
+        == tmp_path / "run" / "step3"
+    train(engine, 4)
+    expected = dict(engine.named_parameters())
+    engine.close()  # waits for the save
+    resumed = infinity.initialize(mlp(7), config(swap, "nvme", bf16={"enabled": True}))
+    resumed.load_checkpoint(tmp_path / "run")
+    train(resumed, 4)
+    got = dict(resumed.named_parameters())
+    resumed.close()
+    assert all(torch.equal(got[n], t) for n, t in expected.items())
+
+
+def test_a_failed_background_save_is_raised_by_the_next_call(tmp_path):
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    engine = infinity.initialize(mlp(0), config(swap, "none"))
+    engine.save_checkpoint(tmp_path / "run", client_state={"x": object()}, async_save=True)
+    with pytest.raises(CheckpointError, match="metadata must be JSON"):
+        engine.wait_for_checkpoint()
+    engine.close()
+    assert not (tmp_path / "run" / "step0").exists()
