@@ -156,3 +156,29 @@ def test_a_failed_background_save_is_raised_by_the_next_call(tmp_path):
         engine.wait_for_checkpoint()
     engine.close()
     assert not (tmp_path / "run" / "step0").exists()
+
+
+def test_a_transformers_model_saved_by_the_engine_converts_to_hf_alone(tmp_path):
+    """The engine keeps the model's config, so `infinity-convert --to hf` needs nothing else and
+    from_pretrained gives the logits of the trained model."""
+    transformers = pytest.importorskip("transformers")
+    from tools.convert import main
+
+    cfg = transformers.LlamaConfig(vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1,
+                                   max_position_embeddings=32, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    engine = infinity.initialize(model, config(swap, "none"))
+    ids = torch.randint(0, 48, (2, 8), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    engine.save_checkpoint(tmp_path / "run")
+    engine.close()  # the model gets its trained values back
+    assert main([str(tmp_path / "run"), str(tmp_path / "hf"), "--to", "hf"]) == 0
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model.eval()(ids).logits)
