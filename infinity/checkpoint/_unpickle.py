@@ -95,9 +95,6 @@ class _RestrictedPickle:
     def __init__(self, path: Path) -> None:
         self.Unpickler = type("Unpickler", (_RestrictedUnpickler,), {"path": str(path)})
 
-    def load(self, file: Any, **kwargs: Any) -> Any:  # legacy (non-zip) torch files
-        return self.Unpickler(file, **kwargs).load()
-
 
 def load_pt(path: Path) -> Any:
     """torch.load of `path` (memory-mapped: tensors are read on first touch) through the
