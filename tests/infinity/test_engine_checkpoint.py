@@ -182,3 +182,30 @@ def test_a_transformers_model_saved_by_the_engine_converts_to_hf_alone(tmp_path)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model.eval()(ids).logits)
+
+
+def test_frozen_and_resident_parameters_resume_too(tmp_path):
+    swap = tmp_path / "swap"
+    swap.mkdir()
+
+    def build(seed):
+        model = mlp(seed)
+        model[0].weight.requires_grad_(False)
+        cfg = config(swap, "nvme")
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 40  # biases stay resident
+        return infinity.initialize(model, cfg)
+
+    engine = build(0)
+    torch.manual_seed(1)
+    train(engine, 2)
+    engine.save_checkpoint(tmp_path / "run")
+    train(engine, 2)
+    expected = dict(engine.named_parameters())
+    assert any(u.persistent for u in engine.units) and any(not u.requires_grad for u in engine.units)
+    engine.close()
+    resumed = build(4)
+    resumed.load_checkpoint(tmp_path / "run")
+    train(resumed, 2)
+    got = dict(resumed.named_parameters())
+    resumed.close()
+    assert all(torch.equal(got[n], t) for n, t in expected.items())
