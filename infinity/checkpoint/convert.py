@@ -56,6 +56,10 @@ FORMATS = ("hf", "safetensors", "torch", "zarr", "infinity")
 _MODEL_FILES = ("config.json", "generation_config.json")
 
 
+def _read_configs(directory: Path) -> dict[str, dict[str, Any]]:
+    return {f: json.loads((directory / f).read_text()) for f in _MODEL_FILES if (directory / f).is_file()}
+
+
 @dataclasses.dataclass(slots=True)
 class ConvertedFile:
     """One output file (or directory for zarr/infinity) and what it holds."""
@@ -141,7 +145,7 @@ class Conversion:
         if directory is not None:
             if not (directory / "config.json").is_file():
                 raise CheckpointError(f"--model-config {directory} holds no config.json")
-            return {f: json.loads((directory / f).read_text()) for f in _MODEL_FILES if (directory / f).is_file()}
+            return _read_configs(directory)
         metadata = self.source.metadata
         if isinstance(metadata.get("model_config"), dict):
             found = {"config.json": metadata["model_config"]}
@@ -150,17 +154,9 @@ class Conversion:
             return found
         for place in (self.source.path, self.source.path.parent):
             if (place / "config.json").is_file():
-                return {f: json.loads((place / f).read_text()) for f in _MODEL_FILES if (place / f).is_file()}
+                return _read_configs(place)
         raise CheckpointError(f"--to hf needs the model's config.json: the checkpoint "
                               f"{self.source.path} has none; give --model-config DIR")
-
-    def _pieces(self, name: str, on_progress: ProgressCallback | None = None) -> Iterator[torch.Tensor]:
-        dtype = self.dtypes[name]
-        for piece in self.source.iter_chunks(name):
-            piece = piece.to(dtype)
-            if on_progress is not None:
-                on_progress(piece.numel() * piece.element_size())
-            yield piece
 
     # -- writing --
     def _write(self, staging: Path, on_progress: ProgressCallback | None) -> tuple[list[ConvertedFile], dict[str, int]]:
@@ -168,8 +164,10 @@ class Conversion:
         crcs: dict[str, int] = {}
 
         def checked(name: str) -> Iterator[torch.Tensor]:
+            """The source's pieces in the output dtype, their CRC-32C noted as they pass."""
             crc = 0
-            for piece in self._pieces(name):
+            for piece in self.source.iter_chunks(name):
+                piece = piece.to(self.dtypes[name])
                 crc = aio.crc32c(to_storage(piece).reshape(-1), crc)
                 yield piece
             crcs[name] = crc
