@@ -1,6 +1,6 @@
 """Infinity: fine-tune models larger than accelerator memory and RAM with tiered offload."""
 
 from infinity.engine import Engine, initialize
-from infinity.errors import BudgetError, ConfigError, ConfigPathError
+from infinity.errors import BudgetError, CheckpointError, ConfigError, ConfigPathError
 
-__all__ = ["BudgetError", "ConfigError", "ConfigPathError", "Engine", "initialize"]
+__all__ = ["BudgetError", "CheckpointError", "ConfigError", "ConfigPathError", "Engine", "initialize"]

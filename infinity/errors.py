@@ -15,3 +15,8 @@ class ConfigPathError(OSError, ConfigError):
     An OSError (errno, strerror naming the config key, filename) and a ConfigError at once, so
     callers catching either see it.
     """
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be written or read as asked: not a checkpoint, a missing or corrupt
+    file, an unknown format version, a tag that exists. The message names the tensor and file."""
