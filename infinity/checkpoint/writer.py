@@ -54,6 +54,30 @@ def check_tag(tag: str) -> str:
     return tag
 
 
+# [Note: publishing a tag] A save killed after renaming its tag into place but before replacing
+# `latest` leaves a complete tag that `latest` does not name; a run resumed from `latest` then
+# saves that tag again. So the tag is named in PUBLISHING_NAME (durably) before the rename and
+# the file is removed after `latest`; the next writer finds the file and retires the tag it
+# names unless `latest` names it. Older tags that `latest` no longer names are never touched.
+PUBLISHING_NAME = f"{TEMPORARY_PREFIX}publishing"
+
+
+def retire_unpublished(directory: Path) -> None:
+    """Set aside (as debris) a tag whose save was killed before `latest` named it."""
+    try:
+        tag = (directory / PUBLISHING_NAME).read_text().strip()
+    except FileNotFoundError:
+        return
+    try:
+        latest = (directory / LATEST_NAME).read_text().strip()
+    except FileNotFoundError:
+        latest = None
+    if tag and tag != latest and (directory / tag).exists():
+        aside = directory / f"{TEMPORARY_PREFIX}unpublished-{tag}-{uuid.uuid4().hex[:8]}"
+        replace_durably(directory / tag, aside)
+        logger.warning("removing %s: its save was interrupted before latest named it", directory / tag)
+
+
 def remove_debris(directory: Path) -> None:
     """Remove what crashed writers left in `directory` (the `.tmp-*` entries)."""
     for path in directory.glob(f"{TEMPORARY_PREFIX}*"):
@@ -164,6 +188,7 @@ class CheckpointWriter:
         self._update_latest = update_latest
         self._on_progress = on_progress
         self.directory.mkdir(parents=True, exist_ok=True)
+        retire_unpublished(self.directory)
         remove_debris(self.directory)
         self._check_free()
         self._staging = self.directory / f"{TEMPORARY_PREFIX}{tag}-{uuid.uuid4().hex[:8]}"
@@ -207,9 +232,13 @@ class CheckpointWriter:
         (self._staging / MANIFEST_NAME).write_text(manifest.to_json())
         fsync_tree(self._staging)  # See [Note: durable commit]
         self._check_free()
+        if self._update_latest:  # See [Note: publishing a tag]
+            write_text_atomically(self.directory / PUBLISHING_NAME, self.tag + "\n")
         replace_durably(self._staging, self.path)
         if self._update_latest:
             write_text_atomically(self.directory / LATEST_NAME, self.tag + "\n")
+            (self.directory / PUBLISHING_NAME).unlink()
+            fsync_path(self.directory)
         logger.info("checkpoint %s committed (%d tensors)", self.path, len(self._entries))
         return self.path
 

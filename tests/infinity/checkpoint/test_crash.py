@@ -96,10 +96,29 @@ def test_sigkill_during_save_never_leaves_latest_on_an_incomplete_checkpoint(tmp
         for name, tensor in _expected(step).items():
             assert torch.equal(reader.read(name), tensor), (crash, name)
         assert torch.equal(CheckpointReader(directory, "step1").read("t0"), _expected(1)["t0"])
+        if tag == "step1":  # a run resumed from latest saves step2 again, over any leftover
+            with CheckpointWriter(directory, "step2", metadata={"step": 2}) as writer:
+                for name, tensor in _expected(2).items():
+                    writer.add(name, tensor)
+            CheckpointReader(directory).verify()
         with CheckpointWriter(directory, "step3") as writer:  # the next save cleans up
             writer.add("w", torch.ones(2))
         left = sorted(p.name for p in directory.iterdir() if p.name not in ("count.json",))
-        assert left in (["latest", "step1", "step3"], ["latest", "step1", "step2", "step3"]), (crash, left)
+        assert left == ["latest", "step1", "step2", "step3"], (crash, left)
         assert latest_tag(directory) == "step3"
+        assert torch.equal(CheckpointReader(directory, "step2").read("t1"), _expected(2)["t1"])
     assert ("step1", True) in outcomes and ("step2", True) in outcomes, (
         f"crashes should land both before and after step2's commit: {outcomes}")
+
+
+def test_an_older_tag_that_latest_moved_past_is_never_replaced(tmp_path):
+    for tag in ("step1", "step2"):
+        with CheckpointWriter(tmp_path, tag) as writer:
+            writer.add("w", torch.ones(2))
+    try:
+        CheckpointWriter(tmp_path, "step1")
+    except ValueError as exc:
+        assert "exists" in str(exc)
+    else:
+        raise AssertionError("an existing tag that latest moved past was not refused")
+    assert torch.equal(CheckpointReader(tmp_path, "step1").read("w"), torch.ones(2))
