@@ -15,3 +15,8 @@ class ConfigPathError(OSError, ConfigError):
     An OSError (errno, strerror naming the config key, filename) and a ConfigError at once, so
     callers catching either see it.
     """
+
+
+class InputError(ValueError):
+    """Training input that cannot be used (model directory, data, sequence length, output path);
+    the message names it and what would work."""

@@ -10,10 +10,11 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # A package may import only from the layers listed after it.
-LAYERS = ["tools", "infinity.engine", "infinity.zero", "infinity.optim", "infinity.checkpoint",
+LAYERS = ["tools", "infinity.train", "infinity.engine", "infinity.zero", "infinity.optim", "infinity.checkpoint",
           "infinity.store", "infinity.memory", "aio"]
 ALLOWED = {
     "tools": {"infinity", "aio"},
+    "infinity.train": {"infinity.engine", "infinity.zero", "infinity.optim", "infinity.config", "infinity.store", "infinity.memory", "infinity.errors", "aio"},
     "infinity.engine": {"infinity.zero", "infinity.optim", "infinity.config", "infinity.store", "infinity.memory", "infinity.errors", "aio"},
     "infinity.zero": {"infinity.store", "infinity.memory", "infinity.errors", "aio"},
     "infinity.config": {"infinity.optim", "infinity.errors", "aio"},
