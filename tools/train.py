@@ -87,13 +87,20 @@ class _Progress:
     """The tqdm bar: loss, tokens/s, step time, resident memory, NVMe GB/s."""
 
     def __init__(self, steps: int) -> None:
-        self.bar = tqdm(total=steps, desc=PROG, unit="step", file=sys.stderr, dynamic_ncols=True)
+        self.steps = steps
+        self.bar: tqdm | None = None  # made at the first step: bad input shows only its line
 
     def __call__(self, r: StepRecord) -> None:
+        if self.bar is None:
+            self.bar = tqdm(total=self.steps, desc=PROG, unit="step", file=sys.stderr, dynamic_ncols=True)
         self.bar.set_postfix_str(f"loss {r.loss:.3f}, {r.tokens_per_s:.0f} tok/s, {r.step_s:.2f} s/step, "
                                  f"RSS {r.rss_bytes / 2**20:.0f} MiB, NVMe {r.nvme_gbps:.3f} GB/s",
                                  refresh=False)
         self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _fail(message: str) -> int:
@@ -115,16 +122,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = run(options, on_step=progress)
     except InputError as e:
+        progress.close()
         return _fail(str(e))
     except OSError as e:
+        progress.close()
         if e.errno != errno.ENOSPC:
             raise
         return _fail(f"disk full: {e}")
     except KeyboardInterrupt:
+        progress.close()
         print(f"{PROG}: aborted", file=sys.stderr)
         return 130
-    finally:
-        progress.bar.close()
+    progress.close()
     print(result.summary)
     if result.interrupted:
         print("stopped early by Ctrl-C")
