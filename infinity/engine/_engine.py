@@ -33,7 +33,6 @@ from typing import Any
 import torch
 
 from infinity.config import AdamParams, Config, OptimizerConfig, build_lr_schedule
-from infinity.engine._host_adam import HostUnitAdam
 from infinity.engine._plan import MemoryPlan, plan_memory
 from infinity.engine._precision import choose_precision, cpu_has_bf16_units
 from infinity.engine._timeline import Timeline
@@ -43,12 +42,15 @@ from infinity.zero import (
     FetchUnit,
     ModelHooks,
     ParamCoordinator,
+    StoredGrad,
     UnitState,
     place_units,
     plan_units,
 )
 
 logger = logging.getLogger(__name__)
+
+_DEFAULT_OPTIMIZER = OptimizerConfig(type="AdamW", params=AdamParams())  # no "optimizer" section
 
 
 def _peak_rss_bytes() -> int:
@@ -86,6 +88,9 @@ class Engine:
             fp16=config.fp16.enabled, bf16=config.bf16.enabled,
             compute_dtype=config.infinity.compute_dtype, accelerator=accelerator,
             bf16_units=cpu_has_bf16_units())
+        adam = (config.optimizer or _DEFAULT_OPTIMIZER).params
+        self._schedule = None if config.scheduler is None else \
+            build_lr_schedule(config.scheduler, optimizer_lr=adam.lr)  # its errors come first
         if config.fp16.enabled or config.bf16.enabled:
             model.to(self.precision.compute)
         model.to(self.device)
@@ -101,7 +106,7 @@ class Engine:
             host_memory_budget=config.infinity.host_memory_budget)
         logger.info("engine: stage %d, params at home on %s, optimizer state %s; store budgets %s",
                     zero.stage, self.plan.param_home.label,
-                    self.plan.state_tier.label if self.plan.state_tier else "in RAM",
+                    self.plan.state_tier.label,
                     {t.label: n for t, n in self.plan.budgets.items()})
         nvme_path = zero.offload_param.nvme_path if self.plan.param_home == Tier.NVME else None
         nvme_path = nvme_path or zero.offload_optimizer.nvme_path
@@ -115,6 +120,11 @@ class Engine:
         self._stepping: dict[int, Future] | None = None  # units stepped during this backward
         try:
             place_units(self.units, self.store, home=self.plan.param_home, device=self.device)
+            if self.plan.grads_tier is not None:  # the budget cannot hold them in RAM
+                for u in self.units:
+                    if u.requires_grad:
+                        u.grad = StoredGrad(f"grad/{u.key}", u.numel, u.compute_dtype, self.store,
+                                            self.plan.grads_tier)
             self.coordinator = ParamCoordinator(
                 self.units, self.store, fetch_tier=self.plan.fetch_tier, device=self.device,
                 prefetch_numel=prefetch_numel, max_live_numel=zero.stage3_max_live_parameters,
@@ -131,8 +141,6 @@ class Engine:
             scale=fp16.initial_scale, window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
             min_scale=fp16.min_loss_scale) if fp16.enabled and fp16.dynamic else None
         self._static_scale = fp16.initial_scale if fp16.enabled and not fp16.dynamic else 1.0
-        self._schedule = None if config.scheduler is None else \
-            build_lr_schedule(config.scheduler, optimizer_lr=self.optimizer.lr)
         self._schedule_steps = 0
         if self._schedule is not None:
             self.optimizer.lr = self._schedule.lr_at(-1)
@@ -142,14 +150,13 @@ class Engine:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="infinity-optim") if self.overlap else None
         self.units_stepped_in_backward = 0
 
-    def _make_optimizer(self) -> HostUnitAdam | SwappedOptimizer:
-        """Per-unit Adam: state in RAM without optimizer offload, else in the store's tier."""
-        opt = self.config.optimizer or OptimizerConfig(type="AdamW", params=AdamParams())
+    def _make_optimizer(self) -> SwappedOptimizer:
+        """Per-unit CPU Adam with its state in the store's host tier (offload_optimizer "none"
+        or "cpu") or NVMe tier."""
+        opt = self.config.optimizer or _DEFAULT_OPTIMIZER
         p = opt.params
         hyper = {"lr": p.lr, "betas": p.betas, "eps": p.eps, "weight_decay": p.weight_decay,
                  "adamw_mode": opt.decoupled_weight_decay}
-        if self.plan.state_tier is None:
-            return HostUnitAdam(self._trained, self.store, **hyper)
         specs = [UnitSpec(u.numel, u.dtype, u.key) for u in self._trained]
         return SwappedOptimizer.from_units(specs, self.store, state_tier=self.plan.state_tier,
                                            tile_numel=self.config.zero_optimization.sub_group_size,
@@ -161,8 +168,15 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the model; returns what the model returns."""
+        """Run the model; returns what the model returns. The first batch decides batch sizes
+        the config left to it ("auto"): the first dimension of the first tensor argument."""
         self._check_open()
+        if self.config.batch_pending:
+            first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.dim()), None)
+            if first is not None:
+                self.config = self.config.with_micro_batch(int(first.shape[0]))
+                logger.info("batch sizes from the first batch: micro %d, train %d",
+                            self.config.train_micro_batch_size_per_gpu, self.config.train_batch_size)
         with self.timeline.region("forward", "compute"):
             return self.module(*args, **kwargs)
 
@@ -201,8 +215,12 @@ class Engine:
 
     def _step_unit(self, i: int, unit: FetchUnit, grad_scale: float) -> None:
         with self.timeline.region(unit.key, "optimizer"):
-            grad = unit.grad if unit.grad is not None else torch.zeros(unit.numel, dtype=unit.compute_dtype)
-            self.optimizer.step_unit(i, grad, grad_scale=grad_scale)
+            if unit.grad is None:
+                self.optimizer.step_unit(i, torch.zeros(unit.numel, dtype=unit.compute_dtype),
+                                         grad_scale=grad_scale)
+                return
+            with unit.grad.read() as grad:
+                self.optimizer.step_unit(i, grad, grad_scale=grad_scale)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
@@ -261,6 +279,12 @@ class Engine:
     def _end_step(self) -> None:
         self.optimizer.finish_step()
         self._zero_grads()
+        if self.global_steps % self.config.steps_per_print == 0:
+            p = self.coordinator.stats
+            logger.info("step %d: lr %.3g, grad norm %s, prefetch hits %d, on demand %d, stall %.2f s",
+                        self.global_steps, self.optimizer.lr,
+                        "n/a" if self.last_grad_norm is None else f"{self.last_grad_norm:.4g}",
+                        p.prefetch_hits, p.on_demand, p.stall_s)
         if self._schedule is not None:  # as DeepSpeed: the schedule advances on applied steps
             self._schedule_steps += 1
             self.optimizer.lr = self._schedule.lr_at(self._schedule_steps - 1)
@@ -269,13 +293,15 @@ class Engine:
         """L2 norm over every unit's gradient buffer (sum of squares in float64)."""
         total = 0.0
         for u in self._trained:
-            if u.has_grad:
-                total += float(torch.linalg.vector_norm(u.grad, dtype=torch.float32)) ** 2
+            if u.grad is not None and u.grad.has_grad:
+                with u.grad.read() as grad:
+                    total += float(torch.linalg.vector_norm(grad, dtype=torch.float32)) ** 2
         return math.sqrt(total)
 
     def _zero_grads(self) -> None:
         for u in self._trained:
-            u.zero_grad()
+            if u.grad is not None:
+                u.grad.zero()
 
     # -- modes and views -------------------------------------------------------------------------
 

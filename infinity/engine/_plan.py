@@ -1,13 +1,15 @@
 """The memory plan: where parameters live and the byte budget of each store tier, decided and
 checked at initialize (never mid-step).
 
-[Note: memory plan] Host RAM holds, beside the store's host tier: one flat gradient buffer per
-trained unit (grad dtype) and, with no optimizer offload, the Adam moments (8 B/element, plus a
-4 B/element fp32 master for low-precision units). The host tier holds the parameters whose home
-is the host, else a working set of parameters (resident units, three of the largest unit, the
-prefetch bucket), plus the optimizer state for offload_optimizer "cpu", else a few optimizer
-tiles. NVMe holds parameters and/or optimizer state per the offload devices, with slack for
-alignment.
+[Note: memory plan] Host RAM holds, beside the store's host tier, one flat gradient buffer per
+trained unit (compute dtype). The host tier holds the parameters whose home is the host, else a
+working set of parameters (resident units, three of the largest unit, the prefetch bucket),
+plus the Adam state (8 B/element, 12 with the fp32 master of a low-precision unit) for
+offload_optimizer "cpu" or "none" (the optimizer runs on the CPU either way), else a few
+optimizer tiles. NVMe holds parameters and/or optimizer state per the offload devices, with
+slack for alignment. When `host_memory_budget` cannot hold the gradient buffers beside the
+smallest host tier, they go to the store too (at home on NVMe, two of the largest passing
+through the host tier): each micro-batch then reads and writes them.
 """
 
 from __future__ import annotations
@@ -38,9 +40,10 @@ def _state_nbytes(unit: FetchUnit) -> int:
 class MemoryPlan:
     fetch_tier: Tier  # where modules compute from
     param_home: Tier  # where unit values live between uses
-    state_tier: Tier | None  # optimizer state in the store (None: host tensors outside it)
+    state_tier: Tier  # where the optimizer state lives in the store
     budgets: dict[Tier, int]  # store budget per tier, bytes
-    outside_store_nbytes: int  # gradient buffers and in-RAM optimizer state
+    outside_store_nbytes: int  # gradient buffers in RAM
+    grads_tier: Tier | None = None  # home of the gradient buffers in the store (None: in RAM)
 
 
 def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optimizer: str,
@@ -54,7 +57,7 @@ def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optim
     """
     fetch_tier = Tier.DEVICE if accelerator else Tier.HOST
     param_home = {"none": fetch_tier, "cpu": Tier.HOST, "nvme": Tier.NVME}[offload_param]
-    state_tier = {"none": None, "cpu": Tier.HOST, "nvme": Tier.NVME}[offload_optimizer]
+    state_tier = {"none": Tier.HOST, "cpu": Tier.HOST, "nvme": Tier.NVME}[offload_optimizer]
     trained = [u for u in units if u.requires_grad]
     everything = sum(_aligned(u.nbytes) for u in units)
     resident = sum(_aligned(u.nbytes) for u in units if u.persistent)
@@ -64,7 +67,7 @@ def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optim
     tile = min(tile_numel, max((u.numel for u in trained), default=0)) * 12 + _TILE_SLACK
     state = sum(_state_nbytes(u) + _TILE_SLACK * -(-u.numel // tile_numel) for u in trained)
     grads = sum(_aligned(u.grad_nbytes) for u in trained)
-    outside = grads + (state if state_tier is None else 0)
+    outside = grads
 
     budgets: dict[Tier, int] = {}
     if accelerator:
@@ -72,21 +75,30 @@ def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optim
     # Host-homed values sit in the host tier whole; NVMe-homed ones pass through a working set;
     # device-homed ones only visit the host while the optimizer updates them.
     host_params = {Tier.HOST: everything, Tier.NVME: working, Tier.DEVICE: 2 * largest}[param_home]
-    host_state = {None: largest, Tier.HOST: state, Tier.NVME: 4 * tile + largest}[state_tier]
+    host_state = {Tier.HOST: state, Tier.NVME: 4 * tile + largest}[state_tier]
     host_minimum = (resident + 2 * largest if param_home == Tier.NVME else host_params) + \
-        {None: largest, Tier.HOST: state, Tier.NVME: 3 * tile + largest}[state_tier]
+        {Tier.HOST: state, Tier.NVME: 3 * tile + largest}[state_tier]
     host = host_params + host_state
+    grads_tier = None
     if host_memory_budget is not None:
-        available = int(host_memory_budget) - outside
-        if available < host_minimum:
+        budget = int(host_memory_budget)
+        has_nvme = Tier.NVME in (param_home, state_tier)  # a swap file to put them in
+        if budget - outside < host_minimum and grads and has_nvme:  # gradients must leave RAM
+            grads_tier, outside = Tier.NVME, 0
+            largest_grad = max(_aligned(u.grad_nbytes) for u in trained)
+            host_minimum += 2 * largest_grad
+            host += 2 * largest_grad
+        if budget - outside < host_minimum:
             raise BudgetError(
-                f"host_memory_budget {int(host_memory_budget)} bytes cannot hold this model's plan: "
-                f"{outside} bytes of gradients/optimizer state in RAM plus at least {host_minimum} "
-                f"bytes of parameters and optimizer tiles in the host tier; raise the budget or "
-                f"offload more (offload_param/offload_optimizer device 'nvme')")
-        host = min(host, available)
+                f"host_memory_budget {budget} bytes cannot hold this model's plan: {outside} "
+                f"bytes of gradients in RAM plus at least {host_minimum} bytes of parameters, "
+                f"optimizer tiles{' and gradients' if grads_tier else ''} in the host tier; raise "
+                f"the budget or offload more (offload_param/offload_optimizer device 'nvme')")
+        host = min(host, budget - outside)
     budgets[Tier.HOST] = host
     nvme = (everything if param_home == Tier.NVME else 0) + (state if state_tier == Tier.NVME else 0)
+    if grads_tier is not None:
+        nvme += grads
     if nvme:
         budgets[Tier.NVME] = nvme + nvme // 8 + (16 << 20)
-    return MemoryPlan(fetch_tier, param_home, state_tier, budgets, outside)
+    return MemoryPlan(fetch_tier, param_home, state_tier, budgets, outside, grads_tier)

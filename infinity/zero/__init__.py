@@ -3,10 +3,10 @@ along the layer trace (see DESIGN.md, "zero")."""
 
 from infinity.zero._common import PrefetchStats, UnitState
 from infinity.zero.coordinator import ParamCoordinator
+from infinity.zero.grads import GradBuffer, RamGrad, StoredGrad
 from infinity.zero.hooks import ModelHooks
 from infinity.zero.trace import Trace, TraceBook
 from infinity.zero.unit import FetchUnit, ParamSlot, place_units, plan_units
 
-__all__ = ["FetchUnit", "ModelHooks", "ParamCoordinator", "ParamSlot", "PrefetchStats", "Trace",
-           "TraceBook", "UnitState", "place_units",
-           "plan_units"]
+__all__ = ["FetchUnit", "GradBuffer", "ModelHooks", "ParamCoordinator", "ParamSlot", "PrefetchStats",
+           "RamGrad", "StoredGrad", "Trace", "TraceBook", "UnitState", "place_units", "plan_units"]

@@ -18,6 +18,7 @@ import torch
 
 from infinity.store import TensorFuture, TensorStore, Tier
 from infinity.zero._common import UnitState
+from infinity.zero.grads import GradBuffer, RamGrad
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,8 @@ class FetchUnit:
     """One store entry of flattened parameters, fetched and released as a whole.
 
     The store entry (`key`) holds the values; between uses each parameter's `.data` is an empty
-    placeholder. `grad` is the unit's flat host gradient buffer (accumulated across micro-batches).
+    placeholder. `grad` is the unit's flat gradient buffer (accumulated across micro-batches), in
+    RAM unless the engine put it in the store.
     """
 
     index: int
@@ -57,9 +59,8 @@ class FetchUnit:
     # - Backward bookkeeping, reset by every backward
     held_for_backward: bool = False
     grads_seen: int = 0  # params whose grad became final in this backward
-    # - Gradient accumulated over the micro-batches of one step, grad dtype
-    grad: torch.Tensor | None = None  # 1D, host
-    has_grad: bool = False
+    # - Gradient accumulated over the micro-batches of one step, compute dtype
+    grad: GradBuffer | None = None
     last_pos: int = field(default=-1)  # trace position of the latest use in this pass
 
     @property
@@ -95,19 +96,8 @@ class FetchUnit:
     def take_grads(self) -> None:
         """Add the parameters' gradients into the flat buffer and drop them (bounded memory)."""
         if self.grad is None:
-            self.grad = torch.zeros(self.numel, dtype=self.compute_dtype)
-        for s in self.slots:
-            g = s.param.grad
-            if g is None:
-                continue
-            self.grad[s.offset:s.offset + s.shape.numel()].add_(g.detach().reshape(-1).to("cpu"))
-            s.param.grad = None
-            self.has_grad = True
-
-    def zero_grad(self) -> None:
-        if self.grad is not None and self.has_grad:
-            self.grad.zero_()
-        self.has_grad = False
+            self.grad = RamGrad(self.numel, self.compute_dtype)
+        self.grad.accumulate(self.slots)
 
 
 def _groups(params: list[tuple[str, torch.nn.Parameter]]) -> dict[tuple[torch.dtype, bool], list]:

@@ -10,6 +10,8 @@ import torch
 
 import infinity
 from infinity import BudgetError, ConfigError
+from infinity.store import Tier
+from infinity.zero import StoredGrad
 
 DEVICES = ["none", "cpu", "nvme"]
 LR, WD = 1e-2, 0.01
@@ -121,6 +123,21 @@ def test_accumulation_and_clipping_match_pytorch(tmp_path, make, batches):
     assert engine.last_grad_norm > 0.05  # clipping really acted
     engine.close()
     assert_parity(model, reference, losses, train_reference(reference, data, gas=3, clip=0.05))
+
+
+def test_gradients_go_to_nvme_when_the_host_budget_cannot_hold_them(tmp_path):
+    model = llama()
+    reference = copy.deepcopy(model)
+    data = llama_batches(6)
+    # About 80 KB of gradients in RAM plus a 220 KB host tier would not fit in 240 KB.
+    engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme", gradient_accumulation_steps=2,
+                                               infinity={"host_memory_budget": 240_000}))
+    assert engine.plan.grads_tier is not None and engine.plan.outside_store_nbytes == 0
+    assert engine.plan.budgets[Tier.HOST] <= 240_000
+    losses = train_engine(engine, data)
+    assert all(isinstance(u.grad, StoredGrad) for u in engine.units if u.requires_grad)
+    engine.close()
+    assert_parity(model, reference, losses, train_reference(reference, data, gas=2))
 
 
 def test_stage_0_and_persistent_parameters_match_pytorch(tmp_path):
@@ -312,7 +329,7 @@ def test_a_failed_initialize_leaves_the_model_as_it_was(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("optimizer could not be built")
 
-    monkeypatch.setattr("infinity.engine._engine.HostUnitAdam", broken)
+    monkeypatch.setattr("infinity.engine._engine.SwappedOptimizer.from_units", broken)
     with pytest.raises(RuntimeError, match="could not be built"):
         infinity.initialize(model, config(tmp_path, "nvme", "none"))
     for name, p in model.named_parameters():
@@ -332,3 +349,38 @@ def test_activation_checkpointing_matches_pytorch(tmp_path, reentrant):
     losses = train_engine(engine, data)
     engine.close()
     assert_parity(model, reference, losses, train_reference(reference, data))
+
+
+def test_generate_runs_on_the_trained_values_without_on_demand_fetches(tmp_path):
+    model = llama()
+    engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme"))
+    train_engine(engine, llama_batches(1))
+    after_training = engine.stats()["prefetch"]["on_demand"]
+    ids = torch.randint(0, 48, (1, 5), generator=torch.Generator().manual_seed(2))
+    engine.eval()
+    with torch.no_grad():
+        generated = engine.module.generate(ids, max_new_tokens=6, do_sample=False)
+    assert engine.stats()["prefetch"]["on_demand"] == after_training
+    engine.close()
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), generated)
+
+
+def test_a_schedule_without_its_total_steps_fails_before_anything_moves(tmp_path):
+    model = mlp()
+    with pytest.raises(ConfigError, match="total_num_steps"):
+        infinity.initialize(model, config(tmp_path, scheduler={"type": "WarmupDecayLR",
+                                                               "params": {"warmup_num_steps": 2}}))
+    assert all(p.numel() > 0 for p in model.parameters())
+
+
+def test_auto_batch_sizes_come_from_the_first_batch_and_progress_is_logged(tmp_path, caplog):
+    cfg = config(tmp_path, train_micro_batch_size_per_gpu="auto", gradient_accumulation_steps=2,
+                 steps_per_print=1)
+    engine = infinity.initialize(mlp(), cfg)
+    assert engine.config.batch_pending
+    with caplog.at_level("INFO", logger="infinity.engine"):
+        train_engine(engine, mlp_batches(2))
+    assert engine.config.train_micro_batch_size_per_gpu == 2 and engine.config.train_batch_size == 4
+    assert "step 1: lr" in caplog.text
+    engine.close()

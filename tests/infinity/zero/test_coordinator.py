@@ -30,8 +30,13 @@ def managed(model, tmp_path, *, host_nbytes=1 << 20, prefetch_numel=10**9, reuse
 
 
 def unit_grads(units):
-    return {s.name: u.grad[s.offset:s.offset + s.shape.numel()].view(s.shape)
-            for u in units if u.grad is not None for s in u.slots}
+    grads = {}
+    for u in units:
+        if u.grad is not None:
+            with u.grad.read() as flat:
+                grads.update({s.name: flat[s.offset:s.offset + s.shape.numel()].view(s.shape).clone()
+                              for s in u.slots})
+    return grads
 
 
 def assert_grads_match(units, reference, scale=1.0):
