@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from infinity.errors import InputError
 from infinity.train import TrainOptions, run
+from infinity.train.job import LORA_EXPORTS
 from infinity.train.loop import StepRecord
 from tools.cli import parse_size
 
@@ -68,8 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, help="learning rate (optimizer.params.lr). Default: the "
                    "config's (3e-3 in the shipped one)")
     p.add_argument("--lora", type=int, metavar="R", help="train only LoRA adapters of rank R "
-                   "(alpha 2R) on the attention and MLP projections (needs peft); the export "
-                   "merges them into the base weights. Default: full fine-tuning")
+                   "(alpha 2R) on the attention and MLP projections (needs peft); see --lora-export. "
+                   "Default: full fine-tuning")
+    p.add_argument("--lora-export", choices=LORA_EXPORTS, default=d.lora_export, help="with --lora: "
+                   "'merged' writes the full model with the adapters folded in (loads without peft), "
+                   "'adapter' only the adapters in peft's layout (PeftModel.from_pretrained)")
     p.add_argument("--report", action="store_true", help="also write report.png (loss, step time, "
                    "bytes per store tier) and trace.json (Perfetto trace of the last step) to --output")
     p.add_argument("--seed", type=int, default=d.seed, help="shuffle (and default model init) seed")
@@ -116,8 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         return _fail("--save-every and --resume are not yet supported (checkpoints are coming)")
     options = TrainOptions(model=args.model, data=args.data, config=args.config, nvme_path=args.nvme_path,
                            output=args.output, steps=args.steps, seq_len=args.seq_len,
-                           batch_size=args.batch_size, lr=args.lr, lora=args.lora, report=args.report,
-                           seed=args.seed, max_shard_bytes=args.max_shard_size)
+                           batch_size=args.batch_size, lr=args.lr, lora=args.lora,
+                           lora_export=args.lora_export, report=args.report, seed=args.seed,
+                           max_shard_bytes=args.max_shard_size)
     progress = _Progress(args.steps)
     try:
         result = run(options, on_step=progress)

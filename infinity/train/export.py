@@ -1,6 +1,8 @@
 """Export a trained engine's model in Hugging Face format, streamed from the store unit by unit:
 safetensors shards (`model-0000i-of-0000N.safetensors`) + `model.safetensors.index.json` +
 `config.json` (+ generation config and tokenizer files when there are some).
+`write_adapter` saves only a peft model's LoRA adapters, as peft's `save_pretrained` lays them
+out (`adapter_model.safetensors` + `adapter_config.json`), for `PeftModel.from_pretrained`.
 
 Shards are planned from the parameter specs before any value is read, so at most one unit's
 values and one shard's tensors are held at a time. A LoRA model (peft) is exported merged:
@@ -142,3 +144,21 @@ def _write_config(model: torch.nn.Module, directory: pathlib.Path,
         generation.save_pretrained(directory)
         written.append(directory / "generation_config.json")
     return written
+
+
+def write_adapter(engine: Engine, directory: str | pathlib.Path, *, tokenizer: Any = None) -> list[pathlib.Path]:
+    """Write the LoRA adapters of the engine's peft model into `directory` (created), named as
+    peft saves them (the adapter name "default" dropped from the keys)."""
+    model = engine.module
+    if not is_peft(model):
+        raise ValueError("write_adapter needs a peft model (train with --lora)")
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {name.replace(".default.", "."): values.contiguous()
+               for name, values in iter_parameters(engine, _is_adapter)}
+    path = directory / "adapter_model.safetensors"
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    model.peft_config["default"].save_pretrained(directory)
+    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(directory)
+    return [path, directory / "adapter_config.json"]

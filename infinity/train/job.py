@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZE = 8
 MICRO = "train_micro_batch_size_per_gpu"
+LORA_EXPORTS = ("merged", "adapter")
 
 
 @dataclass
@@ -46,6 +47,7 @@ class TrainOptions:
     batch_size: int | None = None
     lr: float | None = None
     lora: int | None = None
+    lora_export: str = "merged"  # "merged": full model, adapters folded in; "adapter": peft adapter only
     report: bool = False
     seed: int = 0
     max_shard_bytes: int = export.MAX_SHARD_BYTES
@@ -170,6 +172,8 @@ def run(options: TrainOptions, on_step: Callable[[StepRecord], None] = lambda re
     that cannot work. SIGINT finishes the current step, then the job ends normally."""
     if options.steps < 1:
         raise InputError(f"--steps {options.steps}: must be at least 1")
+    if options.lora_export not in LORA_EXPORTS:
+        raise InputError(f"--lora-export {options.lora_export}: choose one of {', '.join(LORA_EXPORTS)}")
     model, tokenizer, rows = _model_and_data(options)
     if options.lora is not None:
         model = models.add_lora(model, options.lora)
@@ -196,8 +200,11 @@ def run(options: TrainOptions, on_step: Callable[[StepRecord], None] = lambda re
                 if options.report and records:
                     report.plot(records, staging / "report.png")
                     report.write_step_trace(engine, staging / "trace.json", records[-1])
-                files = export.write_hf(engine, staging, tokenizer=tokenizer,
-                                        max_shard_bytes=options.max_shard_bytes)
+                if options.lora is not None and options.lora_export == "adapter":
+                    files = export.write_adapter(engine, staging, tokenizer=tokenizer)
+                else:
+                    files = export.write_hf(engine, staging, tokenizer=tokenizer,
+                                            max_shard_bytes=options.max_shard_bytes)
         finally:
             if metrics is not None:
                 metrics.close()

@@ -51,6 +51,11 @@ def test_model_data_and_lora_runs_export_loadable_models(tmp_path, capsys, tiny_
         model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name, local_files_only=True)
         assert not any("lora" in n for n, _ in model.named_parameters())
         assert (tmp_path / name / "tokenizer.json").exists()
+    code, out, err = run_main(capsys, "--model", str(tiny_hf_model), "--data", str(data), "--steps", "1",
+                              "--seq-len", "32", "--lora", "2", "--lora-export", "adapter",
+                              "--nvme-path", str(tmp_path / "nvme"), "--output", str(tmp_path / "adapter"))
+    assert code == 0, err
+    assert {"adapter_model.safetensors", "adapter_config.json", "metrics.jsonl"} <= set(os.listdir(tmp_path / "adapter"))
     assert os.listdir(tmp_path / "nvme") == []  # the scratch directory is gone
 
 

@@ -9,7 +9,7 @@ import torch
 
 from infinity.engine import initialize, iter_parameters
 from infinity.train import models
-from infinity.train.export import write_hf
+from infinity.train.export import write_adapter, write_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -101,3 +101,28 @@ def test_lora_trains_only_the_adapters_and_exports_merged(tmp_path, tiny_hf_mode
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", local_files_only=True)
     assert not any("lora" in n for n, _ in merged.named_parameters())
     torch.testing.assert_close(logits_of(merged.eval(), ids), want, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_adapter_export_loads_with_peft(tmp_path, tiny_hf_model):
+    peft = pytest.importorskip("peft")
+    engine = initialize(models.add_lora(models.load_model(tiny_hf_model), 2), nvme_config(tmp_path))
+    fine_tune(engine)
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(2))
+    engine.eval()
+    want = logits_of(engine, ids)
+    write_adapter(engine, tmp_path / "adapter")
+    engine.close()
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["adapter_config.json",
+                                                                        "adapter_model.safetensors"]
+    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_hf_model, local_files_only=True)
+    loaded = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
+    torch.testing.assert_close(logits_of(loaded.eval(), ids), want, rtol=1e-5, atol=1e-5)
+
+
+def test_adapter_export_needs_a_lora_model(tmp_path, tiny_hf_model):
+    engine = initialize(models.load_model(tiny_hf_model), nvme_config(tmp_path))
+    try:
+        with pytest.raises(ValueError, match="needs a peft model"):
+            write_adapter(engine, tmp_path / "adapter")
+    finally:
+        engine.close()
