@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from infinity.errors import InputError
 from infinity.train import TrainOptions, run
-from infinity.train.job import LORA_EXPORTS
+from infinity.train.job import DEFAULT_BATCH_SIZE, LORA_EXPORTS
 from infinity.train.loop import StepRecord
 from tools.cli import parse_size
 
@@ -42,7 +42,13 @@ PROG = "infinity-train"
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults on every option; the module docstring (with its examples) kept as written."""
+    """Defaults on every option that has a value (the others say theirs in words); the module
+    docstring (with its examples) kept as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,12 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", metavar="DIR", help="metrics.jsonl, the exported model (safetensors "
                    "shards + index + config + tokenizer) and the --report files; must not exist "
                    "or be empty. Default: nothing is written")
-    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
-    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per packed sequence "
+    p.add_argument("--steps", type=int, metavar="N", default=d.steps, help="optimizer steps")
+    p.add_argument("--seq-len", type=int, metavar="N", default=d.seq_len, help="tokens per packed sequence "
                    "(at most the model's max_position_embeddings)")
-    p.add_argument("--batch-size", type=int, help="sequences per micro-batch "
-                   f"(train_micro_batch_size_per_gpu). Default: the config's, else {8}")
-    p.add_argument("--lr", type=float, help="learning rate (optimizer.params.lr). Default: the "
+    p.add_argument("--batch-size", type=int, metavar="N", help="sequences per micro-batch "
+                   f"(train_micro_batch_size_per_gpu). Default: the config's, else {DEFAULT_BATCH_SIZE}")
+    p.add_argument("--lr", type=float, metavar="X", help="learning rate (optimizer.params.lr). Default: the "
                    "config's (3e-3 in the shipped one)")
     p.add_argument("--lora", type=int, metavar="R", help="train only LoRA adapters of rank R "
                    "(alpha 2R) on the attention and MLP projections (needs peft); see --lora-export. "
@@ -76,9 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "'adapter' only the adapters in peft's layout (PeftModel.from_pretrained)")
     p.add_argument("--report", action="store_true", help="also write report.png (loss, step time, "
                    "bytes per store tier) and trace.json (Perfetto trace of the last step) to --output")
-    p.add_argument("--seed", type=int, default=d.seed, help="shuffle (and default model init) seed")
-    p.add_argument("--max-shard-size", type=parse_size, default=d.max_shard_bytes,
-                   help="largest safetensors shard of the export, bytes (K/M/G suffixes)")
+    p.add_argument("--seed", type=int, metavar="N", default=d.seed, help="shuffle (and default model init) seed")
+    p.add_argument("--max-shard-size", type=parse_size, metavar="SIZE", default="2G",
+                   help="largest safetensors shard of the export (bytes, K/M/G suffixes)")
     p.add_argument("--save-every", type=int, metavar="N", help="checkpoint every N steps (not yet "
                    "supported: checkpoints are coming)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in "

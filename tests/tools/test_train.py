@@ -117,3 +117,17 @@ def test_read_only_nvme_path_is_refused(read_only_dir, run_unprivileged):
     line = out.stderr.strip().splitlines()[-1]
     assert line.startswith(f"infinity-train: error: --nvme-path {read_only_dir}: cannot write there"), out.stderr
     assert os.listdir(read_only_dir) == []
+
+
+def test_help_explains_every_option_with_its_default(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for option in ("--model DIR", "--data FILE|DIR", "--config JSON", "--nvme-path DIR", "--output DIR",
+                   "--steps N", "--seq-len N", "--batch-size N", "--lr X", "--save-every N", "--resume",
+                   "--lora R", "--report"):
+        assert option in text
+    for default in ("(default: 100)", "(default: 128)", "(default: 0)", "(default: 2G)", "else 8",
+                    "infinity.models.load", "infinity-train --model"):
+        assert default in text
