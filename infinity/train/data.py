@@ -77,26 +77,23 @@ def read_documents(files: Sequence[pathlib.Path]) -> Iterator[str]:
 
 
 def pack(documents: Iterator[str], tokenizer: Tokenizer, seq_len: int, *, source: str) -> torch.Tensor:
-    """[rows, seq_len] int64 token ids; InputError when the text fills not even one row."""
-    stream: list[int] = []
-    for text in documents:
-        if not text.strip():
-            continue
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        if tokenizer.bos_token_id is not None:
-            stream.append(tokenizer.bos_token_id)
-        stream.extend(ids)
-        if tokenizer.eos_token_id is not None:
-            stream.append(tokenizer.eos_token_id)
-    rows = len(stream) // seq_len
+    """[rows, seq_len] int32 token ids (4 bytes a token; batches come out as int64); InputError
+    when the text fills not even one row."""
+    bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+    eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    pieces = [torch.tensor(bos + tokenizer.encode(text, add_special_tokens=False) + eos, dtype=torch.int32)
+              for text in documents if text.strip()]
+    tokens = sum(len(p) for p in pieces)
+    rows = tokens // seq_len
     if rows == 0:
-        raise InputError(f"--data {source}: {len(stream)} tokens of text, not enough for one "
-                         f"sequence of --seq-len {seq_len}" if stream else f"--data {source}: no text")
-    return torch.tensor(stream[:rows * seq_len], dtype=torch.int64).view(rows, seq_len)
+        raise InputError(f"--data {source}: {tokens} tokens of text, not enough for one "
+                         f"sequence of --seq-len {seq_len}" if tokens else f"--data {source}: no text")
+    return torch.cat(pieces)[:rows * seq_len].view(rows, seq_len)
 
 
 class Batches:
-    """Micro-batches of packed rows, a fresh seeded permutation each epoch (endless)."""
+    """Micro-batches (int64 [batch_size, seq_len]) of packed rows, a fresh seeded permutation
+    each epoch (endless)."""
 
     def __init__(self, rows: torch.Tensor, batch_size: int, seed: int = 0) -> None:
         if batch_size < 1:
@@ -118,7 +115,7 @@ class Batches:
             self._next += len(take)
             count += len(take)
             picked.append(take)
-        return self.rows[torch.cat(picked)]
+        return self.rows[torch.cat(picked)].to(torch.int64)
 
 
 def load_rows(path: str | pathlib.Path, tokenizer: Tokenizer, seq_len: int) -> torch.Tensor:

@@ -58,3 +58,10 @@ def test_shuffle_is_seed_stable_and_covers_every_row_each_epoch():
 
 def test_the_shipped_corpus_is_the_generators_output():
     assert (models.DEFAULTS / "corpus.txt").read_text() == corpus.generate()
+
+
+def test_rows_are_compact_and_batches_are_model_inputs():
+    rows = pack(iter(["abcdefgh"] * 4), ByteTokenizer(), 5, source="x")
+    assert rows.dtype == torch.int32 and rows.shape == (8, 5)
+    batch = next(Batches(rows, 3))
+    assert batch.dtype == torch.int64 and batch.shape == (3, 5)
