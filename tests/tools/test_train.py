@@ -131,3 +131,14 @@ def test_help_explains_every_option_with_its_default(capsys):
     for default in ("(default: 100)", "(default: 128)", "(default: 0)", "(default: 2G)", "else 8",
                     "infinity.models.load", "infinity-train --model"):
         assert default in text
+
+
+def test_full_nvme_disk_is_refused(tmp_path, capsys, small_tmpfs):
+    disk = small_tmpfs("2m")
+    if disk is None:
+        pytest.skip("needs root to mount a small tmpfs")
+    code, out, err = run_main(capsys, "--steps", "1", "--nvme-path", str(disk), "--output", str(tmp_path / "out"))
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("infinity-train: error: disk full:") and "ENOSPC" in lines[0], err
+    assert os.listdir(disk) == [] and os.listdir(tmp_path) == [disk.name]
