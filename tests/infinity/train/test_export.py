@@ -26,10 +26,10 @@ def nvme_config(tmp_path) -> dict:
     return config
 
 
-def fine_tune(engine, steps=3):
+def fine_tune(engine, steps=3, vocab=256):
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
-        ids = torch.randint(0, 256, (2, 16), generator=g)
+        ids = torch.randint(0, vocab, (2, 16), generator=g)
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
@@ -126,3 +126,22 @@ def test_adapter_export_needs_a_lora_model(tmp_path, tiny_hf_model):
             write_adapter(engine, tmp_path / "adapter")
     finally:
         engine.close()
+
+
+def test_tied_embeddings_export_once_and_load_tied(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                                      tie_word_embeddings=True)
+    engine = initialize(transformers.LlamaForCausalLM(config), nvme_config(tmp_path))
+    fine_tune(engine, steps=2, vocab=64)
+    ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(2))
+    engine.eval()
+    want = logits_of(engine, ids)
+    write_hf(engine, tmp_path / "out")
+    engine.close()
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert "model.embed_tokens.weight" in index["weight_map"] and "lm_head.weight" not in index["weight_map"]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True).eval()
+    assert loaded.lm_head.weight is loaded.get_input_embeddings().weight
+    assert torch.equal(logits_of(loaded, ids), want)
