@@ -93,7 +93,7 @@ def ds_config(options: TrainOptions, nvme_dir: Callable[[], str]) -> dict[str, A
 
 
 @contextlib.contextmanager
-def _scratch(nvme_path: str | None) -> Iterator[Callable[[], str]]:
+def scratch_dir(nvme_path: str | None) -> Iterator[Callable[[], str]]:
     """A lazily made temporary directory (under nvme_path when given), removed at the end."""
     made: list[str] = []
 
@@ -115,7 +115,7 @@ def _scratch(nvme_path: str | None) -> Iterator[Callable[[], str]]:
 
 
 @contextlib.contextmanager
-def _staged(output: str | None) -> Iterator[pathlib.Path | None]:
+def staged_output(output: str | None) -> Iterator[pathlib.Path | None]:
     """See [Note: nothing half-written]."""
     if output is None:
         yield None
@@ -177,7 +177,7 @@ def run(options: TrainOptions, on_step: Callable[[StepRecord], None] = lambda re
     model, tokenizer, rows = _model_and_data(options)
     if options.lora is not None:
         model = models.add_lora(model, options.lora)
-    with _scratch(options.nvme_path) as nvme_dir, _staged(options.output) as staging:
+    with scratch_dir(options.nvme_path) as nvme_dir, staged_output(options.output) as staging:
         config = ds_config(options, nvme_dir)
         try:
             engine = initialize(model, config)
