@@ -145,3 +145,20 @@ def test_tied_embeddings_export_once_and_load_tied(tmp_path):
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True).eval()
     assert loaded.lm_head.weight is loaded.get_input_embeddings().weight
     assert torch.equal(logits_of(loaded, ids), want)
+
+
+def test_lora_trains_under_a_host_budget_below_the_frozen_model(tmp_path):
+    """Frozen base units are released after their module's backward (not held to its end), so
+    a host budget smaller than the frozen weights (3.2 MB here) is enough."""
+    model, _ = models.default_model()
+    frozen_nbytes = sum(p.numel() * 4 for p in model.parameters())
+    model = models.add_lora(model, 4)
+    config = nvme_config(tmp_path)
+    config["infinity"]["host_memory_budget"] = 2_000_000
+    assert frozen_nbytes > 3_000_000
+    engine = initialize(model, config)
+    try:
+        fine_tune(engine, steps=2)
+        assert engine.global_steps == 2
+    finally:
+        engine.close(restore_params=False)
