@@ -20,3 +20,8 @@ class ConfigPathError(OSError, ConfigError):
 class CheckpointError(ValueError):
     """A checkpoint cannot be written or read as asked: not a checkpoint, a missing or corrupt
     file, an unknown format version, a tag that exists. The message names the tensor and file."""
+
+
+class InputError(ValueError):
+    """Training input that cannot be used (model directory, data, sequence length, output path);
+    the message names it and what would work."""

@@ -20,6 +20,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # its row here, below everything it imports and above everything that imports it.
 LAYERS: dict[str, set[str]] = {
     "tools": {"infinity", "aio"},
+    "infinity.train": {"infinity.engine", "infinity.models", "infinity.checkpoint", "infinity.zero",
+                       "infinity.optim", "infinity.config", "infinity.store", "infinity.memory",
+                       "infinity.errors", "aio"},
     "infinity.__init__": {"infinity.engine", "infinity.config", "infinity.errors"},
     "infinity.engine": {"infinity.config", "infinity.zero", "infinity.optim", "infinity.checkpoint",
                         "infinity.models", "infinity.store", "infinity.memory", "infinity.errors",
