@@ -18,13 +18,20 @@ class ConfigPathError(OSError, ConfigError):
 
 
 class CheckpointError(ValueError):
-    """A checkpoint directory cannot be loaded as it is (a file missing, truncated or corrupt, a
-    tensor absent, unknown or of the wrong shape); the message names the file and the tensor.
+    """A checkpoint cannot be written or read as asked: not a checkpoint, a missing, truncated or
+    corrupt file, an unknown format version, a tag that exists, a tensor absent, unknown or of the
+    wrong shape. The message names the tensor and file.
 
-    Attributes: `path` (the file at fault) and `tensor` (the tensor's name, or None).
+    Attributes: `path` (the file at fault) and `tensor` (the tensor's name), where the raiser
+    gives them (infinity.models.load always does), else None.
     """
 
-    def __init__(self, message: str, *, path: str, tensor: str | None = None) -> None:
+    def __init__(self, message: str, *, path: str | None = None, tensor: str | None = None) -> None:
         super().__init__(message)
         self.path = path
         self.tensor = tensor
+
+
+class InputError(ValueError):
+    """Training input that cannot be used (model directory, data, sequence length, output path);
+    the message names it and what would work."""

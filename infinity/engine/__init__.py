@@ -2,14 +2,15 @@
 
 from infinity.engine._engine import Engine
 from infinity.engine._initialize import initialize
+from infinity.engine._params import ParamSpec, iter_parameters, parameter_specs
 from infinity.engine._placement import (
-           Layout,
-           Placed,
-           attach_placed,
-           choose_model_precision,
-           lay_out,
-           open_store,
+    Layout,
+    Placed,
+    attach_placed,
+    choose_model_precision,
+    lay_out,
+    open_store,
 )
 
-__all__ = ["Engine", "Layout", "Placed", "attach_placed", "choose_model_precision", "initialize", "lay_out",
-           "open_store"]
+__all__ = ["Engine", "Layout", "ParamSpec", "Placed", "attach_placed", "choose_model_precision", "initialize",
+           "iter_parameters", "lay_out", "open_store", "parameter_specs"]

@@ -28,11 +28,13 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from infinity.config import AdamParams, Config, OptimizerConfig, build_lr_schedule
+from infinity.engine import _checkpoint
 from infinity.engine._placement import choose_model_precision, lay_out, open_store, take_placed
 from infinity.engine._timeline import Timeline
 from infinity.optim import DynamicLossScaler, SwappedOptimizer, UnitSpec
@@ -50,6 +52,8 @@ from infinity.zero import (
 )
 
 logger = logging.getLogger(__name__)
+
+ASYNC_SAVE_BUDGET_NBYTES = 256 << 20  # host copies a background checkpoint save may queue
 
 _DEFAULT_OPTIMIZER = OptimizerConfig(type="AdamW", params=AdamParams())  # no "optimizer" section
 
@@ -138,6 +142,7 @@ class Engine:
         self.overlap = config.gradient_clipping == 0 and not fp16.enabled
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="infinity-optim") if self.overlap else None
         self.units_stepped_in_backward = 0
+        self._pending_save: Future[Path] | None = None  # a background checkpoint save
 
     def _make_optimizer(self) -> SwappedOptimizer:
         """Per-unit CPU Adam with its state in the store's host tier (offload_optimizer "none"
@@ -325,6 +330,34 @@ class Engine:
         self.store.write_trace(path)
         self.timeline.merge_into(path)
 
+    # -- checkpoints (infinity/engine/_checkpoint.py) ------------------------------------------
+
+    def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
+                        client_state: dict[str, Any] | None = None, *, async_save: bool = False,
+                        async_budget_nbytes: int = ASYNC_SAVE_BUDGET_NBYTES) -> Path:
+        """Save everything needed to continue bit-identically as `tag` (default `step<N>`)
+        under `save_dir`, crash-safe, and point `save_dir/latest` at it (docs/checkpoints.md).
+        With async_save the last `async_budget_nbytes` of copies are written while training
+        goes on; the next save, load or close() waits for it. Returns the tag's path."""
+        self._check_open()
+        self.wait_for_checkpoint()
+        self._pending_save = _checkpoint.save_checkpoint(
+            self, save_dir, tag, client_state, async_budget_nbytes=async_budget_nbytes if async_save else None)
+        return Path(save_dir) / (tag or f"step{self.global_steps}")
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait for a background save; raise its error."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is not None:
+            pending.result()
+
+    def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None, *,
+                        load_optimizer_states: bool = True) -> dict[str, Any]:
+        """Restore a checkpoint (tag None: `load_dir/latest`); returns its client_state."""
+        self._check_open()
+        self.wait_for_checkpoint()
+        return _checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states)
+
     # -- end -------------------------------------------------------------------------------------
 
     def close(self, *, restore_params: bool = True) -> None:
@@ -333,7 +366,10 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        self._teardown(restore_params=restore_params)
+        try:
+            self.wait_for_checkpoint()
+        finally:
+            self._teardown(restore_params=restore_params)
 
     def _teardown(self, *, restore_params: bool) -> None:
         """Undo what __init__ did, as far as it got."""

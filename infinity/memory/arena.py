@@ -6,10 +6,9 @@ memory use is flat and a plan that does not fit fails at start-up rather than mi
 [Note: blocks are handles]
 A :class:`Block` names a range of the arena, not an address. When an allocation fits in the
 total free space but in no single hole, the arena compacts: it slides every live block toward
-the start, in address order, and rebinds what views them. ``Block.tensor`` then returns a view
-at the new place, and every tensor registered with :meth:`Arena.bind` (typically a parameter)
-gets its ``.data`` re-pointed. A raw view taken from ``Block.tensor`` earlier is *stale* after
-any later ``alloc`` on the same arena (from any thread): keep the block, or bind the tensor.
+the start, in address order. ``Block.tensor`` then returns a view at the new place; a raw view
+taken from ``Block.tensor`` earlier is *stale* after any later ``alloc`` on the same arena (from
+any thread): keep the block, not the view (the store never compacts under a copy in use).
 Compaction must not overlap copies or I/O that are still in flight on arena memory (an async
 host-to-device copy, an aio request); the caller waits for them before allocating.
 """
@@ -19,7 +18,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -75,7 +73,6 @@ class Block:
         "_offset",
         "_span",
         "_view",
-        "_bound",
         "_live",
     )
 
@@ -87,7 +84,6 @@ class Block:
         self._offset = 0  # bytes from the arena's start; changes when the arena compacts
         self._span = 0  # nbytes rounded up to the arena's alignment
         self._view: torch.Tensor | None = None  # shape, dtype; built on use, dropped on moves
-        self._bound: dict[int, weakref.ref[torch.Tensor]] = {}  # id -> tensor kept in sync
         self._live = False
 
     @property
@@ -174,7 +170,6 @@ class Arena:
         self._lock = threading.Lock()
         self._free = FreeList(self.capacity_nbytes)
         self._live: set[Block] = set()
-        self._bound_to: dict[int, tuple[weakref.ref[torch.Tensor], Block]] = {}
         self._closed = False
         # - Counters reported by stats()
         self._allocations = 0
@@ -243,46 +238,6 @@ class Arena:
             block._view = None
             if block._span:
                 self._free.give(block._offset, block._span)
-            # A bound tensor must not keep reading memory that a new block may now own.
-            placeholder = torch.empty(0, dtype=block.dtype, device=self.device)
-            for key, ref in block._bound.items():
-                tensor = ref()
-                if tensor is not None:
-                    tensor.data = placeholder
-                entry = self._bound_to.get(key)
-                if entry is not None and entry[1] is block:  # an id can be reused after death
-                    del self._bound_to[key]
-            block._bound.clear()
-
-    def bind(self, block: Block, tensor: torch.Tensor) -> None:
-        """Point ``tensor.data`` at ``block`` and keep it there across compactions.
-
-        Meant for parameters (``arena.bind(block, param)``): autograd and optimizers keep
-        referring to the same object while its storage lives in the arena. The tensor is held
-        by a weak reference; binding it to another block moves the binding. The block's
-        current contents become the tensor's values (copy first if they should be kept).
-        """
-        with self._lock:
-            self._check_owned(block)
-            if not block._live:
-                raise ValueError(f"cannot bind a tensor to {block!r}")
-            if tensor.shape != block.shape or tensor.dtype != block.dtype:
-                raise ValueError(
-                    f"cannot bind a tensor of shape={tuple(tensor.shape)} dtype={tensor.dtype} "
-                    f"to {block!r}; allocate a block of the tensor's shape and dtype"
-                )
-            if tensor.device != self.device:
-                raise ValueError(
-                    f"cannot bind a tensor on {tensor.device} to an arena on {self.device}"
-                )
-            key = id(tensor)
-            previous = self._bound_to.get(key)
-            if previous is not None and previous[0]() is tensor:
-                previous[1]._bound.pop(key, None)
-            ref = weakref.ref(tensor)
-            block._bound[key] = ref
-            self._bound_to[key] = (ref, block)
-            tensor.data = self._view_of(block)
 
     def compact(self) -> int:
         """Slide all live blocks to the start now; returns the bytes moved.
@@ -374,7 +329,7 @@ class Arena:
         for first, stop, distance in runs:
             for block in live[first:stop]:
                 block._offset -= distance
-                self._rebind(block)
+                block._view = None
         self._free.reset(cursor)
         moved = sum(nbytes)
         elapsed = time.perf_counter() - t0
@@ -389,15 +344,6 @@ class Arena:
             self._free.free_nbytes,
         )
         return moved
-
-    def _rebind(self, block: Block) -> None:
-        block._view = None
-        if block._bound:
-            view = self._view_of(block)
-            for ref in block._bound.values():
-                tensor = ref()
-                if tensor is not None:
-                    tensor.data = view
 
     def _stats_locked(self) -> ArenaStats:
         free = self._free.free_nbytes

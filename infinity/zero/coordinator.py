@@ -154,6 +154,15 @@ class ParamCoordinator:
             if unit.grads_seen == len(unit.slots):
                 self._finish_grads(unit)
 
+    def frozen_backward_done(self, units: Sequence[FetchUnit]) -> None:
+        """A module's backward finished (its inputs' gradients exist): let its frozen units go;
+        no gradient of theirs would say so, and held to end_backward they would pile up."""
+        with self._lock:
+            for u in units:
+                if u.held_for_backward and not u.requires_grad:
+                    u.held_for_backward = False
+                    self.release([u])
+
     def end_backward(self) -> None:
         """After loss.backward(): collect gradients of units some of whose parameters got none,
         release what backward still held, and end the pass."""

@@ -49,6 +49,15 @@ class _ModuleState:
         self.coordinator.release(self.units)
         if not failed and torch.is_grad_enabled():
             self._register_pre_backward(output)
+            self._register_frozen_release(args)
+
+    def _register_frozen_release(self, args: Any) -> None:
+        """Frozen units are let go once the gradients of the module's inputs exist."""
+        frozen = [u for u in self.units if not u.requires_grad]
+        inputs = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if frozen and inputs:
+            torch.autograd.graph.register_multi_grad_hook(
+                inputs, lambda grads: self.coordinator.frozen_backward_done(frozen), mode="all")
 
     def _register_pre_backward(self, output: Any) -> None:
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]

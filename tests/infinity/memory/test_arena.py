@@ -1,4 +1,4 @@
-"""Arena basics: alignment, views, stats, errors, binding, threads."""
+"""Arena basics: alignment, views, stats, errors, threads."""
 
 import threading
 
@@ -160,41 +160,6 @@ def test_pinned_is_false_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("CUDA present; covered by the CUDA tests")
     assert Arena(4096, pinned=True).pinned is False
-
-
-def test_bind_points_data_at_the_block_and_free_unbinds():
-    arena = Arena(1 << 16, pinned=False)
-    param = torch.nn.Parameter(torch.randn(4, 4))
-    block = arena.alloc(param.shape, param.dtype)
-    block.tensor.copy_(param.detach())
-    expected = param.detach().clone()
-    arena.bind(block, param)
-    assert param.data_ptr() == block.tensor.data_ptr()
-    assert torch.equal(param.detach(), expected)
-    arena.free(block)
-    assert param.shape == (0,)  # a stale use fails loudly instead of reading reused memory
-
-
-def test_bind_rejects_mismatched_tensors():
-    arena = Arena(1 << 16, pinned=False)
-    block = arena.alloc((4, 4), torch.float32)
-    with pytest.raises(ValueError, match=r"shape=\(4, 5\)"):
-        arena.bind(block, torch.zeros(4, 5))
-    with pytest.raises(ValueError, match="dtype=torch.float64"):
-        arena.bind(block, torch.zeros(4, 4, dtype=torch.float64))
-    arena.free(block)
-    with pytest.raises(ValueError, match="cannot bind"):
-        arena.bind(block, torch.zeros(4, 4))
-
-
-def test_rebinding_a_tensor_moves_it_to_the_new_block():
-    arena = Arena(1 << 16, pinned=False)
-    t = torch.zeros(8)
-    first, second = arena.alloc(8, torch.float32), arena.alloc(8, torch.float32)
-    arena.bind(first, t)
-    arena.bind(second, t)
-    arena.free(first)  # must not touch t, which now follows second
-    assert t.data_ptr() == second.tensor.data_ptr()
 
 
 def _run_threads(worker, count: int) -> None:

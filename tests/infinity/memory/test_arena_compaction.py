@@ -1,11 +1,9 @@
 """Compaction: adversarial alloc/free sequences, contents that survive moves, params that train."""
 
-import copy
 import random
 
 import pytest
 import torch
-from torch import nn
 
 from infinity.errors import BudgetError
 from infinity.memory import Arena, Block
@@ -95,7 +93,7 @@ def test_adversarial_sequences_fit_whenever_free_space_allows(seed, capacity, al
     assert fails > 0  # and really do run it out of space
 
 
-def test_compaction_moves_blocks_down_and_rebinds_views():
+def test_compaction_moves_blocks_down_and_their_views_follow():
     arena = Arena(64 * 1024, pinned=False, alignment=1024)
     blocks = [arena.alloc(1000, torch.uint8) for _ in range(64)]
     for i, block in enumerate(blocks):
@@ -141,42 +139,3 @@ def test_large_overlapping_moves_keep_contents(gap):
     assert arena.stats().compactions == 1
     assert moving.offset == 0
     assert torch.equal(moving.tensor, pattern)
-
-
-def test_params_rebound_after_compaction_still_train():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 4))
-    reference = copy.deepcopy(model)
-    arena = Arena(1 << 20, pinned=False)
-    fillers, blocks = [], []
-    for param in model.parameters():
-        fillers.append(arena.alloc(1000, torch.uint8))  # a hole-to-be before every param
-        block = arena.alloc(param.shape, param.dtype)
-        block.tensor.copy_(param.detach())
-        arena.bind(block, param)
-        blocks.append(block)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
-    inputs, targets = torch.randn(16, 32), torch.randn(16, 4)
-    for step in range(8):
-        if step == 4:
-            before = [p.data_ptr() for p in model.parameters()]
-            for filler in fillers:
-                arena.free(filler)
-            stats = arena.stats()
-            arena.alloc(stats.largest_hole_nbytes + 256, torch.uint8)  # forces a compaction
-            assert arena.stats().compactions == 1
-            after = [p.data_ptr() for p in model.parameters()]
-            assert all(x != y for x, y in zip(before, after, strict=True))
-            assert after == [b.tensor.data_ptr() for b in blocks]
-        for net, optimizer in ((model, opt), (reference, ref_opt)):
-            optimizer.zero_grad()
-            loss = nn.functional.mse_loss(net(inputs), targets)
-            loss.backward()
-            optimizer.step()
-            if net is model:
-                arena_loss = loss.item()
-        assert arena_loss == loss.item()
-    for param, ref, block in zip(model.parameters(), reference.parameters(), blocks, strict=True):
-        assert torch.equal(param.detach(), ref.detach())
-        assert torch.equal(block.tensor, ref.detach())  # the updates landed in the arena

@@ -1,0 +1,123 @@
+"""Training text: read .txt / .jsonl files (or a directory of them), tokenize, pack into
+fixed-length sequences, and serve micro-batches in a seed-stable shuffled order.
+
+Packing concatenates the documents (each as bos + tokens + eos where the tokenizer has them) and
+cuts the stream into rows of `seq_len` tokens; the tail shorter than a row is dropped. Every
+epoch is a permutation of the rows drawn from `seed + epoch`, so a run is reproducible.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
+import torch
+
+from infinity.errors import InputError
+
+SUFFIXES = (".txt", ".jsonl")
+
+
+class Tokenizer(Protocol):
+    bos_token_id: int | None
+    eos_token_id: int | None
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 0..255, plus bos (256), eos (257) and pad (258)."""
+
+    vocab_size = 259
+    bos_token_id, eos_token_id, pad_token_id = 256, 257, 258
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return [self.bos_token_id, *ids, self.eos_token_id] if add_special_tokens else ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def data_files(path: str | pathlib.Path) -> list[pathlib.Path]:
+    """The .txt and .jsonl files `path` names: itself, or those under it (sorted, recursive)."""
+    path = pathlib.Path(path)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
+        if not files:
+            raise InputError(f"--data {path}: no .txt or .jsonl file in this directory")
+        return files
+    if not path.exists():
+        raise InputError(f"--data {path}: no such file or directory")
+    if path.suffix not in SUFFIXES:
+        raise InputError(f"--data {path}: not a .txt or .jsonl file (or a directory of them)")
+    return [path]
+
+
+def read_documents(files: Sequence[pathlib.Path]) -> Iterator[str]:
+    """Each .txt file is one document; each line of a .jsonl file is one (its "text" field)."""
+    for path in files:
+        if path.suffix == ".txt":
+            yield path.read_text(encoding="utf-8", errors="replace")
+            continue
+        with path.open(encoding="utf-8", errors="replace") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise InputError(f"--data {path}:{number}: not JSON ({e.msg})") from None
+                text = record.get("text") if isinstance(record, dict) else None
+                if not isinstance(text, str):
+                    raise InputError(f"--data {path}:{number}: no string field \"text\"")
+                yield text
+
+
+def pack(documents: Iterator[str], tokenizer: Tokenizer, seq_len: int, *, source: str) -> torch.Tensor:
+    """[rows, seq_len] int32 token ids (4 bytes a token; batches come out as int64); InputError
+    when the text fills not even one row."""
+    bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+    eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    pieces = [torch.tensor(bos + tokenizer.encode(text, add_special_tokens=False) + eos, dtype=torch.int32)
+              for text in documents if text.strip()]
+    tokens = sum(len(p) for p in pieces)
+    rows = tokens // seq_len
+    if rows == 0:
+        raise InputError(f"--data {source}: {tokens} tokens of text, not enough for one "
+                         f"sequence of --seq-len {seq_len}" if tokens else f"--data {source}: no text")
+    return torch.cat(pieces)[:rows * seq_len].view(rows, seq_len)
+
+
+class Batches:
+    """Micro-batches (int64 [batch_size, seq_len]) of packed rows, a fresh seeded permutation
+    each epoch (endless)."""
+
+    def __init__(self, rows: torch.Tensor, batch_size: int, seed: int = 0) -> None:
+        if batch_size < 1:
+            raise InputError(f"--batch-size {batch_size}: must be at least 1")
+        self.rows, self.batch_size, self.seed = rows, batch_size, seed
+        self.epoch, self._order, self._next = -1, torch.empty(0, dtype=torch.int64), 0
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        picked, count = [], 0
+        while count < self.batch_size:
+            if self._next >= len(self._order):
+                self.epoch += 1
+                generator = torch.Generator().manual_seed(self.seed + self.epoch)
+                self._order, self._next = torch.randperm(len(self.rows), generator=generator), 0
+            take = self._order[self._next:self._next + self.batch_size - count]
+            self._next += len(take)
+            count += len(take)
+            picked.append(take)
+        return self.rows[torch.cat(picked)].to(torch.int64)
+
+
+def load_rows(path: str | pathlib.Path, tokenizer: Tokenizer, seq_len: int) -> torch.Tensor:
+    """Read, tokenize and pack the data at `path` (see the module docstring)."""
+    return pack(read_documents(data_files(path)), tokenizer, seq_len, source=str(path))

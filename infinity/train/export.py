@@ -1,0 +1,164 @@
+"""Export a trained engine's model in Hugging Face format, streamed from the store unit by unit:
+safetensors shards (`model-0000i-of-0000N.safetensors`) + `model.safetensors.index.json` +
+`config.json` (+ generation config and tokenizer files when there are some).
+`write_adapter` saves only a peft model's LoRA adapters, as peft's `save_pretrained` lays them
+out (`adapter_model.safetensors` + `adapter_config.json`), for `PeftModel.from_pretrained`.
+
+Shards are planned from the parameter specs before any value is read, so at most one unit's
+values and one shard's tensors are held at a time. A LoRA model (peft) is exported merged:
+W + scaling * B @ A per adapted layer, under the base model's names, loadable without peft.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import pathlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from infinity.engine import Engine, iter_parameters, parameter_specs
+
+PEFT_PREFIX = "base_model.model."
+MAX_SHARD_BYTES = 2 << 30
+
+
+def _is_adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def _base_name(name: str) -> str:
+    return name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
+
+
+def _lora_scalings(model: torch.nn.Module) -> dict[str, float]:
+    """peft layer name -> scaling of its "default" adapter."""
+    return {name: float(m.scaling["default"]) for name, m in model.named_modules()
+            if isinstance(getattr(m, "scaling", None), dict) and "default" in m.scaling}
+
+
+def is_peft(model: torch.nn.Module) -> bool:
+    return hasattr(model, "get_base_model") and hasattr(model, "peft_config")
+
+
+def exported_tensors(engine: Engine) -> tuple[list[tuple[str, torch.Size, torch.dtype]],
+                                               Callable[[], Iterator[tuple[str, torch.Tensor]]]]:
+    """(specs in export order, a function streaming (name, tensor) in that order), merging LoRA
+    adapters into their base weights for a peft model; persistent buffers come last."""
+    model = engine.module
+    buffers = _persistent_buffers(model)
+    if not is_peft(model):
+        specs = [(s.name, s.shape, s.dtype) for s in parameter_specs(engine)]
+        return specs + _buffer_specs(buffers), lambda: _chain(iter_parameters(engine), buffers)
+    specs = [(_base_name(s.name), s.shape, s.dtype) for s in parameter_specs(engine) if not _is_adapter(s.name)]
+    scalings = _lora_scalings(model)
+
+    def merged() -> Iterator[tuple[str, torch.Tensor]]:
+        adapters = dict(iter_parameters(engine, _is_adapter))  # small: rank x width per layer
+        for name, values in iter_parameters(engine, lambda n: not _is_adapter(n)):
+            stem = name.removesuffix(".base_layer.weight")
+            if stem != name:
+                a = adapters[f"{stem}.lora_A.default.weight"].float()
+                b = adapters[f"{stem}.lora_B.default.weight"].float()
+                values = (values.float() + scalings[stem] * (b @ a)).to(values.dtype)
+            yield _base_name(name), values
+        yield from buffers.items()
+    return specs + _buffer_specs(buffers), merged
+
+
+def _persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    state = model.state_dict(keep_vars=True)
+    return {_base_name(n): t.detach().cpu() for n, t in state.items() if n not in params}
+
+
+def _buffer_specs(buffers: dict[str, torch.Tensor]) -> list[tuple[str, torch.Size, torch.dtype]]:
+    return [(n, t.shape, t.dtype) for n, t in buffers.items()]
+
+
+def _chain(params: Iterator[tuple[str, torch.Tensor]], buffers: dict[str, torch.Tensor]):
+    yield from params
+    yield from buffers.items()
+
+
+def _plan_shards(specs: list[tuple[str, torch.Size, torch.dtype]], max_shard_bytes: int) -> list[list[str]]:
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, shape, dtype in specs:
+        nbytes = shape.numel() * dtype.itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def write_hf(engine: Engine, directory: str | pathlib.Path, *, tokenizer: Any = None,
+             max_shard_bytes: int = MAX_SHARD_BYTES) -> list[pathlib.Path]:
+    """Write the engine's current model into `directory` (created); returns the files written."""
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    specs, stream = exported_tensors(engine)
+    shards = _plan_shards(specs, max_shard_bytes)
+    files, weight_map = [], {}
+    tensors = stream()
+    for i, names in enumerate(shards, 1):
+        path = directory / f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        shard = {}
+        for expected in names:
+            name, values = next(tensors)
+            if name != expected:
+                raise RuntimeError(f"export: got {name!r} where the plan has {expected!r}")
+            shard[name] = values.contiguous()
+            weight_map[name] = path.name
+        save_file(shard, str(path), metadata={"format": "pt"})
+        files.append(path)
+        del shard
+    total = sum(shape.numel() * dtype.itemsize for _, shape, dtype in specs)
+    index = directory / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    files.append(index)
+    files += _write_config(engine.module, directory, specs)
+    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(directory)
+    return files
+
+
+def _write_config(model: torch.nn.Module, directory: pathlib.Path,
+                  specs: list[tuple[str, torch.Size, torch.dtype]]) -> list[pathlib.Path]:
+    base = model.get_base_model() if is_peft(model) else model
+    written = []
+    if getattr(base, "config", None) is not None:
+        config = copy.deepcopy(base.config)
+        floats = [dtype for _, _, dtype in specs if dtype.is_floating_point]
+        if floats:
+            config.dtype = max(set(floats), key=floats.count)  # what the shards hold
+        config.save_pretrained(directory)
+        written.append(directory / "config.json")
+    generation = getattr(base, "generation_config", None)
+    if generation is not None:
+        generation.save_pretrained(directory)
+        written.append(directory / "generation_config.json")
+    return written
+
+
+def write_adapter(engine: Engine, directory: str | pathlib.Path, *, tokenizer: Any = None) -> list[pathlib.Path]:
+    """Write the LoRA adapters of the engine's peft model into `directory` (created), named as
+    peft saves them (the adapter name "default" dropped from the keys)."""
+    model = engine.module
+    if not is_peft(model):
+        raise ValueError("write_adapter needs a peft model (train with --lora)")
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {name.replace(".default.", "."): values.contiguous()
+               for name, values in iter_parameters(engine, _is_adapter)}
+    path = directory / "adapter_model.safetensors"
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    model.peft_config["default"].save_pretrained(directory)
+    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(directory)
+    return [path, directory / "adapter_config.json"]

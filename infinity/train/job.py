@@ -1,0 +1,215 @@
+"""One training job, start to end: check the inputs, build the model and data, fill in the
+DeepSpeed config, train, export, and leave --output complete or not at all.
+
+[Note: nothing half-written] Everything goes to a hidden sibling `.<output>.partial-<pid>`,
+renamed to --output only after the export finished; any failure removes it. Parameter and
+optimizer files go to a fresh temporary directory (under --nvme-path when given), removed at
+the end whatever happens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import pathlib
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from infinity.engine import initialize
+from infinity.errors import ConfigError, InputError
+from infinity.train import export, models, report
+from infinity.train.data import Batches, load_rows, pack
+from infinity.train.loop import GracefulStop, StepRecord, train
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BATCH_SIZE = 8
+MICRO = "train_micro_batch_size_per_gpu"
+LORA_EXPORTS = ("merged", "adapter")
+
+
+@dataclass
+class TrainOptions:
+    """The job's inputs; None means "from the config file, else the default"."""
+
+    model: str | None = None  # Hugging Face directory; None: the built-in default model
+    data: str | None = None  # .txt / .jsonl / directory; None: the built-in corpus
+    config: str | None = None  # DeepSpeed JSON; None: the shipped default (NVMe offload)
+    nvme_path: str | None = None
+    output: str | None = None
+    steps: int = 100
+    seq_len: int = 128
+    batch_size: int | None = None
+    lr: float | None = None
+    lora: int | None = None
+    lora_export: str = "merged"  # "merged": full model, adapters folded in; "adapter": peft adapter only
+    report: bool = False
+    seed: int = 0
+    max_shard_bytes: int = export.MAX_SHARD_BYTES
+
+
+@dataclass
+class JobResult:
+    records: list[StepRecord]
+    peak_rss_bytes: int
+    output: pathlib.Path | None
+    summary: str
+    interrupted: bool
+    files: list[pathlib.Path] = field(default_factory=list)
+
+
+def ds_config(options: TrainOptions, nvme_dir: Callable[[], str]) -> dict[str, Any]:
+    """The config file (or the shipped default) with the command-line options on top; an NVMe
+    offload without nvme_path gets `nvme_dir()`; --nvme-path replaces any nvme_path."""
+    if options.config is None:
+        config = json.loads((models.DEFAULTS / "ds_config.json").read_text())
+    else:
+        try:
+            config = json.loads(pathlib.Path(options.config).read_text())
+        except OSError as e:
+            raise InputError(f"--config {options.config}: {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise InputError(f"--config {options.config}: not JSON ({e})") from None
+        if not isinstance(config, dict):
+            raise InputError(f"--config {options.config}: not a JSON object")
+    if options.batch_size is not None or not isinstance(config.get(MICRO), int):
+        config[MICRO] = options.batch_size or DEFAULT_BATCH_SIZE
+        config.pop("train_batch_size", None)  # follows from micro batch x accumulation
+    if options.lr is not None:
+        optimizer = config.setdefault("optimizer", {"type": "AdamW", "params": {}})
+        optimizer.setdefault("params", {})["lr"] = options.lr
+    zero = config.setdefault("zero_optimization", {})
+    for key in ("offload_param", "offload_optimizer"):
+        section = zero.get(key)
+        if isinstance(section, dict) and section.get("device") == "nvme":
+            if options.nvme_path is not None or not section.get("nvme_path"):
+                section["nvme_path"] = nvme_dir()
+    return config
+
+
+@contextlib.contextmanager
+def scratch_dir(nvme_path: str | None) -> Iterator[Callable[[], str]]:
+    """A lazily made temporary directory (under nvme_path when given), removed at the end."""
+    made: list[str] = []
+
+    def get() -> str:
+        if not made:
+            try:
+                if nvme_path is not None:
+                    os.makedirs(nvme_path, exist_ok=True)
+                made.append(tempfile.mkdtemp(prefix="infinity-train-", dir=nvme_path))
+            except OSError as e:
+                where = f"--nvme-path {nvme_path}" if nvme_path else f"temporary directory {tempfile.gettempdir()}"
+                raise InputError(f"{where}: cannot write there ({e.strerror})") from None
+        return made[0]
+    try:
+        yield get
+    finally:
+        if made:
+            shutil.rmtree(made[0], ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged_output(output: str | None) -> Iterator[pathlib.Path | None]:
+    """See [Note: nothing half-written]."""
+    if output is None:
+        yield None
+        return
+    final = pathlib.Path(output)
+    if final.exists() and not (final.is_dir() and not any(final.iterdir())):
+        raise InputError(f"--output {final}: exists and is not an empty directory")
+    staging = final.parent / f".{final.name}.partial-{os.getpid()}"
+    try:
+        staging.mkdir(parents=True)
+    except OSError as e:
+        raise InputError(f"--output {final}: cannot write there ({e.strerror})") from None
+    try:
+        yield staging
+        if final.exists():
+            final.rmdir()
+        staging.rename(final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _model_and_data(options: TrainOptions):
+    if options.model is None:
+        model, tokenizer = models.default_model(options.seed)
+        hf_tokenizer = None
+    else:
+        model = None
+        tokenizer = hf_tokenizer = models.load_tokenizer(options.model)
+    positions = models.max_positions(model) if model is not None else _config_positions(options.model)
+    if options.seq_len < 2 or (positions is not None and options.seq_len > positions):
+        raise InputError(f"--seq-len {options.seq_len}: must be between 2 and the model's "
+                         f"{positions} positions" if positions else f"--seq-len {options.seq_len}: must be at least 2")
+    if options.data is None:
+        text = (models.DEFAULTS / "corpus.txt").read_text()
+        rows = pack(iter([text]), tokenizer, options.seq_len, source="<built-in corpus>")
+    else:
+        rows = load_rows(options.data, tokenizer, options.seq_len)
+    if model is None:  # the data is checked before the (possibly long) model load
+        model = models.load_model(options.model)
+    return model, hf_tokenizer, rows
+
+
+def _config_positions(directory: str) -> int | None:
+    path = pathlib.Path(directory) / "config.json"
+    try:
+        fields = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None  # load_model / load_tokenizer say what is wrong
+    return fields.get("max_position_embeddings") or fields.get("n_positions")
+
+
+def run(options: TrainOptions, on_step: Callable[[StepRecord], None] = lambda record: None) -> JobResult:
+    """Train as `options` say; InputError (before anything is written to --output) for input
+    that cannot work. SIGINT finishes the current step, then the job ends normally."""
+    if options.steps < 1:
+        raise InputError(f"--steps {options.steps}: must be at least 1")
+    if options.lora_export not in LORA_EXPORTS:
+        raise InputError(f"--lora-export {options.lora_export}: choose one of {', '.join(LORA_EXPORTS)}")
+    model, tokenizer, rows = _model_and_data(options)
+    if options.lora is not None:
+        model = models.add_lora(model, options.lora)
+    with scratch_dir(options.nvme_path) as nvme_dir, staged_output(options.output) as staging:
+        config = ds_config(options, nvme_dir)
+        try:
+            engine = initialize(model, config)
+        except ConfigError as e:  # ConfigPathError included: a bad --nvme-path
+            raise InputError(str(e)) from None
+        metrics = report.MetricsFile(staging / "metrics.jsonl") if staging else None
+        try:
+            batches = Batches(rows, config[MICRO], seed=options.seed)
+
+            def step_done(record: StepRecord) -> None:
+                if metrics is not None:
+                    metrics.write(record)
+                on_step(record)
+
+            with GracefulStop() as stop:
+                records = train(engine, batches, steps=options.steps, on_step=step_done, stop=stop)
+            peak = engine.stats()["peak_rss_bytes"]
+            files = []
+            if staging is not None:
+                if options.report and records:
+                    report.plot(records, staging / "report.png")
+                    report.write_step_trace(engine, staging / "trace.json", records[-1])
+                if options.lora is not None and options.lora_export == "adapter":
+                    files = export.write_adapter(engine, staging, tokenizer=tokenizer)
+                else:
+                    files = export.write_hf(engine, staging, tokenizer=tokenizer,
+                                            max_shard_bytes=options.max_shard_bytes)
+        finally:
+            if metrics is not None:
+                metrics.close()
+            engine.close(restore_params=False)
+    text = report.summary(records, peak_rss_bytes=peak, requested_steps=options.steps)
+    output = pathlib.Path(options.output) if options.output else None
+    return JobResult(records, peak, output, text, stop.requested,
+                     [output / f.name for f in files] if output else [])

@@ -1,0 +1,91 @@
+"""The model of a run: the built-in default (a small Llama from the shipped config, byte tokens),
+or a local Hugging Face directory with its tokenizer; optionally wrapped with LoRA adapters."""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+from importlib import resources
+from typing import Any
+
+import torch
+
+from infinity.errors import InputError
+from infinity.train.data import ByteTokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULTS = resources.files("infinity.train") / "default"
+LORA_TARGETS = "all-linear"  # peft: every Linear but the output head (attention and MLP projections)
+
+
+def default_model(seed: int = 0) -> tuple[torch.nn.Module, ByteTokenizer]:
+    """A freshly initialised Llama from `default/model_config.json` (seeded) and byte tokens."""
+    import transformers
+
+    fields = json.loads((DEFAULTS / "model_config.json").read_text())
+    config = transformers.LlamaConfig(**{k: v for k, v in fields.items() if k not in ("architectures", "model_type")})
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config), ByteTokenizer()
+
+
+def load_model(directory: str | pathlib.Path) -> torch.nn.Module:
+    """A causal LM from a local Hugging Face directory, read fully into RAM for now."""
+    # TODO(#8): stream with infinity.models.load
+    import transformers
+
+    directory = _model_dir(directory)
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise InputError(f"--model {directory}: cannot load a causal LM ({_first_line(e)})") from None
+
+
+def load_tokenizer(directory: str | pathlib.Path) -> Any:
+    """The directory's own tokenizer (local files only); InputError when it has none."""
+    import transformers
+
+    directory = _model_dir(directory)
+    try:
+        return transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError, TypeError) as e:
+        raise InputError(f"--model {directory}: no usable tokenizer ({_first_line(e)})") from None
+
+
+def max_positions(model: torch.nn.Module) -> int | None:
+    """The longest sequence the model's position embeddings cover, when its config says."""
+    config = getattr(model, "config", None)
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
+def add_lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
+    """Freeze `model` and add LoRA adapters of `rank` (alpha = 2 * rank, no dropout) on its
+    attention and MLP projections; only the adapters train."""
+    if rank < 1:
+        raise InputError(f"--lora {rank}: the rank must be at least 1")
+    try:
+        import peft
+    except ImportError:
+        raise InputError("--lora needs the peft package: pip install 'peft>=0.10'") from None
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                             target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
+    wrapped = peft.get_peft_model(model, config)
+    trained = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in wrapped.parameters())
+    logger.info("lora: rank %d, %d of %d parameters train", rank, trained, total)
+    return wrapped
+
+
+def _model_dir(directory: str | pathlib.Path) -> pathlib.Path:
+    path = pathlib.Path(directory)
+    if not path.is_dir():
+        raise InputError(f"--model {path}: no such directory")
+    if not (path / "config.json").is_file():
+        raise InputError(f"--model {path}: no config.json (not a Hugging Face model directory)")
+    return path
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

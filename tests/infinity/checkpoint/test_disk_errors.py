@@ -1,0 +1,46 @@
+"""A checkpoint save that fails on the disk (full, not writable) raises, leaves the previous
+checkpoint and `latest` as they were, and leaves no debris."""
+
+import errno
+import textwrap
+
+import pytest
+import torch
+
+from infinity.checkpoint import CheckpointReader, CheckpointWriter, latest_tag
+
+
+def test_a_full_disk_fails_the_save_and_keeps_the_previous_checkpoint(small_tmpfs):
+    directory = small_tmpfs("4m")
+    if directory is None:
+        pytest.skip("mounting a small tmpfs needs root")
+    with CheckpointWriter(directory, "step1") as writer:
+        writer.add("w", torch.ones(1 << 18))  # 1 MiB
+    with pytest.raises(OSError) as info, CheckpointWriter(directory, "step2") as writer:
+        writer.add("w", torch.ones(1 << 18))
+        writer.add("big", torch.ones(1 << 20))  # 4 MiB more than fits
+    assert info.value.errno == errno.ENOSPC
+    assert sorted(p.name for p in directory.iterdir()) == ["latest", "step1"]
+    assert latest_tag(directory) == "step1"
+    assert torch.equal(CheckpointReader(directory).read("w"), torch.ones(1 << 18))
+    with CheckpointWriter(directory, "step3") as writer:  # the space came back
+        writer.add("w", torch.zeros(1 << 18))
+    assert latest_tag(directory) == "step3"
+
+
+def test_an_unwritable_directory_fails_before_anything_is_written(tmp_path, run_unprivileged):
+    (tmp_path / "run").mkdir(mode=0o755)
+    (tmp_path / "run").chmod(0o755)
+    tmp_path.chmod(0o755)
+    code = textwrap.dedent(f"""
+        import torch
+        from infinity.checkpoint import CheckpointWriter
+        try:
+            CheckpointWriter({str(tmp_path / "run")!r}, "step1")
+        except PermissionError as e:
+            print("refused", e.filename)
+    """)
+    out = run_unprivileged(code, preload=("torch", "zarr", "infinity.checkpoint"))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("refused") and str(tmp_path / "run") in out.stdout
+    assert list((tmp_path / "run").iterdir()) == []

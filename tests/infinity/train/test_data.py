@@ -1,0 +1,67 @@
+"""Data: files and directories read, jsonl "text" fields, packing, the seed-stable shuffle, and
+the built-in corpus equal to its generator."""
+
+import json
+
+import pytest
+import torch
+
+from infinity.errors import InputError
+from infinity.train import corpus, models
+from infinity.train.data import Batches, ByteTokenizer, data_files, load_rows, pack, read_documents
+
+
+def test_txt_jsonl_and_directories_are_read_in_a_stable_order(tmp_path):
+    (tmp_path / "b.txt").write_text("second")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "c.jsonl").write_text(json.dumps({"text": "third"}) + "\n\n"
+                                              + json.dumps({"text": "fourth", "id": 4}) + "\n")
+    (tmp_path / "a.txt").write_text("first")
+    (tmp_path / "notes.md").write_text("ignored")
+    files = data_files(tmp_path)
+    assert [f.name for f in files] == ["a.txt", "b.txt", "c.jsonl"]
+    assert list(read_documents(files)) == ["first", "second", "third", "fourth"]
+
+
+def test_packing_wraps_documents_in_bos_eos_and_drops_the_tail():
+    tok = ByteTokenizer()
+    rows = pack(iter(["ab", "", "cde"]), tok, 3, source="x")
+    assert rows.tolist() == [[256, 97, 98], [257, 256, 99], [100, 101, 257]]
+    rows = pack(iter(["abcd"]), tok, 4, source="x")  # 6 tokens: one row, tail of 2 dropped
+    assert rows.tolist() == [[256, 97, 98, 99]]
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda p: p / "missing.txt", "no such file"),
+    (lambda p: (p / "empty.txt").write_text("  \n") and p / "empty.txt", "no text"),
+    (lambda p: (p / "short.txt").write_text("hi") and p / "short.txt", "not enough for one sequence"),
+    (lambda p: (p / "d").mkdir() or p / "d", "no .txt or .jsonl"),
+    (lambda p: (p / "x.csv").write_text("a") and p / "x.csv", "not a .txt or .jsonl"),
+    (lambda p: (p / "x.jsonl").write_text('{"body": "a"}\n') and p / "x.jsonl", 'x.jsonl:1: no string field "text"'),
+    (lambda p: (p / "y.jsonl").write_text('{"text": "a"}\n{oops\n') and p / "y.jsonl", "y.jsonl:2: not JSON"),
+])
+def test_bad_data_names_the_culprit(tmp_path, make, message):
+    with pytest.raises(InputError, match=message):
+        load_rows(make(tmp_path), ByteTokenizer(), 16)
+
+
+def test_shuffle_is_seed_stable_and_covers_every_row_each_epoch():
+    rows = torch.arange(10).view(10, 1)
+    first = [b.flatten().tolist() for _, b in zip(range(5), Batches(rows, 4, seed=3))]
+    again = [b.flatten().tolist() for _, b in zip(range(5), Batches(rows, 4, seed=3))]
+    other = [b.flatten().tolist() for _, b in zip(range(5), Batches(rows, 4, seed=4))]
+    assert first == again and first != other
+    assert all(len(b) == 4 for b in first)
+    flat = sum(first, [])
+    assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:20]) == list(range(10))
+
+
+def test_the_shipped_corpus_is_the_generators_output():
+    assert (models.DEFAULTS / "corpus.txt").read_text() == corpus.generate()
+
+
+def test_rows_are_compact_and_batches_are_model_inputs():
+    rows = pack(iter(["abcdefgh"] * 4), ByteTokenizer(), 5, source="x")
+    assert rows.dtype == torch.int32 and rows.shape == (8, 5)
+    batch = next(Batches(rows, 3))
+    assert batch.dtype == torch.int64 and batch.shape == (3, 5)

@@ -1,0 +1,144 @@
+"""infinity-train end to end: the default run learns, --model/--data/--lora runs export a
+loadable model, Ctrl-C stops cleanly with exit 0, bad input gives one line and exit 2 with
+nothing left in --output."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tools import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_main(capsys, *args):
+    code = train.main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_default_run_learns_and_reports(tmp_path, capsys):
+    out_dir = tmp_path / "run"
+    code, out, err = run_main(capsys, "--steps", "6", "--output", str(out_dir), "--report")
+    assert code == 0, err
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 7))
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5  # byte-level loss starts near ln(259)
+    assert all(r["nvme_gbps"] > 0 and r["rss_bytes"] > 0 and r["tokens"] == 8 * 128 for r in records)
+    assert "fell by" in out and "loss" in err  # summary table; progress bar on stderr
+    trace = json.loads((out_dir / "trace.json").read_text())
+    assert {"forward", "backward"} <= {e["name"] for e in trace["traceEvents"]}
+    assert (out_dir / "report.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out_dir / "config.json").exists() and (out_dir / "model.safetensors.index.json").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]  # no staging directory left
+
+
+def test_model_data_and_lora_runs_export_loadable_models(tmp_path, capsys, tiny_hf_model):
+    transformers = pytest.importorskip("transformers")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"line {i} of the test text. " * 3}) + "\n" for i in range(40)))
+    for extra, name in (((), "full"), (("--lora", "2"), "lora")):
+        code, out, err = run_main(capsys, "--model", str(tiny_hf_model), "--data", str(data), "--steps", "3",
+                                  "--seq-len", "32", "--batch-size", "2", "--lr", "1e-3",
+                                  "--nvme-path", str(tmp_path / "nvme"), "--output", str(tmp_path / name), *extra)
+        assert code == 0, err
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name, local_files_only=True)
+        assert not any("lora" in n for n, _ in model.named_parameters())
+        assert (tmp_path / name / "tokenizer.json").exists()
+    code, out, err = run_main(capsys, "--model", str(tiny_hf_model), "--data", str(data), "--steps", "1",
+                              "--seq-len", "32", "--lora", "2", "--lora-export", "adapter",
+                              "--nvme-path", str(tmp_path / "nvme"), "--output", str(tmp_path / "adapter"))
+    assert code == 0, err
+    assert {"adapter_model.safetensors", "adapter_config.json", "metrics.jsonl"} <= set(os.listdir(tmp_path / "adapter"))
+    assert os.listdir(tmp_path / "nvme") == []  # the scratch directory is gone
+
+
+def test_sigint_finishes_the_step_and_exits_0(tmp_path):
+    out_dir = tmp_path / "run"
+    child = subprocess.Popen([sys.executable, "-m", "tools.train", "--steps", "2000", "--output", str(out_dir)],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        seen = b""
+        deadline = time.monotonic() + 60
+        while b"loss" not in seen and time.monotonic() < deadline:
+            chunk = child.stderr.read1(4096)
+            if not chunk:
+                break
+            seen += chunk
+        assert b"loss" in seen, seen
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 0, err
+    assert b"stopped early by Ctrl-C" in out
+    steps = len((out_dir / "metrics.jsonl").read_text().splitlines())
+    assert 1 <= steps < 2000
+    assert (out_dir / "model.safetensors.index.json").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "{tmp}/nowhere"], "--model {tmp}/nowhere: no such directory"),
+    (["--data", "{tmp}/empty.txt"], "--data {tmp}/empty.txt: no text"),
+    (["--seq-len", "300"], "--seq-len 300: must be between 2 and the model's 256 positions"),
+    (["--model", "{model}", "--seq-len", "65"], "--seq-len 65: must be between 2 and the model's 64 positions"),
+    (["--steps", "0"], "--steps 0: must be at least 1"),
+    (["--config", "{tmp}/bad.json"], "--config {tmp}/bad.json: not JSON"),
+    (["--config", "{tmp}/unknown.json"], "unknown config key 'zero_optimization.stagee'"),
+    (["--save-every", "10"], "--save-every and --resume are not yet supported"),
+    (["--resume"], "--save-every and --resume are not yet supported"),
+])
+def test_bad_input_one_line_exit_2_nothing_in_output(tmp_path, capsys, tiny_hf_model, args, message):
+    (tmp_path / "empty.txt").write_text("\n")
+    (tmp_path / "bad.json").write_text("{")
+    (tmp_path / "unknown.json").write_text('{"zero_optimization": {"stagee": 3}}')
+    fill = {"tmp": str(tmp_path), "model": str(tiny_hf_model)}
+    code, out, err = run_main(capsys, *[a.format(**fill) for a in args], "--output", str(tmp_path / "out"))
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"infinity-train: error: {message.format(**fill)}"), err
+    assert not any(p.name.startswith((".out", "out")) for p in tmp_path.iterdir())
+
+
+def test_read_only_nvme_path_is_refused(read_only_dir, run_unprivileged):
+    out = run_unprivileged(textwrap.dedent(f"""
+        from tools import train
+        sys.exit(train.main(["--steps", "1", "--nvme-path", {read_only_dir!r}]))
+    """), preload=("tools.train", "transformers.models.llama.modeling_llama"))
+    assert out.returncode == 2, out.stderr
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"infinity-train: error: --nvme-path {read_only_dir}: cannot write there"), out.stderr
+    assert os.listdir(read_only_dir) == []
+
+
+def test_help_explains_every_option_with_its_default(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for option in ("--model DIR", "--data FILE|DIR", "--config JSON", "--nvme-path DIR", "--output DIR",
+                   "--steps N", "--seq-len N", "--batch-size N", "--lr X", "--save-every N", "--resume",
+                   "--lora R", "--report"):
+        assert option in text
+    for default in ("(default: 100)", "(default: 128)", "(default: 0)", "(default: 2G)", "else 8",
+                    "infinity.models.load", "infinity-train --model"):
+        assert default in text
+
+
+def test_full_nvme_disk_is_refused(tmp_path, capsys, small_tmpfs):
+    disk = small_tmpfs("2m")
+    if disk is None:
+        pytest.skip("needs root to mount a small tmpfs")
+    code, out, err = run_main(capsys, "--steps", "1", "--nvme-path", str(disk), "--output", str(tmp_path / "out"))
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("infinity-train: error: disk full:") and "ENOSPC" in lines[0], err
+    assert os.listdir(disk) == [] and os.listdir(tmp_path) == [disk.name]

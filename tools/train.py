@@ -1,0 +1,156 @@
+"""infinity-train: fine-tune a causal language model with parameters and optimizer state
+offloaded to NVMe, watch it train, and get a Hugging Face model out.
+
+    infinity-train                                  # built-in default: small Llama, built-in corpus
+    infinity-train --steps 200 --output run1 --report
+    infinity-train --model ./llama-1b --data corpus/ --config ds_config.json \\
+        --nvme-path /mnt/nvme --output out --steps 500 --seq-len 1024 --batch-size 4 --lr 1e-4
+    infinity-train --model ./llama-1b --data chat.jsonl --lora 16 --output out-lora
+
+Without --model it trains a small Llama-style model (a config shipped in the package, random
+init, byte-level tokens) on a built-in corpus of generated English-like sentences, with
+parameters and optimizer on NVMe in a temporary directory removed at the end.
+
+--model DIR is a local Hugging Face directory; it is loaded whole into RAM for now
+(transformers' from_pretrained; streaming it from disk comes with infinity.models.load, #8).
+Its tokenizer is read from DIR (local files only). --data is a .txt file (one document), a
+.jsonl file (one document per line, its "text" field), or a directory of them; the text is
+packed into rows of --seq-len tokens, shuffled with a fixed seed.
+
+Options given here override the --config file (DeepSpeed JSON). Exit codes: 0 done (also
+after Ctrl-C, which finishes the current step first; a second Ctrl-C aborts), 2 bad input
+(one line on stderr; nothing is left in --output), 1 any other failure.
+Without an install: `python -m tools.train ...` from the repository root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import sys
+
+from tqdm import tqdm
+
+from infinity.errors import InputError
+from infinity.train import TrainOptions, run
+from infinity.train.job import DEFAULT_BATCH_SIZE, LORA_EXPORTS
+from infinity.train.loop import StepRecord
+from tools.cli import parse_size
+
+PROG = "infinity-train"
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults on every option that has a value (the others say theirs in words); the module
+    docstring (with its examples) kept as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=_Formatter)
+    d = TrainOptions()
+    p.add_argument("--model", metavar="DIR", help="local Hugging Face model directory (config.json, "
+                   "weights, tokenizer); read whole with from_pretrained until streaming comes (#8). "
+                   "Default: the built-in small Llama with byte-level tokens")
+    p.add_argument("--data", metavar="FILE|DIR", help=".txt, .jsonl (\"text\" field) or a directory "
+                   "of them. Default: the built-in corpus")
+    p.add_argument("--config", metavar="JSON", help="DeepSpeed config file; the options below "
+                   "override it. Default: the shipped one (ZeRO-3, params and optimizer on NVMe)")
+    p.add_argument("--nvme-path", metavar="DIR", help="where offloaded params and optimizer state go "
+                   "(a temporary directory inside it, removed at the end). Default: the config's "
+                   "nvme_path, else the system temporary directory")
+    p.add_argument("--output", metavar="DIR", help="metrics.jsonl, the exported model (safetensors "
+                   "shards + index + config + tokenizer) and the --report files; must not exist "
+                   "or be empty. Default: nothing is written")
+    p.add_argument("--steps", type=int, metavar="N", default=d.steps, help="optimizer steps")
+    p.add_argument("--seq-len", type=int, metavar="N", default=d.seq_len, help="tokens per packed sequence "
+                   "(at most the model's max_position_embeddings)")
+    p.add_argument("--batch-size", type=int, metavar="N", help="sequences per micro-batch "
+                   f"(train_micro_batch_size_per_gpu). Default: the config's, else {DEFAULT_BATCH_SIZE}")
+    p.add_argument("--lr", type=float, metavar="X", help="learning rate (optimizer.params.lr). Default: the "
+                   "config's (3e-3 in the shipped one)")
+    p.add_argument("--lora", type=int, metavar="R", help="train only LoRA adapters of rank R "
+                   "(alpha 2R) on the attention and MLP projections (needs peft); see --lora-export. "
+                   "Default: full fine-tuning")
+    p.add_argument("--lora-export", choices=LORA_EXPORTS, default=d.lora_export, help="with --lora: "
+                   "'merged' writes the full model with the adapters folded in (loads without peft), "
+                   "'adapter' only the adapters in peft's layout (PeftModel.from_pretrained)")
+    p.add_argument("--report", action="store_true", help="also write report.png (loss, step time, "
+                   "bytes per store tier) and trace.json (Perfetto trace of the last step) to --output")
+    p.add_argument("--seed", type=int, metavar="N", default=d.seed, help="shuffle (and default model init) seed")
+    p.add_argument("--max-shard-size", type=parse_size, metavar="SIZE", default="2G",
+                   help="largest safetensors shard of the export (bytes, K/M/G suffixes)")
+    p.add_argument("--save-every", type=int, metavar="N", help="checkpoint every N steps (not yet "
+                   "supported: checkpoints are coming)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in "
+                   "--output (not yet supported)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log the engine's decisions (INFO)")
+    return p
+
+
+class _Progress:
+    """The tqdm bar: loss, tokens/s, step time, resident memory, NVMe GB/s."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self.bar: tqdm | None = None  # made at the first step: bad input shows only its line
+
+    def __call__(self, r: StepRecord) -> None:
+        if self.bar is None:
+            self.bar = tqdm(total=self.steps, desc=PROG, unit="step", file=sys.stderr, dynamic_ncols=True)
+        self.bar.set_postfix_str(f"loss {r.loss:.3f}, {r.tokens_per_s:.0f} tok/s, {r.step_s:.2f} s/step, "
+                                 f"RSS {r.rss_bytes / 2**20:.0f} MiB, NVMe {r.nvme_gbps:.3f} GB/s",
+                                 refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _fail(message: str) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if args.save_every is not None or args.resume:
+        return _fail("--save-every and --resume are not yet supported (checkpoints are coming)")
+    options = TrainOptions(model=args.model, data=args.data, config=args.config, nvme_path=args.nvme_path,
+                           output=args.output, steps=args.steps, seq_len=args.seq_len,
+                           batch_size=args.batch_size, lr=args.lr, lora=args.lora,
+                           lora_export=args.lora_export, report=args.report, seed=args.seed,
+                           max_shard_bytes=args.max_shard_size)
+    progress = _Progress(args.steps)
+    try:
+        result = run(options, on_step=progress)
+    except InputError as e:
+        progress.close()
+        return _fail(str(e))
+    except OSError as e:
+        progress.close()
+        if e.errno != errno.ENOSPC:
+            raise
+        return _fail(f"disk full: {e}")
+    except KeyboardInterrupt:
+        progress.close()
+        print(f"{PROG}: aborted", file=sys.stderr)
+        return 130
+    progress.close()
+    print(result.summary)
+    if result.interrupted:
+        print("stopped early by Ctrl-C")
+    print(f"model and metrics in {result.output}" if result.output else "no --output: nothing saved")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
