@@ -48,8 +48,9 @@ def load(path: str | os.PathLike[str], config: dict[str, Any] | str | os.PathLik
 
     Parameters stream tensor by tensor, in slices, through `window` bytes of buffers (read
     and converted), into the store's home tier of parameters (NVMe with offload_param
-    "nvme"): peak memory is the window, plus the host tier when parameters live there (see
-    docs/scale.md). Values are converted to the config's precision on the way (bf16 shards
+    "nvme"): peak memory is the window plus the store's host tier (the engine's arena, touched
+    when the store opens; the whole model when parameters live in host memory), see
+    docs/scale.md. Values are converted to the config's precision on the way (bf16 shards
     into fp32 parameters, or the reverse). Tied weights (lm_head = embed_tokens) load once.
 
     Until `initialize`, the parameters hold empty placeholders: the model is for training
@@ -119,6 +120,11 @@ def _match(model: torch.nn.Module, records: dict[str, TensorRecord], directory: 
             sources.setdefault(id(p), record)
         elif name in buffer_names:
             module_name, _, buffer = name.rpartition(".")
+            found = model.get_submodule(module_name)._buffers[buffer]
+            if found is None or found.shape != record.shape:
+                raise CheckpointError(
+                    f"{record.path}: tensor {name!r} has shape {tuple(record.shape)}, the model's buffer has "
+                    f"{None if found is None else tuple(found.shape)}", path=record.path, tensor=name)
             buffers.append((module_name, buffer, record))
         elif not any(pattern.search(name) for pattern in ignore_unexpected):
             raise CheckpointError(f"{record.path}: tensor {name!r} is not a parameter of the model built from "
@@ -189,12 +195,8 @@ def _replace_meta(model: torch.nn.Module, layout: Layout) -> None:
 
 
 def _copy_buffer(module: torch.nn.Module, name: str, record: TensorRecord) -> None:
-    """A buffer saved in the checkpoint (small: read whole)."""
+    """A buffer saved in the checkpoint (small: read whole; its shape was checked by _match)."""
     buf = module._buffers[name]
-    if buf is None or buf.shape != record.shape:
-        raise CheckpointError(f"{record.path}: tensor {record.name!r} has shape {tuple(record.shape)}, the model's "
-                              f"buffer has {None if buf is None else tuple(buf.shape)}",
-                              path=record.path, tensor=record.name)
     raw = torch.empty(record.nbytes, dtype=torch.uint8)
     reader = ShardReader()
     try:

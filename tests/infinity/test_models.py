@@ -228,6 +228,20 @@ def break_missing_parameter(d):
     return d, "model.layers.1.input_layernorm.weight", "no tensor for parameter"
 
 
+def _add_tensor(d, name, value):
+    path = os.path.join(d, "extra.safetensors")
+    safetensors_torch.save_file({name: value}, path)
+    index = _index(d)
+    index["weight_map"][name] = "extra.safetensors"
+    _write_index(d, index)
+    return path
+
+
+def break_buffer_shape(d):
+    path = _add_tensor(d, "model.rotary_emb.inv_freq", torch.ones(3))
+    return path, "model.rotary_emb.inv_freq", r"has shape \(3,\), the model's buffer has \(4,\)"
+
+
 def break_no_config(d):
     os.remove(os.path.join(d, "config.json"))
     return os.path.join(d, "config.json"), None, "config.json: missing"
@@ -239,7 +253,7 @@ def break_no_weights(d):
 
 
 BREAKAGES = [break_missing_shard, break_index_names_absent_tensor, break_truncated_shard, break_header_length,
-             break_shape_against_config, break_unknown_tensor, break_missing_parameter, break_no_config,
+             break_shape_against_config, break_buffer_shape, break_unknown_tensor, break_missing_parameter, break_no_config,
              break_no_weights]
 
 
@@ -275,6 +289,15 @@ def test_a_shard_truncated_after_indexing_is_named_while_reading(tmp_path, monke
     with pytest.raises(CheckpointError, match="truncated while reading") as caught:
         infinity.models.load(directory, config(tmp_path), window=WINDOW)
     assert caught.value.path == victim
+
+
+def test_buffers_in_the_checkpoint_are_loaded(tmp_path):
+    original = tiny_llama()
+    directory = saved(tmp_path, original)
+    halved = original.model.rotary_emb.inv_freq / 2
+    _add_tensor(directory, "model.rotary_emb.inv_freq", halved)
+    model = infinity.models.load(directory, config(tmp_path), window=WINDOW)
+    assert torch.equal(model.model.rotary_emb.inv_freq, halved)
 
 
 def test_not_a_directory(tmp_path):
