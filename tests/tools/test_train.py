@@ -93,8 +93,8 @@ def test_sigint_finishes_the_step_and_exits_0(tmp_path):
     (["--steps", "0"], "--steps 0: must be at least 1"),
     (["--config", "{tmp}/bad.json"], "--config {tmp}/bad.json: not JSON"),
     (["--config", "{tmp}/unknown.json"], "unknown config key 'zero_optimization.stagee'"),
-    (["--save-every", "10"], "--save-every and --resume are not yet supported"),
-    (["--resume"], "--save-every and --resume are not yet supported"),
+    (["--save-every", "0"], "--save-every 0: must be at least 1"),
+    (["--resume"], "--resume: no checkpoint in {tmp}/out/checkpoints"),
 ])
 def test_bad_input_one_line_exit_2_nothing_in_output(tmp_path, capsys, tiny_hf_model, args, message):
     (tmp_path / "empty.txt").write_text("\n")
