@@ -41,6 +41,10 @@ def directory(output: str | pathlib.Path) -> pathlib.Path:
     return pathlib.Path(output) / SUBDIR
 
 
+def has_any(output: str | pathlib.Path) -> bool:
+    return latest_tag(directory(output)) is not None
+
+
 def find_resume_point(output: str | pathlib.Path) -> ResumePoint:
     """The latest checkpoint in `<output>/checkpoints`; InputError when there is none or it is
     not one this job wrote."""

@@ -149,7 +149,8 @@ def staged_output(output: str | None, *, resume: bool = False) -> Iterator[Outpu
         yield Output(final, None)
         return
     if final.exists() and not (final.is_dir() and not any(final.iterdir())):
-        raise InputError(f"--output {final}: exists and is not an empty directory")
+        hint = " (it holds checkpoints: add --resume to continue)" if checkpoints.has_any(final) else ""
+        raise InputError(f"--output {final}: exists and is not an empty directory{hint}")
     staging = final.parent / f".{final.name}.partial-{os.getpid()}"
     try:
         staging.mkdir(parents=True)

@@ -9,8 +9,10 @@ import subprocess
 import sys
 import time
 
+import torch
 from safetensors.torch import load_file
 
+from infinity.checkpoint import CheckpointWriter
 from tools import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -104,12 +106,21 @@ def test_checkpoint_options_bad_input(tmp_path, capsys):
                     "--output", str(run_dir))[0] == 0
     before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
     for args, message in [
-        (("--steps", "1", "--batch-size", "2", "--seq-len", "32"), "--resume: the checkpoint is at step 1, --steps 1"),
-        (("--steps", "3", "--batch-size", "3", "--seq-len", "32"), "--resume: the checkpoint at step 1 was made "
-                                                                   "with batch_size 2, this run has 3"),
+        (("--steps", "1", "--resume"), "--resume: the checkpoint is at step 1, --steps 1"),
+        (("--steps", "3", "--resume", "--batch-size", "3"),
+         "--resume: the checkpoint at step 1 was made with batch_size 2, this run has 3"),
+        (("--steps", "3"), f"--output {run_dir}: exists and is not an empty directory (it holds checkpoints: "
+                           "add --resume"),
     ]:
-        code, out, err = run_main(capsys, *args, "--output", str(run_dir), "--resume")
+        code, out, err = run_main(capsys, "--batch-size", "2", "--seq-len", "32", *args, "--output", str(run_dir))
         assert code == 2
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"infinity-train: error: {message}"), err
     assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before  # untouched
+    foreign = tmp_path / "foreign"
+    with CheckpointWriter(foreign / "checkpoints", "step1", metadata={}) as writer:
+        writer.add("w", torch.zeros(2))
+    code, out, err = run_main(capsys, *SMALL, "--output", str(foreign), "--resume")
+    assert code == 2 and err.strip() == (f"infinity-train: error: --resume: checkpoint {foreign}/checkpoints/step1 "
+                                         "was not written by infinity-train (no step and data position in its "
+                                         "client_state)"), err
