@@ -150,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     print(result.summary)
     if result.interrupted:
         print("stopped early by Ctrl-C")
+    if result.checkpoint is not None:
+        print(f"last checkpoint {result.checkpoint} (continue with the same options and --resume)")
     print(f"model and metrics in {result.output}" if result.output else "no --output: nothing saved")
     return 0
 

@@ -85,13 +85,14 @@ class Saver:
         self.directory = directory(output)
         self.seq_len = seq_len
         self.last_step: int | None = None
+        self.last_path: pathlib.Path | None = None
 
     def save(self, engine: Engine, batches: Batches, step: int) -> pathlib.Path | None:
         if step == self.last_step:
             return None
         client_state: dict[str, Any] = {"step": step, "data": data_state(batches, self.seq_len)}
         path = engine.save_checkpoint(self.directory, f"step{step}", client_state)
-        self.last_step = step
+        self.last_step, self.last_path = step, path
         logger.info("checkpoint %s saved", path)
         return path
 

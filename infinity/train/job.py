@@ -65,6 +65,7 @@ class JobResult:
     summary: str
     interrupted: bool
     files: list[pathlib.Path] = field(default_factory=list)
+    checkpoint: pathlib.Path | None = None  # the last one this run saved
 
 
 def ds_config(options: TrainOptions, nvme_dir: Callable[[], str]) -> dict[str, Any]:
@@ -287,4 +288,4 @@ def run(options: TrainOptions, on_step: Callable[[StepRecord], None] = lambda re
     text = report.summary(records, peak_rss_bytes=peak, requested_steps=options.steps)
     output = pathlib.Path(options.output) if options.output else None
     return JobResult(records, peak, output, text, stop.requested,
-                     [output / f.name for f in files] if output else [])
+                     [output / f.name for f in files] if output else [], saver.last_path if saver else None)

@@ -196,6 +196,7 @@ def test_sigint_saves_a_checkpoint_that_resume_continues(tmp_path, capsys):
                                      "--output", str(out_dir))
     assert code == 0, err
     stopped = len(losses(out_dir))
+    assert f"last checkpoint {out_dir / 'checkpoints' / f'step{stopped}'} (continue".encode() in out
     assert 1 <= stopped < 2000
     assert (out_dir / "checkpoints" / "latest").read_text().strip() == f"step{stopped}"
     code, out, err = run_main(capsys, "--steps", str(stopped + 2), "--batch-size", "2", "--seq-len", "32",
