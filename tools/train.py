@@ -18,8 +18,9 @@ Its tokenizer is read from DIR (local files only). --data is a .txt file (one do
 packed into rows of --seq-len tokens, shuffled with a fixed seed.
 
 Options given here override the --config file (DeepSpeed JSON). Exit codes: 0 done (also
-after Ctrl-C, which finishes the current step first; a second Ctrl-C aborts), 2 bad input
-(one line on stderr; nothing is left in --output), 1 any other failure.
+after Ctrl-C, which finishes the current step, saves a checkpoint when --output is set, and
+exports; a second Ctrl-C aborts), 2 bad input (one line on stderr; nothing is left in
+--output), 1 any other failure. `infinity-train ... --output DIR --resume` continues a run.
 Without an install: `python -m tools.train ...` from the repository root.
 """
 
@@ -85,10 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, metavar="N", default=d.seed, help="shuffle (and default model init) seed")
     p.add_argument("--max-shard-size", type=parse_size, metavar="SIZE", default="2G",
                    help="largest safetensors shard of the export (bytes, K/M/G suffixes)")
-    p.add_argument("--save-every", type=int, metavar="N", help="checkpoint every N steps (not yet "
-                   "supported: checkpoints are coming)")
+    p.add_argument("--save-every", type=int, metavar="N", help="save a checkpoint every N steps "
+                   "into OUTPUT/checkpoints (needs --output; from the first save on, --output exists "
+                   "and holds the checkpoints). Default: only Ctrl-C saves one")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in "
-                   "--output (not yet supported)")
+                   "OUTPUT/checkpoints, with the same model, data and options; --steps is the total")
     p.add_argument("-v", "--verbose", action="store_true", help="log the engine's decisions (INFO)")
     return p
 
@@ -102,7 +104,8 @@ class _Progress:
 
     def __call__(self, r: StepRecord) -> None:
         if self.bar is None:
-            self.bar = tqdm(total=self.steps, desc=PROG, unit="step", file=sys.stderr, dynamic_ncols=True)
+            self.bar = tqdm(total=self.steps, initial=r.step - 1, desc=PROG, unit="step",  # resumed: > 1
+                            file=sys.stderr, dynamic_ncols=True)
         self.bar.set_postfix_str(f"loss {r.loss:.3f}, {r.tokens_per_s:.0f} tok/s, {r.step_s:.2f} s/step, "
                                  f"RSS {r.rss_bytes / 2**20:.0f} MiB, NVMe {r.nvme_gbps:.3f} GB/s",
                                  refresh=False)
@@ -122,13 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    if args.save_every is not None or args.resume:
-        return _fail("--save-every and --resume are not yet supported (checkpoints are coming)")
     options = TrainOptions(model=args.model, data=args.data, config=args.config, nvme_path=args.nvme_path,
                            output=args.output, steps=args.steps, seq_len=args.seq_len,
                            batch_size=args.batch_size, lr=args.lr, lora=args.lora,
                            lora_export=args.lora_export, report=args.report, seed=args.seed,
-                           max_shard_bytes=args.max_shard_size)
+                           max_shard_bytes=args.max_shard_size, save_every=args.save_every,
+                           resume=args.resume)
     progress = _Progress(args.steps)
     try:
         result = run(options, on_step=progress)
@@ -148,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     print(result.summary)
     if result.interrupted:
         print("stopped early by Ctrl-C")
+    if result.checkpoint is not None:
+        print(f"last checkpoint {result.checkpoint} (continue with the same options and --resume)")
     print(f"model and metrics in {result.output}" if result.output else "no --output: nothing saved")
     return 0
 

@@ -104,13 +104,29 @@ class Batches:
     def __iter__(self) -> Iterator[torch.Tensor]:
         return self
 
+    @property
+    def position(self) -> int:
+        """How many rows of the current epoch's permutation were served."""
+        return self._next
+
+    def seek(self, epoch: int, position: int) -> None:
+        """Continue where a run that was at (`epoch`, `position`) stopped: the next batch is the
+        one that run would have taken next."""
+        self.epoch, self._order, self._next = epoch, torch.empty(0, dtype=torch.int64), 0
+        if epoch >= 0:
+            self._order = self._permutation(epoch)
+            self._next = position
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(len(self.rows), generator=generator)
+
     def __next__(self) -> torch.Tensor:
         picked, count = [], 0
         while count < self.batch_size:
             if self._next >= len(self._order):
                 self.epoch += 1
-                generator = torch.Generator().manual_seed(self.seed + self.epoch)
-                self._order, self._next = torch.randperm(len(self.rows), generator=generator), 0
+                self._order, self._next = self._permutation(self.epoch), 0
             take = self._order[self._next:self._next + self.batch_size - count]
             self._next += len(take)
             count += len(take)

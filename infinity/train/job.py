@@ -2,9 +2,11 @@
 DeepSpeed config, train, export, and leave --output complete or not at all.
 
 [Note: nothing half-written] Everything goes to a hidden sibling `.<output>.partial-<pid>`,
-renamed to --output only after the export finished; any failure removes it. Parameter and
-optimizer files go to a fresh temporary directory (under --nvme-path when given), removed at
-the end whatever happens.
+renamed to --output when the job ends well or when it saves its first checkpoint (which must
+outlive a crash to be resumed: from then on the job writes in --output itself); any failure
+before that removes it. All input is checked before, so bad input never leaves anything in
+--output. A --resume works in --output itself. Parameter and optimizer files go to a fresh
+temporary directory (under --nvme-path when given), removed at the end whatever happens.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from infinity.engine import initialize
-from infinity.errors import ConfigError, InputError
-from infinity.train import export, models, report
+from infinity.errors import CheckpointError, ConfigError, InputError
+from infinity.train import checkpoints, export, models, report
 from infinity.train.data import Batches, load_rows, pack
 from infinity.train.loop import GracefulStop, StepRecord, train
 
@@ -51,6 +53,8 @@ class TrainOptions:
     report: bool = False
     seed: int = 0
     max_shard_bytes: int = export.MAX_SHARD_BYTES
+    save_every: int | None = None  # checkpoint every N steps into <output>/checkpoints
+    resume: bool = False  # continue from the latest checkpoint in <output>/checkpoints
 
 
 @dataclass
@@ -61,6 +65,7 @@ class JobResult:
     summary: str
     interrupted: bool
     files: list[pathlib.Path] = field(default_factory=list)
+    checkpoint: pathlib.Path | None = None  # the last one this run saved
 
 
 def ds_config(options: TrainOptions, nvme_dir: Callable[[], str]) -> dict[str, Any]:
@@ -114,27 +119,51 @@ def scratch_dir(nvme_path: str | None) -> Iterator[Callable[[], str]]:
             shutil.rmtree(made[0], ignore_errors=True)
 
 
+class Output:
+    """Where the job's files go now: the staging directory until `publish()`, then --output."""
+
+    def __init__(self, final: pathlib.Path, staging: pathlib.Path | None) -> None:
+        self.final, self.staging = final, staging
+
+    @property
+    def path(self) -> pathlib.Path:
+        return self.staging or self.final
+
+    def publish(self) -> None:
+        """Make the staging directory --output (files open in it stay valid)."""
+        if self.staging is None:
+            return
+        if self.final.exists():
+            self.final.rmdir()
+        self.staging.rename(self.final)
+        self.staging = None
+
+
 @contextlib.contextmanager
-def staged_output(output: str | None) -> Iterator[pathlib.Path | None]:
+def staged_output(output: str | None, *, resume: bool = False) -> Iterator[Output | None]:
     """See [Note: nothing half-written]."""
     if output is None:
         yield None
         return
     final = pathlib.Path(output)
+    if resume:
+        yield Output(final, None)
+        return
     if final.exists() and not (final.is_dir() and not any(final.iterdir())):
-        raise InputError(f"--output {final}: exists and is not an empty directory")
+        hint = " (it holds checkpoints: add --resume to continue)" if checkpoints.has_any(final) else ""
+        raise InputError(f"--output {final}: exists and is not an empty directory{hint}")
     staging = final.parent / f".{final.name}.partial-{os.getpid()}"
     try:
         staging.mkdir(parents=True)
     except OSError as e:
         raise InputError(f"--output {final}: cannot write there ({e.strerror})") from None
+    out = Output(final, staging)
     try:
-        yield staging
-        if final.exists():
-            final.rmdir()
-        staging.rename(final)
+        yield out
+        out.publish()
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        if out.staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def _model_and_data(options: TrainOptions):
@@ -158,6 +187,15 @@ def _model_and_data(options: TrainOptions):
     return model, hf_tokenizer, rows
 
 
+def _restore(engine, batches: Batches, point: checkpoints.ResumePoint) -> None:
+    try:
+        engine.load_checkpoint(point.directory, point.tag)
+    except CheckpointError as e:
+        raise InputError(f"--resume: {e}") from None
+    batches.seek(point.data["epoch"], point.data["next"])
+    logger.info("resumed from %s at step %d", point.directory / point.tag, point.step)
+
+
 def _config_positions(directory: str) -> int | None:
     path = pathlib.Path(directory) / "config.json"
     try:
@@ -167,43 +205,81 @@ def _config_positions(directory: str) -> int | None:
     return fields.get("max_position_embeddings") or fields.get("n_positions")
 
 
+def _resume_point(options: TrainOptions) -> checkpoints.ResumePoint | None:
+    """Check the checkpoint options; the checkpoint to resume from, if asked."""
+    if options.save_every is not None and options.save_every < 1:
+        raise InputError(f"--save-every {options.save_every}: must be at least 1")
+    if options.output is None:
+        for flag, given in (("--save-every", options.save_every is not None), ("--resume", options.resume)):
+            if given:
+                raise InputError(f"{flag} needs --output (checkpoints go to <output>/{checkpoints.SUBDIR})")
+        return None
+    if not options.resume:
+        return None
+    point = checkpoints.find_resume_point(options.output)
+    if point.step >= options.steps:
+        raise InputError(f"--resume: the checkpoint is at step {point.step}, --steps {options.steps} "
+                         f"leaves nothing to do")
+    return point
+
+
 def run(options: TrainOptions, on_step: Callable[[StepRecord], None] = lambda record: None) -> JobResult:
     """Train as `options` say; InputError (before anything is written to --output) for input
-    that cannot work. SIGINT finishes the current step, then the job ends normally."""
+    that cannot work. SIGINT finishes the current step, saves a checkpoint (with --output),
+    then the job ends normally."""
     if options.steps < 1:
         raise InputError(f"--steps {options.steps}: must be at least 1")
     if options.lora_export not in LORA_EXPORTS:
         raise InputError(f"--lora-export {options.lora_export}: choose one of {', '.join(LORA_EXPORTS)}")
+    point = _resume_point(options)
     model, tokenizer, rows = _model_and_data(options)
     if options.lora is not None:
         model = models.add_lora(model, options.lora)
-    with scratch_dir(options.nvme_path) as nvme_dir, staged_output(options.output) as staging:
+    with scratch_dir(options.nvme_path) as nvme_dir, \
+            staged_output(options.output, resume=point is not None) as out:
         config = ds_config(options, nvme_dir)
+        batches = Batches(rows, config[MICRO], seed=options.seed)
+        if point is not None:
+            checkpoints.check_same_data(point, checkpoints.data_state(batches, options.seq_len))
         try:
             engine = initialize(model, config)
         except ConfigError as e:  # ConfigPathError included: a bad --nvme-path
             raise InputError(str(e)) from None
-        metrics = report.MetricsFile(staging / "metrics.jsonl") if staging else None
+        metrics = None
         try:
-            batches = Batches(rows, config[MICRO], seed=options.seed)
+            if point is not None:
+                _restore(engine, batches, point)
+                checkpoints.trim_metrics(out.path / "metrics.jsonl", point.step)
+            metrics = report.MetricsFile(out.path / "metrics.jsonl") if out else None
+            saver = checkpoints.Saver(out.final, options.seq_len) if out else None
+
+            def save(step: int) -> None:
+                out.publish()  # the checkpoint must outlive a crash: see [Note: nothing half-written]
+                saver.save(engine, batches, step)
 
             def step_done(record: StepRecord) -> None:
                 if metrics is not None:
                     metrics.write(record)
+                if saver is not None and options.save_every and record.step % options.save_every == 0:
+                    save(record.step)
                 on_step(record)
 
             with GracefulStop() as stop:
-                records = train(engine, batches, steps=options.steps, on_step=step_done, stop=stop)
+                records = train(engine, batches, steps=options.steps, on_step=step_done, stop=stop,
+                                first_step=point.step + 1 if point else 1)
+            if stop.requested and saver is not None and records:
+                save(records[-1].step)
             peak = engine.stats()["peak_rss_bytes"]
             files = []
-            if staging is not None:
+            if out is not None:
+                target = out.path
                 if options.report and records:
-                    report.plot(records, staging / "report.png")
-                    report.write_step_trace(engine, staging / "trace.json", records[-1])
+                    report.plot(records, target / "report.png")
+                    report.write_step_trace(engine, target / "trace.json", records[-1])
                 if options.lora is not None and options.lora_export == "adapter":
-                    files = export.write_adapter(engine, staging, tokenizer=tokenizer)
+                    files = export.write_adapter(engine, target, tokenizer=tokenizer)
                 else:
-                    files = export.write_hf(engine, staging, tokenizer=tokenizer,
+                    files = export.write_hf(engine, target, tokenizer=tokenizer,
                                             max_shard_bytes=options.max_shard_bytes)
         finally:
             if metrics is not None:
@@ -212,4 +288,4 @@ def run(options: TrainOptions, on_step: Callable[[StepRecord], None] = lambda re
     text = report.summary(records, peak_rss_bytes=peak, requested_steps=options.steps)
     output = pathlib.Path(options.output) if options.output else None
     return JobResult(records, peak, output, text, stop.requested,
-                     [output / f.name for f in files] if output else [])
+                     [output / f.name for f in files] if output else [], saver.last_path if saver else None)

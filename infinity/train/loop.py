@@ -83,16 +83,16 @@ def _moved(stats: dict[str, Any]) -> dict[str, int]:
 
 def train(engine: Engine, batches: Iterator[torch.Tensor], *, steps: int,
           on_step: Callable[[StepRecord], None] = lambda record: None,
-          stop: GracefulStop | None = None) -> list[StepRecord]:
-    """Run up to `steps` optimizer steps (gradient_accumulation_steps micro-batches each) of
-    causal-LM training on token rows from `batches`; `on_step` gets each step's record. Stops
-    early, after a whole step, when `stop.requested` becomes true."""
+          stop: GracefulStop | None = None, first_step: int = 1) -> list[StepRecord]:
+    """Run optimizer steps `first_step`..`steps` (gradient_accumulation_steps micro-batches
+    each) of causal-LM training on token rows from `batches`; `on_step` gets each step's
+    record. Stops early, after a whole step, when `stop.requested` becomes true."""
     accumulation = engine.config.gradient_accumulation_steps
     records: list[StepRecord] = []
     engine.train()
     moved = _moved(engine.stats())
     start = time.perf_counter()
-    for step in range(1, steps + 1):
+    for step in range(first_step, steps + 1):
         t0 = time.perf_counter()
         lr = engine.get_lr()[0]
         losses, tokens = [], 0

@@ -65,3 +65,15 @@ def test_rows_are_compact_and_batches_are_model_inputs():
     assert rows.dtype == torch.int32 and rows.shape == (8, 5)
     batch = next(Batches(rows, 3))
     assert batch.dtype == torch.int64 and batch.shape == (3, 5)
+
+
+def test_batches_seek_continues_where_a_run_stopped():
+    rows = torch.arange(7 * 3).view(7, 3)
+    first = Batches(rows, 3, seed=5)
+    taken = [next(first) for _ in range(4)]  # crosses an epoch boundary (7 rows, 3 a batch)
+    resumed = Batches(rows, 3, seed=5)
+    resumed.seek(first.epoch, first.position)
+    assert all(next(resumed).equal(next(first)) for _ in range(5))
+    fresh = Batches(rows, 3, seed=5)
+    fresh.seek(-1, 0)  # a run saved before its first batch
+    assert next(fresh).equal(taken[0])

@@ -53,13 +53,31 @@ def test_scratch_is_made_only_when_asked_and_removed(tmp_path):
 def test_output_appears_only_when_complete(tmp_path):
     out = tmp_path / "out"
     with pytest.raises(RuntimeError), staged_output(str(out)) as staging:
-        (staging / "half.safetensors").write_bytes(b"x")
+        (staging.path / "half.safetensors").write_bytes(b"x")
         assert not out.exists()
         raise RuntimeError("export failed")
     assert list(tmp_path.iterdir()) == []
     out.mkdir()  # an empty directory may be the target
     with staged_output(str(out)) as staging:
-        (staging / "model.safetensors").write_bytes(b"x")
+        (staging.path / "model.safetensors").write_bytes(b"x")
     assert [p.name for p in out.iterdir()] == ["model.safetensors"] and list(tmp_path.iterdir()) == [out]
     with pytest.raises(InputError, match="exists and is not an empty directory"), staged_output(str(out)):
         pass
+
+
+def test_output_published_at_the_first_checkpoint_outlives_a_failure(tmp_path):
+    """Once a checkpoint is saved, --output must keep it (to be resumed) whatever happens next."""
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError), staged_output(str(out)) as staging:
+        with (staging.path / "metrics.jsonl").open("w") as metrics:
+            metrics.write("step 1\n")
+            staging.publish()  # what the first checkpoint save does
+            (staging.path / "checkpoints").mkdir()
+            metrics.write("step 2\n")  # the open file moved with the directory
+        raise RuntimeError("training failed at step 3")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert (out / "metrics.jsonl").read_text() == "step 1\nstep 2\n" and (out / "checkpoints").is_dir()
+    with staged_output(str(out), resume=True) as resumed:  # --resume works in --output itself
+        assert resumed.path == out
+        (out / "model.safetensors").write_bytes(b"x")
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "metrics.jsonl", "model.safetensors"]
