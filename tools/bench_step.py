@@ -142,7 +142,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3, help="steps per child (the first is not timed)")
     parser.add_argument("--rounds", type=int, default=1, help="rounds of all configs, alternating")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="subset of " + ",".join(CONFIGS))
-    parser.add_argument("--sub-group-size", type=int, default=10_000_000, help="elements per optimizer tile")
+    parser.add_argument("--sub-group-size", type=int, default=2_000_000, help="elements per optimizer tile (sub_group_size)")
     parser.add_argument("--trace", help="write each engine child's Perfetto trace to TRACE.<config>.json")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
