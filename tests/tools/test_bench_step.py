@@ -12,7 +12,7 @@ TINY = ["--layers", "1", "--d-model", "32", "--vocab", "64", "--seq", "8", "--su
 @pytest.mark.parametrize("config", ["nvme", "torch"])
 def test_a_child_reports_its_figures(tmp_path, config):
     pytest.importorskip("transformers")
-    args = bench_step.parse_args(["--path", str(tmp_path), *TINY, "--steps", "2"])
+    args = bench_step.parse_args(["--path", str(tmp_path), *TINY, "--steps", "2", "--warmup", "1"])
     result = bench_step.run_child(args, config, str(tmp_path))
     assert result["step_s"] > 0 and result["peak_rss"] > 0 and result["params"] > 0
     if config == "nvme":
@@ -23,7 +23,7 @@ def test_a_child_reports_its_figures(tmp_path, config):
 def test_main_runs_each_config_in_a_child(tmp_path):
     pytest.importorskip("transformers")
     out = tmp_path / "out.json"
-    assert bench_step.main(["--path", str(tmp_path), *TINY, "--steps", "2", "--configs", "none",
+    assert bench_step.main(["--path", str(tmp_path), *TINY, "--steps", "2", "--warmup", "1", "--configs", "none",
                             "--json", str(out)]) == 0
     assert json.loads(out.read_text())["results"]["none"]["step_s"] > 0
     assert not list(tmp_path.glob("infinity-bench-step-*"))  # its directory is removed
@@ -45,5 +45,5 @@ def test_bad_arguments_are_refused(tmp_path):
     with pytest.raises(SystemExit):
         bench_step.parse_args(["--path", str(tmp_path), "--configs", "nvme,cuda"])
     with pytest.raises(SystemExit):
-        bench_step.parse_args(["--path", str(tmp_path), "--steps", "1"])
+        bench_step.parse_args(["--path", str(tmp_path), "--steps", "2", "--warmup", "2"])
     assert bench_step.main(["--path", str(tmp_path / "missing" / "dir"), *TINY]) == 2
