@@ -101,7 +101,6 @@ class Engine:
         else:
             layout = placed.layout
         self.units, uses, self.plan = layout.units, layout.uses, layout.plan
-        prefetch_numel = layout.prefetch_numel
         self.timeline = Timeline(time.perf_counter())
         self.store = open_store(layout, config) if placed is None else placed.store
         self.coordinator: ParamCoordinator | None = None
@@ -120,7 +119,7 @@ class Engine:
                                             self.plan.grads_tier)
             self.coordinator = ParamCoordinator(
                 self.units, self.store, fetch_tier=self.plan.fetch_tier, device=self.device,
-                prefetch_numel=prefetch_numel, max_live_numel=zero.stage3_max_live_parameters,
+                prefetch_numel=self.plan.prefetch_numel, max_live_numel=zero.stage3_max_live_parameters,
                 max_reuse_numel=zero.stage3_max_reuse_distance, on_grads_final=self._grads_final)
             self._hooks = ModelHooks(model, self.units, uses, self.coordinator)
             self._trained = [u for u in self.units if u.requires_grad]

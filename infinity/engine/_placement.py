@@ -37,7 +37,6 @@ class Layout:
     units: list[FetchUnit]
     uses: dict[torch.nn.Module, list[FetchUnit]]  # module -> non-resident units it uses
     plan: MemoryPlan
-    prefetch_numel: int  # trace prefetch bucket, elements (0: no prefetch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,12 +66,11 @@ def lay_out(model: torch.nn.Module, config: Config, precision: Precision, device
     persistence = zero.stage3_param_persistence_threshold if zero.stage == 3 else 1 << 62
     units, uses = plan_units(model, persistence_numel=persistence, storage_dtype=precision.storage,
                              meta_ok=meta_ok)
-    prefetch_numel = zero.stage3_prefetch_bucket_size if config.infinity.trace_prefetch else 0
     plan = _plan(units, config, device)
     logger.info("engine: stage %d, params at home on %s, optimizer state %s; store budgets %s",
                 zero.stage, plan.param_home.label, plan.state_tier.label,
                 {t.label: n for t, n in plan.budgets.items()})
-    return Layout(precision, device, persistence, units, uses, plan, prefetch_numel)
+    return Layout(precision, device, persistence, units, uses, plan)
 
 
 def _plan(units: list[FetchUnit], config: Config, device: torch.device) -> MemoryPlan:

@@ -10,6 +10,11 @@ optimizer tiles. NVMe holds parameters and/or optimizer state per the offload de
 slack for alignment. When `host_memory_budget` cannot hold the gradient buffers beside the
 smallest host tier, they go to the store too (at home on NVMe, two of the largest passing
 through the host tier): each micro-batch then reads and writes them.
+
+When the modules compute from the host tier, a prefetched unit holds its block until it is
+used, so the prefetch window is what the host tier holds beyond its smallest working set
+(`MemoryPlan.prefetch_numel`, never more than the config asks): a window larger than that would
+fill the tier with read-ahead and leave no room for a gradient or an optimizer tile mid-step.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ class MemoryPlan:
     budgets: dict[Tier, int]  # store budget per tier, bytes
     outside_store_nbytes: int  # gradient buffers in RAM
     grads_tier: Tier | None = None  # home of the gradient buffers in the store (None: in RAM)
+    prefetch_numel: int = 0  # elements the coordinator may prefetch (the config's, or less)
 
 
 def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optimizer: str,
@@ -96,9 +102,11 @@ def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optim
                 f"the budget or offload more (offload_param/offload_optimizer device 'nvme')")
         host = min(host, budget - outside)
     budgets[Tier.HOST] = host
+    if fetch_tier == Tier.HOST:  # read-ahead takes only what the smallest working set leaves
+        prefetch_numel = min(prefetch_numel, max(0, host - host_minimum) // elt)
     nvme = (everything if param_home == Tier.NVME else 0) + (state if state_tier == Tier.NVME else 0)
     if grads_tier is not None:
         nvme += grads
     if nvme:
         budgets[Tier.NVME] = nvme + nvme // 8 + (16 << 20)
-    return MemoryPlan(fetch_tier, param_home, state_tier, budgets, outside, grads_tier)
+    return MemoryPlan(fetch_tier, param_home, state_tier, budgets, outside, grads_tier, prefetch_numel)

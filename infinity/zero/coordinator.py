@@ -311,7 +311,26 @@ class ParamCoordinator:
             try:
                 self._start(u, next_use=float(j - pos), make_room=False)
             except BudgetError:
-                return  # the tier is full of units in use: the rest is fetched when needed
+                if not self._drop_kept_after(trace, pos, j):
+                    return  # the tier is full of units in use: the rest is fetched when needed
+                try:
+                    self._start(u, next_use=float(j - pos), make_room=False)
+                except BudgetError:
+                    return
+
+    def _drop_kept_after(self, trace: Trace, pos: int, j: int) -> bool:
+        """Release the units kept for reuse whose next use in `trace` comes after position `j`
+        (a unit needed sooner is being read ahead), so the store can evict them, farthest first
+        by their next-use hints; the unit used at `pos` (now) stays. True if any was released."""
+        dropped = False
+        for u in self.units:
+            if u.persistent or u.users or u.state is not UnitState.READY or u.last_pos == pos \
+                    or not 0 <= u.last_pos < len(trace):
+                continue
+            if trace.next_pos[u.last_pos] > j:
+                self._release_unit(u)
+                dropped = True
+        return dropped
 
     def _drop_prefetched(self) -> None:
         for u in self.units:

@@ -1,0 +1,49 @@
+"""tools/bench_step.py runs end to end on a tiny GPT, so it cannot rot."""
+
+import json
+
+import pytest
+
+from tools import bench_step
+
+TINY = ["--layers", "1", "--d-model", "32", "--vocab", "64", "--seq", "8", "--sub-group-size", "2048"]
+
+
+@pytest.mark.parametrize("config", ["nvme", "torch"])
+def test_a_child_reports_its_figures(tmp_path, config):
+    pytest.importorskip("transformers")
+    args = bench_step.parse_args(["--path", str(tmp_path), *TINY, "--steps", "2", "--warmup", "1"])
+    result = bench_step.run_child(args, config, str(tmp_path))
+    assert result["step_s"] > 0 and result["peak_rss"] > 0 and result["params"] > 0
+    if config == "nvme":
+        assert result["bytes_per_step"] > 0 and result["raw_gbps"] > 0
+        assert result["on_demand_nvme_after_step_1"] == 0  # the trace prefetches every unit
+
+
+def test_main_runs_each_config_in_a_child(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "out.json"
+    assert bench_step.main(["--path", str(tmp_path), *TINY, "--steps", "2", "--warmup", "1", "--configs", "none",
+                            "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["results"]["none"]["step_s"] > 0
+    assert not list(tmp_path.glob("infinity-bench-step-*"))  # its directory is removed
+
+
+def test_floor_is_the_slower_of_compute_and_io():
+    def run(config, step_s, **extra):
+        return [{"config": config, "step_s": step_s, "peak_rss": 1e9, **extra}]
+    nvme = run("nvme", 3.0, bytes_per_step=8e9, raw_gbps=4.0, on_demand_nvme_after_step_1=0)
+    results = bench_step.report({"nvme": nvme, "none": run("none", 1.5), "torch": run("torch", 1.0)})
+    assert results["nvme over floor (none compute)"] == {"floor_s": 2.0, "io_s": 2.0, "ratio": 1.5}
+    assert results["nvme over floor (torch compute)"]["floor_s"] == 2.0
+    assert results["none over torch"]["ratio"] == 1.5
+    slow = bench_step.report({"nvme": nvme, "none": run("none", 2.5)})
+    assert slow["nvme over floor (none compute)"]["floor_s"] == 2.5  # compute-bound
+
+
+def test_bad_arguments_are_refused(tmp_path):
+    with pytest.raises(SystemExit):
+        bench_step.parse_args(["--path", str(tmp_path), "--configs", "nvme,cuda"])
+    with pytest.raises(SystemExit):
+        bench_step.parse_args(["--path", str(tmp_path), "--steps", "2", "--warmup", "2"])
+    assert bench_step.main(["--path", str(tmp_path / "missing" / "dir"), *TINY]) == 2

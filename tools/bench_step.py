@@ -1,0 +1,195 @@
+"""Training step of a GPT through the engine against its floor, in the same run.
+
+Three configurations, each in a fresh child process (so its peak RSS is its own), alternating
+in rounds: "nvme" (the engine, params and optimizer on NVMe under --path), "none" (the engine,
+offload none) and "torch" (plain PyTorch + torch.optim.AdamW). The floor of the nvme step is
+max(compute: the step with no offload, NVMe bytes moved per step / the raw aio read+write stream
+measured in the nvme child on the same path right after its steps).
+
+    python -m tools.bench_step --path /nvme                      # ~300M parameters, fp32
+    python -m tools.bench_step --path /tmp --layers 2 --d-model 64 --vocab 256 --seq 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from tools.cli import peak_rss_bytes
+
+CONFIGS = ("nvme", "none", "torch")
+GB = 1e9
+
+
+def build(args: argparse.Namespace):
+    """The GPT-2 model and one batch of random tokens (seeded)."""
+    import torch
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=args.vocab, n_embd=args.d_model, n_layer=args.layers,
+                                  n_head=max(1, args.d_model // 64), n_positions=args.seq,
+                                  bos_token_id=0, eos_token_id=0)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq))
+    return transformers.GPT2LMHeadModel(cfg), {"input_ids": ids, "labels": ids}
+
+
+def engine_config(args: argparse.Namespace, offload: str, directory: str) -> dict:
+    device = {"device": offload, **({"nvme_path": directory} if offload == "nvme" else {})}
+    return {"train_micro_batch_size_per_gpu": args.batch,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+            "zero_optimization": {"stage": 3, "offload_param": device, "offload_optimizer": device,
+                                  "sub_group_size": args.sub_group_size}}
+
+
+def _nvme_bytes(stats: dict) -> int:
+    return sum(m["nbytes"] for d, m in stats["store"]["moves"].items() if "nvme" in d)
+
+
+def raw_stream_gbps(directory: str, options: dict, nbytes: int = 32 << 20, count: int = 16) -> float:
+    """The raw aio read+write stream (window 2) on `directory`, with the engine's aio options."""
+    import aio
+    from tools._nvme_bench_lib import window_stream
+    with aio.Handle(**options) as handle, aio.SwapFile(f"{directory}/raw.swap", count * nbytes) as swap:
+        extents = [swap.allocate(nbytes) for _ in range(count)]
+        fill = aio.aligned_empty(nbytes).fill_(1)
+        for e in extents:
+            swap.write(handle, e, fill).wait()
+        return max(window_stream(handle, swap, extents, nbytes, 2, True) for _ in range(2))
+
+
+def run_child(args: argparse.Namespace, config: str, directory: str) -> dict:
+    """Train --steps steps of one configuration in this process; the figures as a dict."""
+    import torch
+    model, batch = build(args)
+    result: dict = {"config": config, "params": sum(p.numel() for p in model.parameters())}
+    times = []
+    if config == "torch":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            model(**batch).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - start)
+    else:
+        import infinity
+        engine = infinity.initialize(model, engine_config(args, config, directory))
+        moved, on_demand = [], []
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            engine.backward(engine(**batch).loss)
+            engine.step()
+            engine.store.flush()  # the step's write-back belongs to the step
+            times.append(time.perf_counter() - start)
+            stats = engine.stats()
+            moved.append(_nvme_bytes(stats))
+            on_demand.append(stats["prefetch"]["on_demand_nvme"])
+        if args.trace:
+            engine.write_trace(f"{args.trace}.{config}.json")
+        options = {**engine.config.aio.handle_options(), "backend": engine.config.infinity.aio_backend}
+        engine.close(restore_params=False)
+        if config == "nvme":
+            result["bytes_per_step"] = (moved[-1] - moved[0]) / (args.steps - 1)
+            result["on_demand_nvme_after_step_1"] = on_demand[-1] - on_demand[0]
+            result["raw_gbps"] = raw_stream_gbps(directory, options)
+    result["step_s"] = statistics.median(times[args.warmup:])
+    result["peak_rss"] = peak_rss_bytes()
+    return result
+
+
+def report(runs: dict[str, list[dict]]) -> dict:
+    """Medians and ranges per configuration, the floor and the ratios."""
+    def med(config: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs[config])
+
+    def rng(config: str, key: str) -> str:
+        values = [r[key] for r in runs[config]]
+        return f"{min(values):.3g}-{max(values):.3g}"
+
+    out = {c: {"step_s": med(c, "step_s"), "step_range": rng(c, "step_s"),
+               "peak_rss_gb": med(c, "peak_rss") / GB} for c in runs}
+    if "nvme" in runs:
+        nvme = out["nvme"]
+        nvme.update(bytes_per_step_gb=med("nvme", "bytes_per_step") / GB, raw_gbps=med("nvme", "raw_gbps"),
+                    on_demand_nvme_after_step_1=max(r["on_demand_nvme_after_step_1"] for r in runs["nvme"]))
+        io_s = nvme["bytes_per_step_gb"] / nvme["raw_gbps"]
+        for base in ("none", "torch"):
+            if base in out:
+                floor = max(out[base]["step_s"], io_s)
+                out[f"nvme over floor ({base} compute)"] = {"floor_s": floor, "io_s": io_s,
+                                                            "ratio": nvme["step_s"] / floor}
+    if "none" in out and "torch" in out:
+        out["none over torch"] = {"ratio": out["none"]["step_s"] / out["torch"]["step_s"]}
+    return out
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--path", required=True, help="directory on the NVMe disk (nvme_path)")
+    parser.add_argument("--layers", type=int, default=22)
+    parser.add_argument("--d-model", type=int, default=1024)
+    parser.add_argument("--vocab", type=int, default=16384)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=5, help="steps per child")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="steps not timed (the engine records its trace in step 1; torch and the "
+                             "allocator touch their memory for the first time in steps 1-2)")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of all configs, alternating")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="subset of " + ",".join(CONFIGS))
+    parser.add_argument("--sub-group-size", type=int, default=2_000_000, help="elements per optimizer tile (sub_group_size)")
+    parser.add_argument("--trace", help="write each engine child's Perfetto trace to TRACE.<config>.json")
+    parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if not set(args.configs.split(",")) <= set(CONFIGS) or not 1 <= args.warmup < args.steps:
+        parser.error(f"--configs takes {','.join(CONFIGS)}; --warmup at least 1 and below --steps")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    configs = args.configs.split(",")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.child:
+        print(json.dumps(run_child(args, args.child, args.path)))
+        return 0
+    try:
+        directory = tempfile.mkdtemp(prefix="infinity-bench-step-", dir=args.path)
+    except OSError as exc:
+        print(f"error: cannot use --path {args.path}: {exc.strerror}", file=sys.stderr)
+        return 2
+    runs: dict[str, list[dict]] = {c: [] for c in configs}
+    try:
+        for r in range(args.rounds):
+            for config in configs if r % 2 == 0 else configs[::-1]:
+                done = subprocess.run([sys.executable, "-m", "tools.bench_step", *argv, "--path", directory,
+                                       "--child", config], capture_output=True, text=True)
+                if done.returncode != 0:
+                    print(f"error: {config} child failed:\n{done.stderr[-4000:]}", file=sys.stderr)
+                    return 1
+                runs[config].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    results = report(runs)
+    print(f"params={runs[configs[0]][0]['params']}  rounds={args.rounds}  steps/child={args.steps}")
+    for label, r in results.items():
+        print(f"{label:>30}: " + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                                            for k, v in r.items()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"results": results, "runs": runs}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
