@@ -137,8 +137,7 @@ CHILD = textwrap.dedent("""
     import infinity
     nvme, what, budget, shape = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
     config = {"train_micro_batch_size_per_gpu": 1,
-              "zero_optimization": {"stage": 3, "sub_group_size": 1 << 18, "stage3_max_reuse_distance": 0,
-                                    "stage3_max_live_parameters": 1 << 20, "stage3_prefetch_bucket_size": 0,
+              "zero_optimization": {"stage": 3, "sub_group_size": 1 << 18,
                                     "offload_param": {"device": "nvme", "nvme_path": nvme},
                                     "offload_optimizer": {"device": "nvme", "nvme_path": nvme}},
               "infinity": {"host_memory_budget": budget}}
