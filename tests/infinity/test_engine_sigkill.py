@@ -87,7 +87,9 @@ def test_sigkilled_training_resumes_to_the_uninterrupted_weights(tmp_path):
     *killed, last = report["statuses"]
     assert last == 0, out.stderr[-3000:]
     assert all(os.WIFSIGNALED(s) or s == 0 for s in killed), (report, out.stderr[-3000:])
-    assert sum(os.WIFSIGNALED(s) for s in killed) >= 15, f"too few kills landed: {report}"
+    # Kill times come from a timing measured once; on a loaded machine a few attempts finish
+    # (or die in start-up) before their kill, so ask for a clear majority, not all.
+    assert sum(os.WIFSIGNALED(s) for s in killed) >= 10, f"too few kills landed: {report}"
     reference = torch.load(tmp_path / "reference.pt")
     resumed = torch.load(tmp_path / "resumed.pt")
     assert reference.keys() == resumed.keys()
