@@ -125,9 +125,9 @@ def _train(engine, ids, steps=3):
 
 # -- memory ----------------------------------------------------------------------------------------
 
-BUDGET = 64 * MiB
+BUDGET = 80 * MiB
 ALLOWANCE = 48 * MiB  # one module and its flat copy, optimizer tile buffers, aio, allocator slack (measured 9-28)
-SHAPE = {"vocab_size": 2048, "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 26,
+SHAPE = {"vocab_size": 2048, "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 34,
          "num_attention_heads": 8, "num_key_value_heads": 8, "max_position_embeddings": 64,
          "tie_word_embeddings": False}
 
@@ -153,6 +153,11 @@ CHILD = textwrap.dedent("""
     out = {"fp32": fp32, "imported": imported, "built": peak()}
     if what == "train":
         engine = infinity.initialize(model, config)
+        # Known engine limit (issue 7): under a host budget this tight, the optimizer worker
+        # overlapping backward can fragment the host tier past use (the store does not compact
+        # under copies in use); under load a gradient buffer then finds no hole. This test is
+        # about building under Init, so it steps after backward.
+        engine.overlap = False
         out["placed"] = peak()
         out["host_tier"] = engine.store.budgets[infinity.store.Tier.HOST]
         ids = torch.randint(0, shape["vocab_size"], (1, 8))
