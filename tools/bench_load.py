@@ -29,7 +29,7 @@ TINYLLAMA = {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632
 
 _CHILD = """
 import json, sys, time
-import torch, infinity
+import torch, infinity, infinity.memory
 from infinity.models._meta import build_on_meta
 directory, nvme, what, window, budget, sub_group = sys.argv[1:7]
 config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": what == "load-bf16"},
@@ -46,8 +46,7 @@ else:
     out = {"stored": sum(u.nbytes for u in placed.layout.units),
            "host_tier": placed.store.budgets[infinity.store.Tier.HOST]}
 out["seconds"] = time.perf_counter() - start
-with open("/proc/self/status") as f:
-    out["peak"] = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+out["peak"] = infinity.memory.peak_rss_bytes()
 print(json.dumps(out))
 """
 

@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-from tools.cli import peak_rss_bytes
+from infinity.memory import peak_rss_bytes
 
 CONFIGS = ("nvme", "none", "torch")
 GB = 1e9

@@ -31,10 +31,3 @@ def time_in_turns(fns: dict[str, Callable[[], object]], rounds: int, warmup: int
             if i >= warmup:
                 seconds[name].append(time.perf_counter() - start)
     return seconds
-
-
-def peak_rss_bytes() -> int:
-    """VmHWM of this process: its peak resident set (run the work in a fresh child for a clean
-    figure; the peak cannot be lowered)."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))

@@ -37,6 +37,7 @@ from infinity.config import AdamParams, Config, OptimizerConfig, build_lr_schedu
 from infinity.engine import _checkpoint
 from infinity.engine._placement import choose_model_precision, lay_out, open_store, take_placed
 from infinity.engine._timeline import Timeline
+from infinity.memory import peak_rss_bytes
 from infinity.optim import DynamicLossScaler, SwappedOptimizer, UnitSpec
 from infinity.store import TensorStore, Tier
 from infinity.zero import (
@@ -56,18 +57,6 @@ logger = logging.getLogger(__name__)
 ASYNC_SAVE_BUDGET_NBYTES = 256 << 20  # host copies a background checkpoint save may queue
 
 _DEFAULT_OPTIMIZER = OptimizerConfig(type="AdamW", params=AdamParams())  # no "optimizer" section
-
-
-def _peak_rss_bytes() -> int:
-    """VmHWM of this process (peak resident set), 0 where /proc is missing."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 class Engine:
@@ -322,7 +311,7 @@ class Engine:
                 "optimizer": {"overlap": self.overlap,
                               "units_stepped_in_backward": self.units_stepped_in_backward},
                 "loss_scale": self._loss_scale() if self.config.fp16.enabled else None,
-                "peak_rss_bytes": _peak_rss_bytes()}
+                "peak_rss_bytes": peak_rss_bytes()}
 
     def write_trace(self, path: str | os.PathLike[str]) -> None:
         """Save the store's moves and the engine's timeline as one Chrome / Perfetto trace."""

@@ -2,10 +2,14 @@
 
 from infinity.memory.arena import Arena, ArenaStats, Block
 from infinity.memory.thread_pool import ThreadPool
+from infinity.memory.usage import peak_rss_bytes, rss_bytes, usable_cores
 
 __all__ = [
     "Arena",
     "ArenaStats",
     "Block",
     "ThreadPool",
+    "peak_rss_bytes",
+    "rss_bytes",
+    "usable_cores",
 ]

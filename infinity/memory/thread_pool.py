@@ -14,6 +14,7 @@ import os
 import weakref
 
 from infinity.memory._move import ffi, lib
+from infinity.memory.usage import usable_cores
 
 
 class ThreadPool:
@@ -28,7 +29,7 @@ class ThreadPool:
 
     def __init__(self, threads: int | None = None) -> None:
         if threads is None:
-            threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            threads = usable_cores()
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be an int >= 1 or None, got {threads!r}")
         out = ffi.new("struct inf_pool **")

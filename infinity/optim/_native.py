@@ -15,7 +15,7 @@ import os
 import torch
 from torch.autograd.graph import increment_version
 
-from infinity.memory import ThreadPool
+from infinity.memory import ThreadPool, usable_cores
 
 try:
     from infinity.optim._adam_cffi import ffi, lib
@@ -74,11 +74,6 @@ def available_isas() -> list[str]:
             if name != "auto" and lib.inf_adam_isa_resolve(code) >= 0]
 
 
-def default_threads() -> int:
-    """Cores this process may run on: the kernel's thread count when none is given."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def _check_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], shape: torch.Size | None,
                   ) -> torch.Tensor:
     """Refuse anything the kernel could only update through a copy; messages name the tensor."""
@@ -131,7 +126,7 @@ def check_hyperparameters(*, lr: float, beta1: float, beta2: float, eps: float,
 def check_threads(threads: int | None) -> int:
     """The thread count to use: `threads` if it is an int >= 1, all usable cores for None."""
     if threads is None:
-        return default_threads()
+        return usable_cores()
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads must be an int >= 1 or None, got {threads!r}")
     return threads

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from infinity.engine import Engine
+from infinity.memory import rss_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -39,18 +40,6 @@ class StepRecord:
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def rss_bytes() -> int:
-    """Current resident set (VmRSS) of this process, 0 where /proc is missing."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 class GracefulStop:
