@@ -38,7 +38,7 @@ from infinity.config import AdamParams, Config, OptimizerConfig, build_lr_schedu
 from infinity.engine import _checkpoint
 from infinity.engine._placement import choose_model_precision, lay_out, open_store, take_placed
 from infinity.engine._timeline import Timeline
-from infinity.memory import peak_rss_bytes
+from infinity.memory import peak_rss_bytes, set_mmap_threshold
 from infinity.optim import DynamicLossScaler, SwappedOptimizer, UnitSpec
 from infinity.store import TensorStore, Tier
 from infinity.zero import (
@@ -80,6 +80,8 @@ class Engine:
         adam = (config.optimizer or _DEFAULT_OPTIMIZER).params
         self._schedule = None if config.scheduler is None else \
             build_lr_schedule(config.scheduler, optimizer_lr=adam.lr)  # its errors come first
+        if config.infinity.mmap_threshold is not None:
+            set_mmap_threshold(config.infinity.mmap_threshold)
         self.precision, self.device = choose_model_precision(config)
         placed = take_placed(model, config, self.precision, self.device)  # see [Note: placed models]
         deferred = placed is None and is_deferred(model)  # built under zero.Init
