@@ -412,7 +412,9 @@ class StoreCore:
         call, now = self._call, time.monotonic()
         if call.room_deadline is None:
             call.room_waited_from = now
-        if releasable and not self._prefetching and (call.room_deadline is None or now < call.room_deadline) \
+        frees_bytes = tier in self._victims or arena.stats().free_nbytes >= span  # released copies stay
+        if releasable and frees_bytes and not self._prefetching \
+                and (call.room_deadline is None or now < call.room_deadline) \
                 and _gap_for(arena, held_by_stuck, span, staying):
             if call.room_deadline is None:
                 call.room_deadline = now + self.room_wait_s

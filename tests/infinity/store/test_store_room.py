@@ -201,3 +201,16 @@ def test_a_wait_for_a_release_that_never_comes_ends_after_room_wait_s():
 def test_room_wait_s_must_be_a_non_negative_number():
     with pytest.raises(ValueError, match="room_wait_s must be >= 0 seconds, got -1"):
         TensorStore({"host": MiB}, room_wait_s=-1)
+
+
+def test_on_a_tier_with_nothing_below_a_request_larger_than_the_free_bytes_does_not_wait():
+    """Released copies stay on a bottom tier: another thread's release cannot free bytes."""
+    with TensorStore({"host": MiB}, room_wait_s=60) as s:
+        _slots(s, keep=range(8))  # 64 KB free
+        held = threading.Event()
+        h, _ = _in_thread(lambda: (s.fetch("s5", "host").result(), held.set()))
+        held.wait(10)
+        start = time.monotonic()
+        with pytest.raises(BudgetError, match="65536 of 1048576 bytes free"):
+            s.put("wide", torch.ones(WIDE), "host")
+        assert time.monotonic() - start < 5
