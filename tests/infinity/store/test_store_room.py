@@ -10,8 +10,9 @@ import torch
 from infinity.errors import BudgetError
 from infinity.store import TensorStore, Tier
 
+pytestmark = pytest.mark.timeout(60)  # a wait that never ends fails the test, not the suite
+
 MiB = 1 << 20
-SLOT = 122_880  # 30_000 float32 rounded up to pages
 WIDE = 100_000  # float32: 400 KB, 98 pages; fits in no 120 KB hole
 
 
@@ -189,7 +190,7 @@ def test_a_wait_for_a_release_that_never_comes_ends_after_room_wait_s():
         h, _ = _in_thread(hold)
         held.wait(10)
         start = time.monotonic()
-        with pytest.raises(BudgetError, match=r"122880 by this thread.*waited 0\.[5-9] s for releases"):
+        with pytest.raises(BudgetError, match=r"122880 by this thread.*waited \d+\.\d s for releases"):
             s.put("wide", torch.ones(WIDE), "host")
         assert 0.5 <= time.monotonic() - start < 5
         assert not s._waiting_for_room
