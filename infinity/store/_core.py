@@ -102,6 +102,8 @@ class StoreCore:
         self._room_changes = 0  # releases, frees, unpins and new waiters so far
         self._waiting_for_room: set[int] = set()  # threads (get_ident) in a wait for room
         self._call = _CallState()
+        self._room_waits = 0  # waits for another thread's release, and their seconds
+        self._room_wait_total_s = 0.0
         self._swap: aio.SwapFile | None = None
         self._handle = handle
         self._own_handle = own_handle
@@ -147,6 +149,7 @@ class StoreCore:
         end = wait.deadline if deadline is None else min(wait.deadline, deadline)
         if deadline is not None and deadline < wait.deadline:
             self._call.room_deadline = end  # the caller's timeout ends the wait for room too
+        start = time.monotonic()
         try:
             with self._room:
                 while self._room_changes == wait.seen:
@@ -157,6 +160,8 @@ class StoreCore:
         finally:
             with self._lock:
                 self._waiting_for_room.discard(threading.get_ident())
+                self._room_waits += 1
+                self._room_wait_total_s += time.monotonic() - start
 
     def _room_changed(self) -> None:
         """Wake the threads waiting for room: they run their step again."""

@@ -431,7 +431,8 @@ class TensorStore(StoreCore):
                        for tier, c in copies)
 
     def stats(self) -> dict[str, Any]:
-        """Per-tier occupancy and per-direction move counters."""
+        """Per-tier occupancy, per-direction move counters, and "room": waits for another
+        thread's release (count, seconds) and compactions per tier (count, seconds)."""
         with self._lock:
             tiers = {}
             for tier, budget in self.budgets.items():
@@ -445,7 +446,10 @@ class TensorStore(StoreCore):
                 else:
                     used = largest = 0
                 tiers[tier.label] = TierStats(budget, used, copies, largest)
-            return {"tiers": tiers, "moves": self.moves.summary()}
+            room = {"waits": self._room_waits, "wait_s": self._room_wait_total_s,
+                    "compactions": {t.label: a.stats().compactions for t, a in self._arenas.items()},
+                    "compaction_s": {t.label: a.stats().compaction_s for t, a in self._arenas.items()}}
+            return {"tiers": tiers, "moves": self.moves.summary(), "room": room}
 
     def write_trace(self, path: str | os.PathLike[str]) -> None:
         """Save every move as a Chrome / Perfetto trace (JSON)."""

@@ -56,6 +56,7 @@ def test_compacts_around_a_copy_in_use_and_leaves_it_in_place():
         s.put("wide", torch.arange(WIDE, dtype=torch.float32), "host")
         assert held.data_ptr() == address and torch.all(held == 3.0)
         assert s._arenas[Tier.HOST].stats().compactions == 1
+        assert s.stats()["room"]["compactions"] == {"host": 1} and s.stats()["room"]["waits"] == 0
         s.release("s3", "host")
         for i in (1, 3, 5, 7):
             assert torch.equal(s.fetch(f"s{i}", "host").result(), small[f"s{i}"])
@@ -135,6 +136,8 @@ def test_a_fetch_waits_for_the_release_of_a_copy_held_by_another_thread(tmp_path
         s.release("s5", "host")
         s.release("s3", "host")
         assert not s._waiting_for_room
+        room = s.stats()["room"]
+        assert room["waits"] >= 1 and room["wait_s"] > 0 and room["compactions"]["host"] >= 1
 
 
 def test_two_threads_each_waiting_for_the_others_copy_do_not_deadlock():
