@@ -50,6 +50,7 @@ class MemoryPlan:
     outside_store_nbytes: int  # gradient buffers in RAM
     grads_tier: Tier | None = None  # home of the gradient buffers in the store (None: in RAM)
     prefetch_numel: int = 0  # elements the coordinator may prefetch (the config's, or less)
+    min_host_budget: int = 0  # the smallest host_memory_budget this model and offload accept
 
 
 def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optimizer: str,
@@ -86,12 +87,13 @@ def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optim
         {Tier.HOST: state, Tier.NVME: 3 * tile + largest}[state_tier]
     host = host_params + host_state
     grads_tier = None
+    has_nvme = Tier.NVME in (param_home, state_tier)  # a swap file to put gradients in
+    largest_grad = max((_aligned(u.grad_nbytes) for u in trained), default=0)
+    min_budget = host_minimum + (min(grads, 2 * largest_grad) if has_nvme else grads)
     if host_memory_budget is not None:
         budget = int(host_memory_budget)
-        has_nvme = Tier.NVME in (param_home, state_tier)  # a swap file to put them in
         if budget - outside < host_minimum and grads and has_nvme:  # gradients must leave RAM
             grads_tier, outside = Tier.NVME, 0
-            largest_grad = max(_aligned(u.grad_nbytes) for u in trained)
             host_minimum += 2 * largest_grad
             host += 2 * largest_grad
         if budget - outside < host_minimum:
@@ -109,4 +111,5 @@ def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optim
         nvme += grads
     if nvme:
         budgets[Tier.NVME] = nvme + nvme // 8 + (16 << 20)
-    return MemoryPlan(fetch_tier, param_home, state_tier, budgets, outside, grads_tier, prefetch_numel)
+    return MemoryPlan(fetch_tier, param_home, state_tier, budgets, outside, grads_tier, prefetch_numel,
+                      min_budget)

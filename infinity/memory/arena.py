@@ -6,7 +6,8 @@ memory use is flat and a plan that does not fit fails at start-up rather than mi
 [Note: blocks are handles]
 A :class:`Block` names a range of the arena, not an address. When an allocation fits in the
 total free space but in no single hole, the arena compacts: it slides every live block toward
-the start, in address order. ``Block.tensor`` then returns a view at the new place; a raw view
+the start, in address order (``compact(keep=...)`` leaves chosen blocks in place and slides
+the others past them). ``Block.tensor`` then returns a view at the new place; a raw view
 taken from ``Block.tensor`` earlier is *stale* after any later ``alloc`` on the same arena (from
 any thread): keep the block, not the view (the store never compacts under a copy in use).
 Compaction must not overlap copies or I/O that are still in flight on arena memory (an async
@@ -18,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -239,15 +240,21 @@ class Arena:
             if block._span:
                 self._free.give(block._offset, block._span)
 
-    def compact(self) -> int:
-        """Slide all live blocks to the start now; returns the bytes moved.
+    def compact(self, keep: Collection[Block] = ()) -> int:
+        """Slide live blocks toward the start now; returns the bytes moved.
 
         ``alloc`` does this on its own when needed; calling it ahead of time moves the cost
-        to a moment the caller chooses (between steps, with no I/O in flight).
+        to a moment the caller chooses (between steps, with no I/O in flight). Blocks in
+        ``keep`` stay where they are (a caller holds a view of them, or I/O targets them):
+        the others slide down past them, each to the lowest place above the one before it
+        that overlaps no kept block, so free space gathers in the holes the kept blocks
+        leave and at the end (see [Note: blocks are handles]).
         """
         with self._lock:
             self._check_open()
-            return self._compact_locked()
+            for block in keep:
+                self._check_owned(block)
+            return self._compact_locked(frozenset(b for b in keep if b._live and b._span))
 
     def stats(self) -> ArenaStats:
         """A consistent snapshot of occupancy and compaction counters."""
@@ -294,56 +301,80 @@ class Arena:
             block._view = raw.view(block.dtype).view(block.shape)
         return block._view
 
-    def _compact_locked(self) -> int:
-        # Adjacent live blocks form a run that slides by one distance, so each run is one move.
+    def _compact_locked(self, keep: frozenset[Block] = frozenset()) -> int:
+        # Adjacent blocks that slide by one distance form a run, and each run is one move.
         # All moves are copied in one call (see _move.py), then the blocks learn where they are.
+        # Targets ascend (a cursor) and never overlap a kept block, as move_down requires.
         t0 = time.perf_counter()
         live = sorted((b for b in self._live if b._span), key=lambda b: b._offset)
+        kept = [b for b in live if b in keep]
         dst: list[int] = []
         src: list[int] = []
         nbytes: list[int] = []
-        runs: list[tuple[int, int, int]] = []  # (first block, one past the last, distance)
+        runs: list[tuple[list[Block], int]] = []  # (blocks, distance)
         cursor = 0
-        i = 0
-        while i < len(live):
-            start = live[i]._offset
-            end = start + live[i]._span
-            j = i + 1
-            while j < len(live) and live[j]._offset == end:
-                end += live[j]._span
-                j += 1
-            if start != cursor:
-                last = live[j - 1]
-                dst.append(cursor)
-                src.append(start)
-                nbytes.append(last._offset + last.nbytes - start)  # the last padding stays
-                runs.append((i, j, start - cursor))
-            cursor += end - start
-            i = j
-        if self.device.type == "cpu":
-            # Compactions are rare: workers for this one alone cost nothing worth keeping them.
-            with ThreadPool(torch.get_num_threads()) as pool:
-                move_down(self._base, dst, src, nbytes, pool=pool)
-        else:
-            move_down(self._base, dst, src, nbytes, scratch=self._scratch)
-        for first, stop, distance in runs:
-            for block in live[first:stop]:
+        k = 0  # first kept block that may lie at or above the cursor
+        for block in live:
+            if block in keep:
+                continue
+            place = cursor
+            while k < len(kept) and kept[k]._offset + kept[k]._span <= place:
+                k += 1
+            while k < len(kept) and kept[k]._offset < place + block._span:
+                place = kept[k]._offset + kept[k]._span  # it would overlap: go past it
+                k += 1
+            cursor = place + block._span
+            distance = block._offset - place
+            if not distance:
+                continue
+            last = runs[-1][0][-1] if runs else None
+            if last is not None and runs[-1][1] == distance and last._offset + last._span == block._offset:
+                runs[-1][0].append(block)
+                nbytes[-1] = block._offset + block.nbytes - src[-1]  # the last padding stays
+                continue
+            dst.append(place)
+            src.append(block._offset)
+            nbytes.append(block.nbytes)
+            runs.append(([block], distance))
+        if dst:
+            if self.device.type == "cpu":
+                # Compactions are rare: workers for this one alone cost nothing worth keeping them.
+                with ThreadPool(torch.get_num_threads()) as pool:
+                    move_down(self._base, dst, src, nbytes, pool=pool)
+            else:
+                move_down(self._base, dst, src, nbytes, scratch=self._scratch)
+        for blocks, distance in runs:
+            for block in blocks:
                 block._offset -= distance
                 block._view = None
-        self._free.reset(cursor)
+        self._rebuild_free_list()
         moved = sum(nbytes)
         elapsed = time.perf_counter() - t0
         self._compactions += 1
         self._moved_nbytes += moved
         self._compaction_s += elapsed
         logger.debug(
-            "compaction %d moved %d bytes in %.6f s; %d bytes free in one hole",
+            "compaction %d moved %d bytes in %.6f s around %d kept blocks; %d bytes free, "
+            "largest hole %d",
             self._compactions,
             moved,
             elapsed,
+            len(kept),
             self._free.free_nbytes,
+            self._free.largest_nbytes,
         )
         return moved
+
+    def _rebuild_free_list(self) -> None:
+        """The holes are the gaps between live blocks (after blocks moved)."""
+        self._free.reset(self.capacity_nbytes)
+        cursor = 0
+        for block in sorted((b for b in self._live if b._span), key=lambda b: b._offset):
+            if block._offset > cursor:
+                self._free.give(cursor, block._offset - cursor)
+            cursor = block._offset + block._span
+        if cursor < self.capacity_nbytes:
+            self._free.give(cursor, self.capacity_nbytes - cursor)
 
     def _stats_locked(self) -> ArenaStats:
         free = self._free.free_nbytes

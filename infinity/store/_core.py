@@ -11,6 +11,18 @@ before its source may be freed, a read before its bytes may be used) raises `_Mu
 before it changes anything a rerun would redo; `_run` then waits for that move without the
 lock, settles it under the lock, and runs the step again. So a thread waiting for a slow
 write-back never stalls another thread's fetch of a resident tensor.
+
+[Note: room on a fragmented tier] A copy in use stays put, but nothing else does: when a
+tier's free bytes would hold a request but no hole does, the arena compacts around the copies
+in use and those with I/O in flight (`Arena.compact(keep=...)`), before evicting anything.
+When even evicting every candidate leaves no hole, the step waits without the lock (`_run`),
+first for I/O in flight on the tier, then, bounded by `room_wait_s` per call, for a use that
+another thread may end (`_MustWaitForRoom`), and runs again. It waits only while a release
+could help: some copy in use is held only by threads that are not themselves waiting for room,
+and the copies held by this thread and by the waiting threads leave a gap large enough. Else
+(every holder waits, so waiting would deadlock; the copies this thread holds are in the way;
+the tier is too small) it raises BudgetError at once, naming the bytes needed, free, the
+largest hole, and those in use.
 """
 
 from __future__ import annotations
@@ -48,11 +60,28 @@ class _MustWait(Exception):
         self.quiet = quiet  # a failure of the move is logged, not raised (its bytes are discarded)
 
 
+class _MustWaitForRoom(Exception):
+    """A step needs room that a use held by another thread may free; see [Note: room on a
+    fragmented tier]. The calling thread is registered as waiting for room."""
+
+    def __init__(self, seen: int, deadline: float) -> None:
+        super().__init__(seen)
+        self.seen = seen  # the room counter when the step gave up: wait for it to change
+        self.deadline = deadline  # monotonic time after which the step raises BudgetError
+
+
+class _CallState(threading.local):
+    """Per thread, per `_run` call: when its waits for room end (None: it has not waited)."""
+
+    room_deadline: float | None = None
+    room_waited_from: float = 0.0
+
+
 class StoreCore:
     """State and internal steps of TensorStore; every `_` method but `_run` runs under `_lock`."""
 
-    def __init__(self, budgets: dict[Tier, int], device: torch.device,
-                 handle: aio.Handle | None, own_handle: bool, keep_timeline: bool, checksum: bool) -> None:
+    def __init__(self, budgets: dict[Tier, int], device: torch.device, handle: aio.Handle | None,
+                 own_handle: bool, keep_timeline: bool, checksum: bool, room_wait_s: float) -> None:
         self.budgets = budgets
         self.device = device
         self.checksum = checksum  # crc32c of every NVMe write, checked on every NVMe read
@@ -68,7 +97,13 @@ class StoreCore:
         self._prefetching = False  # a prefetch may not evict copies prefetched before it
         self._arenas: dict[Tier, Arena] = {}
         self._victims: dict[Tier, VictimQueue] = {}
-        self._in_use: dict[Tier, int] = {}  # copies on the tier with uses > 0
+        self.room_wait_s = room_wait_s  # longest wait of one call for another thread's release
+        self._room = threading.Condition(threading.Lock())  # notified when room may have appeared
+        self._room_changes = 0  # releases, frees, unpins and new waiters so far
+        self._waiting_for_room: set[int] = set()  # threads (get_ident) in a wait for room
+        self._call = _CallState()
+        self._room_waits = 0  # waits for another thread's release, and their seconds
+        self._room_wait_total_s = 0.0
         self._swap: aio.SwapFile | None = None
         self._handle = handle
         self._own_handle = own_handle
@@ -83,7 +118,6 @@ class StoreCore:
             self._arenas[Tier.HOST] = Arena(self.budgets[Tier.HOST], "cpu", pinned=torch.cuda.is_available(),
                                             alignment=PAGE_NBYTES)
         for tier in self._arenas:
-            self._in_use[tier] = 0
             if self._tier_below(tier) is not None:  # the bottom tier never evicts
                 self._victims[tier] = VictimQueue()
 
@@ -92,16 +126,48 @@ class StoreCore:
     def _run(self, step: Callable[[], T], timeout: float | None = None) -> T:
         """Run `step` under the lock; see [Note: no waiting under the lock]."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._call.room_deadline = None
         while True:
+            room = None
             with self._lock:
                 self._check_open()
                 try:
                     return step()
                 except _MustWait as wait:
                     move, quiet = wait.move, wait.quiet
+                except _MustWaitForRoom as wait:
+                    room = wait
+            if room is not None:
+                self._wait_for_room(room, deadline)
+                continue
             move.wait_quietly(None if deadline is None else max(0.0, deadline - time.monotonic()))
             with self._lock:
                 self._settle(move, quiet=quiet)
+
+    def _wait_for_room(self, wait: _MustWaitForRoom, deadline: float | None) -> None:
+        """Wait (no store lock) until room may have appeared or the call's wait ends."""
+        end = wait.deadline if deadline is None else min(wait.deadline, deadline)
+        if deadline is not None and deadline < wait.deadline:
+            self._call.room_deadline = end  # the caller's timeout ends the wait for room too
+        start = time.monotonic()
+        try:
+            with self._room:
+                while self._room_changes == wait.seen:
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._room.wait(left)
+        finally:
+            with self._lock:
+                self._waiting_for_room.discard(threading.get_ident())
+                self._room_waits += 1
+                self._room_wait_total_s += time.monotonic() - start
+
+    def _room_changed(self) -> None:
+        """Wake the threads waiting for room: they run their step again."""
+        with self._room:
+            self._room_changes += 1
+            self._room.notify_all()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -297,8 +363,11 @@ class StoreCore:
             ) from None
 
     def _arena_alloc(self, entry: Entry, tier: Tier) -> Block:
+        """A block on `tier`: a hole, else a compaction around copies that must stay put, else
+        evictions; see [Note: room on a fragmented tier]."""
         arena = self._arenas[tier]
-        span = -(-entry.nbytes // arena.alignment) * arena.alignment
+        span = _span(arena, entry.nbytes)
+        compacted_at = None  # free bytes at this call's last compaction
         while True:
             st = arena.stats()
             if st.largest_hole_nbytes >= span:
@@ -306,36 +375,74 @@ class StoreCore:
             if span > st.capacity_nbytes:
                 raise BudgetError(f"{entry.key!r} ({entry.nbytes} bytes) is larger than the whole "
                                   f"{tier.label} budget ({st.capacity_nbytes} bytes)")
-            if st.free_nbytes >= span and not self._in_use[tier]:
-                self._quiesce(tier)  # compaction moves blocks: no I/O may target them
-                return arena.alloc(entry.shape, entry.dtype)
             queue = self._victims.get(tier)
             if queue is not None:
                 self._settle_finished()  # a copy whose move has finished is idle: rule 3 of the order
             victim = queue.pick() if queue is not None else None
             if victim is not None and self._prefetching and victim.copies[tier].prefetched:
                 victim = None  # only prefetched copies are left: a read ahead never undoes another
+            # Moving bytes is cheaper than reading an evicted copy again: compact first, and
+            # again once evictions have freed another request's worth.
+            if st.free_nbytes >= span and (compacted_at is None or victim is None
+                                           or st.free_nbytes >= compacted_at + span):
+                arena.compact(keep=self._staying(tier))
+                compacted_at = st.free_nbytes
+                if arena.stats().largest_hole_nbytes >= span:
+                    continue
             if victim is None:
-                raise BudgetError(
-                    f"{tier.label} tier cannot hold {entry.key!r} ({entry.nbytes} bytes): "
-                    f"{st.free_nbytes} of {st.capacity_nbytes} bytes free (largest hole "
-                    f"{st.largest_hole_nbytes}); the rest is in use, pinned, or has nowhere to go. "
-                    f"Release or unpin tensors, or raise the {tier.label} budget."
-                )
+                self._no_room(entry, tier, span)
             self._evict(victim, tier)
+
+    def _staying(self, tier: Tier) -> list[Block]:
+        """Blocks a compaction must not move: copies in use, and those with a move running."""
+        return [c.block for e in self._entries.values() if (c := e.copies.get(tier)) is not None
+                and c.block is not None and (c.uses or not c.moves_done())]
+
+    def _no_room(self, entry: Entry, tier: Tier, span: int) -> None:
+        """Nothing left to evict or compact: wait for I/O on the tier or for a release by another
+        thread where that may help, else BudgetError; see [Note: room on a fragmented tier]."""
+        for move in self._moving:
+            touches = move.dst.tier == tier or (move.src is not None and move.src.tier == tier)
+            if touches and not move.done():
+                raise _MustWait(move)  # its copy can move or go once it is done
+        arena = self._arenas[tier]
+        me = threading.get_ident()
+        stuck = self._waiting_for_room | {me}
+        copies = [c for e in self._entries.values() if (c := e.copies.get(tier)) is not None and c.block is not None]
+        in_use = [c for c in copies if c.uses]
+        held_by_stuck = [c for c in in_use if any(h in stuck for h in c.holders)]
+        releasable = len(held_by_stuck) < len(in_use)
+        staying = sum(_span(arena, c.block.nbytes) for c in copies  # pinned, or at home on the tier
+                      if not c.uses and (c.pins or tier not in self._victims))
+        call, now = self._call, time.monotonic()
+        if call.room_deadline is None:
+            call.room_waited_from = now
+        frees_bytes = tier in self._victims or arena.stats().free_nbytes >= span  # released copies stay
+        if releasable and frees_bytes and not self._prefetching \
+                and (call.room_deadline is None or now < call.room_deadline) \
+                and _gap_for(arena, held_by_stuck, span, staying):
+            if call.room_deadline is None:
+                call.room_deadline = now + self.room_wait_s
+            self._waiting_for_room.add(me)
+            self._room_changed()  # threads waiting on what this one holds see it waits too
+            raise _MustWaitForRoom(self._room_changes, call.room_deadline)
+        st = arena.stats()
+        nbytes = {who: sum(_span(arena, c.block.nbytes) for c in in_use if pick(c)) for who, pick in (
+            ("all", lambda c: True), ("mine", lambda c: me in c.holders),
+            ("waiting", lambda c: any(h in self._waiting_for_room for h in c.holders)))}
+        waited = f"; waited {now - call.room_waited_from:.1f} s for releases" if call.room_deadline else ""
+        raise BudgetError(
+            f"{tier.label} tier cannot hold {entry.key!r}: needs {entry.nbytes} bytes ({span} aligned), "
+            f"{st.free_nbytes} of {st.capacity_nbytes} bytes free, largest hole {st.largest_hole_nbytes} "
+            f"after compaction; {nbytes['all']} bytes in use ({nbytes['mine']} by this thread, "
+            f"{nbytes['waiting']} by threads waiting for room), {staying} pinned or at home on the "
+            f"tier{waited}. Release or unpin tensors, or raise the {tier.label} budget."
+        )
 
     def _settle_finished(self) -> None:
         """Settle every move that has finished (the moves in flight, not the whole store)."""
         for move in [m for m in self._moving if m.done()]:
             self._settle(move)
-
-    def _quiesce(self, tier: Tier) -> None:
-        """Settle every move into or out of the arena of `tier`; _MustWait for one running."""
-        for move in list(self._moving):
-            if move.dst.tier == tier or (move.src is not None and move.src.tier == tier):
-                self._need_idle(move.dst)
-                if move.src is not None:
-                    self._need_idle(move.src)
 
     def _evict(self, entry: Entry, tier: Tier) -> None:
         """Drop entry's copy on `tier`; the last valid copy is first written down a tier."""
@@ -362,6 +469,7 @@ class StoreCore:
             queue.discard(copy)
         if copy.block is not None:
             self._arenas[tier].free(copy.block)
+            self._room_changed()
         if copy.extent is not None:
             self._swap.free(copy.extent)
 
@@ -396,3 +504,18 @@ class StoreCore:
         if errors:
             raise errors[0]
 
+
+
+def _span(arena: Arena, nbytes: int) -> int:
+    """Bytes a tensor of `nbytes` takes in `arena`."""
+    return -(-nbytes // arena.alignment) * arena.alignment
+
+
+def _gap_for(arena: Arena, fixed: list[Copy], span: int, staying: int) -> bool:
+    """Whether `span` bytes could fit once every copy but `fixed` (which stay where they are)
+    and `staying` bytes elsewhere had moved or gone: a gap between fixed blocks, and the bytes."""
+    spans = sorted((c.block.offset, c.block.offset + _span(arena, c.block.nbytes)) for c in fixed)
+    if arena.capacity_nbytes - sum(e - b for b, e in spans) - staying < span:
+        return False
+    edges = [0, *(x for b, e in spans for x in (b, e)), arena.capacity_nbytes]
+    return any(edges[i + 1] - edges[i] >= span for i in range(0, len(edges), 2))

@@ -74,6 +74,7 @@ class Copy:
     filling: PendingMove | None = None  # bytes on their way into this copy
     draining: PendingMove | None = None  # a move out of it: it must stay unchanged
     uses: int = 0  # fetches not yet released: neither evicted nor moved meanwhile
+    holders: list[int] = field(default_factory=list)  # thread of each use (threading.get_ident)
     pins: int = 0  # pin() calls not yet unpinned: never evicted
     last_use: int = 0  # store's touch counter at the last fetch, prefetch or pin: for LRU
     prefetched: bool = False  # brought in by prefetch() and not fetched since: needed soon

@@ -15,6 +15,7 @@ import errno
 import logging
 import math
 import os
+import threading
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -86,6 +87,9 @@ class TensorStore(StoreCore):
             back; a mismatch (the swap file changed behind the store) is an AIOError naming
             the key, the file and the offset, and the read copy is not used. Off by default:
             it costs 10-20% of an optimizer step (docs/performance.md).
+        room_wait_s: how long one call may wait for another thread to release a copy in use
+            when a tier has no room for it otherwise (see [Note: room on a fragmented tier] in
+            `_core`); a wait that cannot end (every holder waits too) raises BudgetError at once.
 
     The store has a clock, `clock`: the number of fetches so far. Next-use hints are distances
     on it: `set_next_use({key: d})` means "needed at the d-th fetch from now".
@@ -98,7 +102,7 @@ class TensorStore(StoreCore):
     def __init__(self, budgets: Mapping[Tier | str, int], *, nvme_path: str | os.PathLike[str] | None = None,
                  aio_handle: aio.Handle | None = None, aio_options: Mapping[str, Any] | None = None,
                  device: str | torch.device | None = None, rank: int = 0,
-                 keep_timeline: bool = True, checksum: bool = False) -> None:
+                 keep_timeline: bool = True, checksum: bool = False, room_wait_s: float = 30.0) -> None:
         budgets = {Tier.of(t): int(n) for t, n in budgets.items()}
         for tier, nbytes in budgets.items():
             if nbytes < 0:
@@ -106,7 +110,9 @@ class TensorStore(StoreCore):
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type != "cpu" and budgets.get(Tier.NVME) and not budgets.get(Tier.HOST):
             raise ValueError("NVMe <-> accelerator moves are staged in host memory: give the host tier a budget")
-        super().__init__(budgets, device, aio_handle, aio_handle is None, keep_timeline, checksum)
+        if not room_wait_s >= 0:
+            raise ValueError(f"room_wait_s must be >= 0 seconds, got {room_wait_s!r}")
+        super().__init__(budgets, device, aio_handle, aio_handle is None, keep_timeline, checksum, room_wait_s)
         try:
             self._open_arenas()
             if budgets.get(Tier.NVME):
@@ -253,9 +259,8 @@ class TensorStore(StoreCore):
             copy = self._start_fetch(entry, tier)
             self._clock += 1
             self._touch(copy)
-            if copy.uses == 0:
-                self._in_use[tier] += 1
             copy.uses += 1
+            copy.holders.append(threading.get_ident())
             copy.prefetched = False
             if next_use is not None:
                 entry.next_use = self._clock + next_use
@@ -311,14 +316,15 @@ class TensorStore(StoreCore):
                 for other in list(entry.copies.values()):
                     self._need_idle(other)
             copy.uses -= 1
-            if copy.uses == 0:
-                self._in_use[tier] -= 1
+            me = threading.get_ident()
+            copy.holders.remove(me if me in copy.holders else copy.holders[0])  # handed to this thread
             if dirty:
                 for t in [t for t in entry.copies if t < tier]:
                     self._free_copy(entry, t)
                 for t in [t for t in entry.copies if t > tier]:
                     entry.copies[t].valid = False
             self._refresh(entry)
+            self._room_changed()
             return entry
 
         entry = self._run(end)
@@ -363,6 +369,7 @@ class TensorStore(StoreCore):
                 raise ValueError(f"unpin of {key!r} on {tier.label} that is not pinned")
             copy.pins -= 1
             self._refresh(entry)
+            self._room_changed()
 
     def evict(self, key: str, tier: Tier | str) -> None:
         """Drop the copy of `key` on `tier` now; the last valid copy is first written down a
@@ -424,7 +431,8 @@ class TensorStore(StoreCore):
                        for tier, c in copies)
 
     def stats(self) -> dict[str, Any]:
-        """Per-tier occupancy and per-direction move counters."""
+        """Per-tier occupancy, per-direction move counters, and "room": waits for another
+        thread's release (count, seconds) and compactions per tier (count, seconds)."""
         with self._lock:
             tiers = {}
             for tier, budget in self.budgets.items():
@@ -438,7 +446,10 @@ class TensorStore(StoreCore):
                 else:
                     used = largest = 0
                 tiers[tier.label] = TierStats(budget, used, copies, largest)
-            return {"tiers": tiers, "moves": self.moves.summary()}
+            room = {"waits": self._room_waits, "wait_s": self._room_wait_total_s,
+                    "compactions": {t.label: a.stats().compactions for t, a in self._arenas.items()},
+                    "compaction_s": {t.label: a.stats().compaction_s for t, a in self._arenas.items()}}
+            return {"tiers": tiers, "moves": self.moves.summary(), "room": room}
 
     def write_trace(self, path: str | os.PathLike[str]) -> None:
         """Save every move as a Chrome / Perfetto trace (JSON)."""

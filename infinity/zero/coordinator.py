@@ -200,7 +200,11 @@ class ParamCoordinator:
     # -- internals (lock held) -------------------------------------------------------------------
 
     def _finish_grads(self, unit: FetchUnit) -> None:
-        unit.take_grads()
+        try:
+            unit.take_grads()
+        except BudgetError:  # a gradient in the store needs the room of the read-ahead
+            self._drop_unused()
+            unit.take_grads()
         unit.grads_seen = 0
         if unit.held_for_backward:
             unit.held_for_backward = False

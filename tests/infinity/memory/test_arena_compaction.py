@@ -1,5 +1,6 @@
 """Compaction: adversarial alloc/free sequences, contents that survive moves, params that train."""
 
+import itertools
 import random
 
 import pytest
@@ -139,3 +140,80 @@ def test_large_overlapping_moves_keep_contents(gap):
     assert arena.stats().compactions == 1
     assert moving.offset == 0
     assert torch.equal(moving.tensor, pattern)
+
+
+def test_compaction_around_kept_blocks_leaves_them_and_their_views_in_place():
+    """Kept blocks (a view handed out, I/O targeting them) stay put; the others slide down past
+    them, each to the lowest place that overlaps no kept block, and read back their bytes."""
+    arena = Arena(16 * 1024, pinned=False, alignment=1024)
+    blocks = [arena.alloc(1000, torch.uint8) for _ in range(16)]
+    for i, block in enumerate(blocks):
+        block.tensor.fill_(i)
+    kept = [blocks[5], blocks[9]]
+    views = {id(b): b.tensor for b in kept}
+    for i in (0, 1, 3, 6, 7, 11, 12, 14):
+        arena.free(blocks[i])
+    # live: 2 4 [5] 8 [9] 10 13 15; holes of 1-2 KiB between them
+    moved = arena.compact(keep=kept)
+    places = {i: blocks[i].offset // 1024 for i in (2, 4, 5, 8, 9, 10, 13, 15)}
+    assert places == {2: 0, 4: 1, 5: 5, 8: 2, 9: 9, 10: 3, 13: 4, 15: 6}
+    assert moved == 6 * 1000  # 15 jumped from 15 to 6 (past kept 5); 2, 4, 8, 10, 13 slid down
+    for i in (2, 4, 5, 8, 9, 10, 13, 15):
+        assert bool((blocks[i].tensor == i).all()), i
+    for block in kept:
+        assert block.tensor.data_ptr() == views[id(block)].data_ptr()
+    holes = arena._free.holes()
+    assert holes == [(7 * 1024, 2 * 1024), (10 * 1024, 6 * 1024)]
+    stats = arena.stats()
+    assert stats.largest_hole_nbytes == 6 * 1024 and stats.free_nbytes == 8 * 1024
+    assert arena.compact(keep=kept) == 0  # nothing left to move
+
+
+def test_compaction_keeping_every_block_moves_nothing():
+    arena = Arena(8 * 1024, pinned=False, alignment=1024)
+    blocks = [arena.alloc(1024, torch.uint8) for _ in range(8)]
+    for block in blocks[::2]:
+        arena.free(block)
+    assert arena.compact(keep=blocks[1::2]) == 0
+    assert [b.offset for b in blocks[1::2]] == [1024, 3072, 5120, 7168]
+    assert arena.stats().largest_hole_nbytes == 1024
+
+
+def test_compaction_keep_rejects_a_block_of_another_arena():
+    arena, other = Arena(4096, pinned=False), Arena(4096, pinned=False)
+    with pytest.raises(ValueError, match="belongs to"):
+        arena.compact(keep=[other.alloc(16, torch.uint8)])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_compactions_around_kept_blocks_keep_every_byte(seed):
+    """Random layouts, random kept sets: contents survive, kept blocks stay, the holes are
+    exactly the gaps between blocks and no block overlaps another."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    arena = Arena(1 << 16, pinned=False, alignment=256)
+    live: list[tuple[Block, torch.Tensor]] = []
+    for _ in range(2000):
+        stats = arena.stats()
+        if live and rng.random() < (stats.live_nbytes / stats.capacity_nbytes) ** 2:
+            block, _ = live.pop(rng.randrange(len(live)))
+            arena.free(block)
+            continue
+        nbytes = rng.randint(1, 6000)
+        if nbytes > arena.stats().largest_hole_nbytes:
+            kept = [b for b, _ in rng.sample(live, k=len(live) // 4)]
+            where = {id(b): b.offset for b in kept}
+            arena.compact(keep=kept)
+            assert all(b.offset == where[id(b)] for b in kept)
+            _check_all(live)
+            spans = sorted((b.offset, b.offset + _round_up(b.nbytes, 256)) for b, _ in live)
+            assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+            assert sum(n for _, n in arena._free.holes()) == arena.stats().free_nbytes
+            if nbytes > arena.stats().largest_hole_nbytes:
+                continue
+        block = arena.alloc(nbytes, torch.uint8)
+        pattern = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+        block.tensor.copy_(pattern)
+        live.append((block, pattern))
+    _check_all(live)
+    assert arena.stats().compactions > 10  # the layouts really were fragmented (28-39 here)

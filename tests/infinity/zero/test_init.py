@@ -153,11 +153,6 @@ CHILD = textwrap.dedent("""
     out = {"fp32": fp32, "imported": imported, "built": peak()}
     if what == "train":
         engine = infinity.initialize(model, config)
-        # Known engine limit (issue 7): under a host budget this tight, the optimizer worker
-        # overlapping backward can fragment the host tier past use (the store does not compact
-        # under copies in use); under load a gradient buffer then finds no hole. This test is
-        # about building under Init, so it steps after backward.
-        engine.overlap = False
         out["placed"] = peak()
         out["host_tier"] = engine.store.budgets[infinity.store.Tier.HOST]
         ids = torch.randint(0, shape["vocab_size"], (1, 8))
