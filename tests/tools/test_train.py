@@ -105,11 +105,21 @@ def test_sigint_finishes_the_step_and_exits_0(tmp_path):
     (["--config", "{tmp}/unknown.json"], "unknown config key 'zero_optimization.stagee'"),
     (["--save-every", "0"], "--save-every 0: must be at least 1"),
     (["--resume"], "--resume: no checkpoint in {tmp}/out/checkpoints"),
+    (["--config", "{tmp}/tiny_budget.json"], "host_memory_budget 4096 bytes cannot hold this model's plan"),
+    (["--model", "{model}", "--seq-len", "32", "--config", "{tmp}/tiny_budget.json"],
+     "host_memory_budget 4096 bytes cannot hold this model's plan"),
+    (["--model", "{model}", "--seq-len", "32", "--lora", "0"], "--lora 0: the rank must be at least 1"),
+    (["--model", "{tmp}/no_weights", "--seq-len", "32"], "--model {tmp}/no_weights: cannot load a causal LM ({tmp}/no_weights: no "
+                                      "model.safetensors nor model.safetensors.index.json"),
 ])
 def test_bad_input_one_line_exit_2_nothing_in_output(tmp_path, capsys, tiny_hf_model, args, message):
     (tmp_path / "empty.txt").write_text("\n")
     (tmp_path / "bad.json").write_text("{")
     (tmp_path / "unknown.json").write_text('{"zero_optimization": {"stagee": 3}}')
+    (tmp_path / "tiny_budget.json").write_text('{"infinity": {"host_memory_budget": 4096}}')
+    (tmp_path / "no_weights").mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "no_weights" / name).write_bytes((tiny_hf_model / name).read_bytes())
     fill = {"tmp": str(tmp_path), "model": str(tiny_hf_model)}
     code, out, err = run_main(capsys, *[a.format(**fill) for a in args], "--output", str(tmp_path / "out"))
     assert code == 2
