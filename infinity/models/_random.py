@@ -6,6 +6,7 @@ shapes), and a byte-level tokenizer that `AutoTokenizer` loads from the director
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import pathlib
@@ -47,7 +48,8 @@ def write_random_model(directory: str | os.PathLike[str], config: Any, *, dtype:
 
     target = pathlib.Path(directory)
     if target.exists():
-        raise FileExistsError(f"{target}: exists (a new model directory is written, never over another)")
+        raise FileExistsError(errno.EEXIST, "exists (a new model directory is written, never over another)",
+                              str(target))
     with parameters_on_meta():
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     specs = [(name, p.shape, dtype) for name, p in model.named_parameters()]  # a tied weight once

@@ -70,3 +70,4 @@ def _write_shard(path: pathlib.Path, shard: list[Spec], tensors: Iterator[tuple[
                 raise RuntimeError(f"{path}: got tensor {name!r} {tuple(values.shape)} {values.dtype} where the "
                                    f"plan has {want!r} {tuple(shape)} {dtype}")
             f.write(values.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            del values  # released before the next tensor is made

@@ -62,6 +62,30 @@ def test_model_data_and_lora_runs_export_loadable_models(tmp_path, capsys, tiny_
     assert os.listdir(tmp_path / "nvme") == []  # the scratch directory is gone
 
 
+def test_model_streams_into_the_store_never_through_from_pretrained(tmp_path, capsys, tiny_hf_model,
+                                                                   monkeypatch):
+    """--model goes through infinity.models.load (the model initialize gets is the one load
+    placed), with and without --lora; from_pretrained, which reads the whole model into RAM,
+    is never called."""
+    transformers = pytest.importorskip("transformers")
+    from infinity.train import job, models
+
+    def whole_model_read(*args, **kwargs):
+        raise AssertionError("from_pretrained called: the model would be read whole into RAM")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", whole_model_read)
+    loaded, initialized = [], []
+    real_load, real_initialize = models.load, job.initialize
+    monkeypatch.setattr(models, "load", lambda *a, **k: loaded.append(real_load(*a, **k)) or loaded[-1])
+    monkeypatch.setattr(job, "initialize", lambda m, c: initialized.append(m) or real_initialize(m, c))
+    for extra in ((), ("--lora", "2")):
+        code, out, err = run_main(capsys, "--model", str(tiny_hf_model), "--steps", "1", "--seq-len", "32",
+                                  "--batch-size", "2", "--nvme-path", str(tmp_path / "nvme"), *extra)
+        assert code == 0, err
+        assert initialized[-1] is loaded[-1]
+    assert [hasattr(m, "peft_config") for m in loaded] == [False, True]
+
+
 def interrupted_run(*args):
     """Run infinity-train in a child, send it SIGINT once its first step is shown; (exit code,
     stdout, stderr)."""
