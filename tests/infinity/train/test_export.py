@@ -166,3 +166,19 @@ def test_lora_trains_under_a_host_budget_below_the_frozen_model(tmp_path):
         assert engine.global_steps == 2
     finally:
         engine.close(restore_params=False)
+
+
+def test_lora_adapters_on_a_streamed_model_start_as_peft_initialises_them(tmp_path, tiny_hf_model):
+    """The adapters of a model streamed in (its base built on meta) get real values: A random,
+    B zero, so the model starts equal to its base."""
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(2))
+    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_hf_model, local_files_only=True).eval()
+    engine = streamed(tiny_hf_model, nvme_config(tmp_path), lora=4)
+    try:
+        adapters = dict(iter_parameters(engine, lambda n: ".lora_" in n))
+        assert adapters and all(t.abs().sum() > 0 for n, t in adapters.items() if ".lora_A." in n)
+        assert all(not t.any() for n, t in adapters.items() if ".lora_B." in n)
+        engine.eval()
+        torch.testing.assert_close(logits_of(engine, ids), logits_of(base, ids), rtol=1e-5, atol=1e-5)
+    finally:
+        engine.close()
