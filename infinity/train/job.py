@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from infinity.engine import initialize
 from infinity.errors import BudgetError, CheckpointError, ConfigError, InputError
 from infinity.train import checkpoints, export, models, report
@@ -192,6 +194,7 @@ def _placed_model(options: TrainOptions, model, config: dict[str, Any]):
     its LoRA adapters), or the default model (wrapped with LoRA when asked)."""
     if model is not None:
         return model if options.lora is None else models.add_lora(model, options.lora)
+    torch.manual_seed(options.seed)  # the LoRA adapters' initial values: a run repeats exactly
     try:
         return models.load_model(options.model, config, lora=options.lora)
     except (ConfigError, BudgetError) as e:  # ConfigPathError included: a bad --nvme-path

@@ -86,6 +86,19 @@ def test_model_streams_into_the_store_never_through_from_pretrained(tmp_path, ca
     assert [hasattr(m, "peft_config") for m in loaded] == [False, True]
 
 
+def test_lora_on_a_model_directory_repeats_exactly_with_the_same_seed(tmp_path, capsys, tiny_hf_model):
+    """The adapters' random initial values come from --seed, so two runs give the same losses
+    (and another seed others)."""
+    losses = {}
+    for name, seed in (("a", "0"), ("b", "0"), ("c", "1")):
+        code, out, err = run_main(capsys, "--model", str(tiny_hf_model), "--steps", "2", "--seq-len", "32",
+                                  "--batch-size", "2", "--lr", "1e-2", "--lora", "2", "--seed", seed,
+                                  "--nvme-path", str(tmp_path / "nvme"), "--output", str(tmp_path / name))
+        assert code == 0, err
+        losses[name] = [json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    assert losses["a"] == losses["b"] and losses["a"] != losses["c"]
+
+
 def interrupted_run(*args):
     """Run infinity-train in a child, send it SIGINT once its first step is shown; (exit code,
     stdout, stderr)."""
