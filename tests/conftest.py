@@ -197,16 +197,10 @@ def tiny_hf_model(tmp_path_factory):
     """A local Hugging Face directory as `save_pretrained` writes it: a tiny random Llama (fp32,
     untied head) and a byte-level tokenizer (256 bytes + <s>, </s>), nothing downloaded."""
     transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from infinity.models import byte_tokenizer
 
     directory = tmp_path_factory.mktemp("tiny-llama")
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab |= {"<s>": 256, "</s>": 257}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
-                                         eos_token="</s>").save_pretrained(directory)
+    byte_tokenizer().save_pretrained(directory)
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=258, hidden_size=32, intermediate_size=64,
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

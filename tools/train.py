@@ -11,8 +11,9 @@ Without --model it trains a small Llama-style model (a config shipped in the pac
 init, byte-level tokens) on a built-in corpus of generated English-like sentences, with
 parameters and optimizer on NVMe in a temporary directory removed at the end.
 
---model DIR is a local Hugging Face directory; it is loaded whole into RAM for now
-(transformers' from_pretrained; streaming it from disk comes with infinity.models.load, #8).
+--model DIR is a local Hugging Face directory (safetensors weights), streamed into the
+engine's store with infinity.models.load: it never exists whole in RAM, so a model larger
+than memory trains (`infinity-make-model` writes a random one of any size to try it).
 Its tokenizer is read from DIR (local files only). --data is a .txt file (one document), a
 .jsonl file (one document per line, its "text" field), or a directory of them; the text is
 packed into rows of --seq-len tokens, shuffled with a fixed seed.
@@ -56,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=_Formatter)
     d = TrainOptions()
     p.add_argument("--model", metavar="DIR", help="local Hugging Face model directory (config.json, "
-                   "weights, tokenizer); read whole with from_pretrained until streaming comes (#8). "
-                   "Default: the built-in small Llama with byte-level tokens")
+                   "safetensors weights, tokenizer), streamed into the store with infinity.models.load "
+                   "(never whole in RAM). Default: the built-in small Llama with byte-level tokens")
     p.add_argument("--data", metavar="FILE|DIR", help=".txt, .jsonl (\"text\" field) or a directory "
                    "of them. Default: the built-in corpus")
     p.add_argument("--config", metavar="JSON", help="DeepSpeed config file; the options below "

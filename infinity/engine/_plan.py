@@ -71,7 +71,8 @@ def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optim
     largest = max((_aligned(u.nbytes) for u in units if not u.persistent), default=0)
     elt = max((u.nbytes // max(u.numel, 1) for u in units), default=4)
     working = min(everything, resident + 3 * largest + _aligned(prefetch_numel * elt))
-    tile = min(tile_numel, max((u.numel for u in trained), default=0)) * 12 + _TILE_SLACK
+    tile_elements = min(tile_numel, max((u.numel for u in trained), default=0))
+    tile = tile_elements * 12 + _TILE_SLACK
     state = sum(_state_nbytes(u) + _TILE_SLACK * -(-u.numel // tile_numel) for u in trained)
     grads = sum(_aligned(u.grad_nbytes) for u in trained)
     outside = grads
@@ -97,11 +98,15 @@ def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optim
             host_minimum += 2 * largest_grad
             host += 2 * largest_grad
         if budget - outside < host_minimum:
+            tiles = f"{3 * tile} in 3 optimizer tiles of {tile_elements} elements " \
+                f"(zero_optimization.sub_group_size {tile_numel}: lower it for smaller tiles); " \
+                if state_tier == Tier.NVME else ""
             raise BudgetError(
                 f"host_memory_budget {budget} bytes cannot hold this model's plan: {outside} "
                 f"bytes of gradients in RAM plus at least {host_minimum} bytes of parameters, "
-                f"optimizer tiles{' and gradients' if grads_tier else ''} in the host tier; raise "
-                f"the budget or offload more (offload_param/offload_optimizer device 'nvme')")
+                f"optimizer tiles{' and gradients' if grads_tier else ''} in the host tier ({tiles}"
+                f"the largest unit {largest} bytes); raise the budget or offload more "
+                f"(offload_param/offload_optimizer device 'nvme')")
         host = min(host, budget - outside)
     budgets[Tier.HOST] = host
     if fetch_tier == Tier.HOST:  # read-ahead takes only what the smallest working set leaves

@@ -12,7 +12,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -41,7 +41,8 @@ _CHUNK_ALIGN = 4096  # elements: chunk bytes stay multiples of 4 KiB whatever th
 
 
 def load(path: str | os.PathLike[str], config: dict[str, Any] | str | os.PathLike[str], *,
-         window: int = DEFAULT_WINDOW) -> torch.nn.Module:
+         window: int = DEFAULT_WINDOW,
+         prepare: Callable[[torch.nn.Module], torch.nn.Module] | None = None) -> torch.nn.Module:
     """The `transformers` model of the local directory `path` (config.json with
     model.safetensors or model.safetensors.index.json and its shards), its parameters already
     in the store that `infinity.initialize(model, config)` adopts without a copy.
@@ -56,6 +57,11 @@ def load(path: str | os.PathLike[str], config: dict[str, Any] | str | os.PathLik
     Until `initialize`, the parameters hold empty placeholders: the model is for training
     through the engine (pass it the same config).
 
+    `prepare`, when given, takes the model built on meta (checkpoint names already matched)
+    and returns the model to place, e.g. wrapped with LoRA adapters and its base frozen
+    (`requires_grad` decides which units get optimizer state). Parameters it adds must hold
+    real values (not meta): they are streamed into the store with the checkpoint's.
+
     Raises CheckpointError naming the file and tensor (missing shard, tensor absent from its
     shard, truncated or corrupt file, shape unlike config.json, a tensor the model lacks, a
     parameter the checkpoint lacks), ConfigError and BudgetError; all before any value moves.
@@ -69,16 +75,18 @@ def load(path: str | os.PathLike[str], config: dict[str, Any] | str | os.PathLik
     probe = load_config(config, model=None)
     precision, device = choose_model_precision(probe)
     model = build_on_meta(directory, precision.compute)
-    conf = load_config(config, model=model)
     sources, buffers = _match(model, records, directory)
+    if prepare is not None:
+        model = _prepared(model, prepare, sources)
+    conf = load_config(config, model=model)
     layout = lay_out(model, conf, precision, device, meta_ok=True)
     store = open_store(layout, conf)
     started = time.perf_counter()
     try:
         _stream(layout, store, sources, window)
         _replace_meta(model, layout)
-        for module_name, name, record in buffers:
-            _copy_buffer(model.get_submodule(module_name), name, record)
+        for module, name, record in buffers:
+            _copy_buffer(module, name, record)
         buffers_to(model, device)
     except BaseException:
         store.close()
@@ -96,7 +104,7 @@ def _patterns(model: torch.nn.Module, attribute: str) -> list[re.Pattern]:
 
 
 def _match(model: torch.nn.Module, records: dict[str, TensorRecord], directory: str
-           ) -> tuple[dict[int, TensorRecord], list[tuple[str, str, TensorRecord]]]:
+           ) -> tuple[dict[int, TensorRecord], list[tuple[torch.nn.Module, str, TensorRecord]]]:
     """Checkpoint tensor of every parameter (by id; a tied parameter by any of its names) and of
     every buffer the checkpoint holds. Raises CheckpointError for a tensor of the wrong shape,
     one the model lacks, or a parameter the checkpoint lacks."""
@@ -125,7 +133,7 @@ def _match(model: torch.nn.Module, records: dict[str, TensorRecord], directory: 
                 raise CheckpointError(
                     f"{record.path}: tensor {name!r} has shape {tuple(record.shape)}, the model's buffer has "
                     f"{None if found is None else tuple(found.shape)}", path=record.path, tensor=name)
-            buffers.append((module_name, buffer, record))
+            buffers.append((model.get_submodule(module_name), buffer, record))
         elif not any(pattern.search(name) for pattern in ignore_unexpected):
             raise CheckpointError(f"{record.path}: tensor {name!r} is not a parameter of the model built from "
                                   f"{config_json} ({type(model).__name__})", path=record.path, tensor=name)
@@ -136,6 +144,18 @@ def _match(model: torch.nn.Module, records: dict[str, TensorRecord], directory: 
                                   f"{type(model).__name__}" + (f" (nor {names[1:]})" if len(names) > 1 else ""),
                                   path=directory, tensor=names[0])
     return sources, buffers
+
+
+def _prepared(model: torch.nn.Module, prepare: Callable[[torch.nn.Module], torch.nn.Module],
+              sources: dict[int, TensorRecord]) -> torch.nn.Module:
+    """`prepare(model)`, checked: every parameter it added holds values to stream."""
+    before = {id(p) for p in model.parameters()}
+    prepared = prepare(model)
+    for name, p in prepared.named_parameters():
+        if id(p) not in before and id(p) not in sources and p.device.type == "meta":
+            raise ValueError(f"prepare added parameter {name!r} on the meta device: it has no values to load "
+                             f"(give the parameters it adds real values)")
+    return prepared
 
 
 def _stream(layout: Layout, store: TensorStore, sources: dict[int, TensorRecord], window: int) -> None:
@@ -167,6 +187,9 @@ def _unit_chunks(unit: FetchUnit, sources: dict[int, TensorRecord], reader: Shar
             if lo >= hi:
                 continue
             record = sources.get(id(slot.param))
+            if record is None and slot.param.device.type != "meta":  # added by `prepare`: its own values
+                out[lo - first:hi - first].copy_(slot.param.detach().reshape(-1)[lo - slot.offset:hi - slot.offset])
+                continue
             if record is None:  # a parameter the model may leave uninitialised: zeros
                 out[lo - first:hi - first].zero_()
                 continue

@@ -26,6 +26,7 @@ INDEX_FILE = "model.safetensors.index.json"
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
            "U8": torch.uint8, "BOOL": torch.bool}
+_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 _MAX_HEADER = 100 << 20  # as the safetensors library: a larger header is a corrupt file
 
 
@@ -43,6 +44,14 @@ class TensorRecord:
     @property
     def numel(self) -> int:
         return self.shape.numel()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The format's name of `dtype` ("BF16", ...); ValueError for one it cannot hold."""
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"safetensors has no dtype {dtype}") from None
 
 
 def read_header(path: str) -> dict[str, TensorRecord]:

@@ -4,15 +4,14 @@ safetensors shards (`model-0000i-of-0000N.safetensors`) + `model.safetensors.ind
 `write_adapter` saves only a peft model's LoRA adapters, as peft's `save_pretrained` lays them
 out (`adapter_model.safetensors` + `adapter_config.json`), for `PeftModel.from_pretrained`.
 
-Shards are planned from the parameter specs before any value is read, so at most one unit's
-values and one shard's tensors are held at a time. A LoRA model (peft) is exported merged:
+Shards are planned from the parameter specs before any value is read and written tensor by
+tensor (`infinity.models.write_shards`), so at most one unit's values are held at a time. A LoRA model (peft) is exported merged:
 W + scaling * B @ A per adapted layer, under the base model's names, loadable without peft.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import pathlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from infinity.engine import Engine, iter_parameters, parameter_specs
+from infinity.models import write_shards
 
 PEFT_PREFIX = "base_model.model."
 MAX_SHARD_BYTES = 2 << 30
@@ -84,44 +84,13 @@ def _chain(params: Iterator[tuple[str, torch.Tensor]], buffers: dict[str, torch.
     yield from buffers.items()
 
 
-def _plan_shards(specs: list[tuple[str, torch.Size, torch.dtype]], max_shard_bytes: int) -> list[list[str]]:
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name, shape, dtype in specs:
-        nbytes = shape.numel() * dtype.itemsize
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
-    return shards
-
-
 def write_hf(engine: Engine, directory: str | pathlib.Path, *, tokenizer: Any = None,
              max_shard_bytes: int = MAX_SHARD_BYTES) -> list[pathlib.Path]:
     """Write the engine's current model into `directory` (created); returns the files written."""
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     specs, stream = exported_tensors(engine)
-    shards = _plan_shards(specs, max_shard_bytes)
-    files, weight_map = [], {}
-    tensors = stream()
-    for i, names in enumerate(shards, 1):
-        path = directory / f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        shard = {}
-        for expected in names:
-            name, values = next(tensors)
-            if name != expected:
-                raise RuntimeError(f"export: got {name!r} where the plan has {expected!r}")
-            shard[name] = values.contiguous()
-            weight_map[name] = path.name
-        save_file(shard, str(path), metadata={"format": "pt"})
-        files.append(path)
-        del shard
-    total = sum(shape.numel() * dtype.itemsize for _, shape, dtype in specs)
-    index = directory / "model.safetensors.index.json"
-    index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    files.append(index)
+    files = write_shards(directory, specs, stream(), max_shard_bytes=max_shard_bytes)
     files += _write_config(engine.module, directory, specs)
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(directory)

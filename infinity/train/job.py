@@ -22,8 +22,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from infinity.engine import initialize
-from infinity.errors import CheckpointError, ConfigError, InputError
+from infinity.errors import BudgetError, CheckpointError, ConfigError, InputError
 from infinity.train import checkpoints, export, models, report
 from infinity.train.data import Batches, load_rows, pack
 from infinity.train.loop import GracefulStop, StepRecord, train
@@ -166,7 +168,9 @@ def staged_output(output: str | None, *, resume: bool = False) -> Iterator[Outpu
             shutil.rmtree(staging, ignore_errors=True)
 
 
-def _model_and_data(options: TrainOptions):
+def _tokenizer_and_data(options: TrainOptions):
+    """(the default model or None for --model, the --model tokenizer or None, the packed rows),
+    all checked before the (possibly long) model load."""
     if options.model is None:
         model, tokenizer = models.default_model(options.seed)
         hf_tokenizer = None
@@ -182,9 +186,19 @@ def _model_and_data(options: TrainOptions):
         rows = pack(iter([text]), tokenizer, options.seq_len, source="<built-in corpus>")
     else:
         rows = load_rows(options.data, tokenizer, options.seq_len)
-    if model is None:  # the data is checked before the (possibly long) model load
-        model = models.load_model(options.model)
     return model, hf_tokenizer, rows
+
+
+def _placed_model(options: TrainOptions, model, config: dict[str, Any]):
+    """The model ready for `initialize(model, config)`: --model streamed into the store (with
+    its LoRA adapters), or the default model (wrapped with LoRA when asked)."""
+    if model is not None:
+        return model if options.lora is None else models.add_lora(model, options.lora)
+    torch.manual_seed(options.seed)  # the LoRA adapters' initial values: a run repeats exactly
+    try:
+        return models.load_model(options.model, config, lora=options.lora)
+    except (ConfigError, BudgetError) as e:  # ConfigPathError included: a bad --nvme-path
+        raise InputError(str(e)) from None
 
 
 def _restore(engine, batches: Batches, point: checkpoints.ResumePoint) -> None:
@@ -232,18 +246,17 @@ def run(options: TrainOptions, on_step: Callable[[StepRecord], None] = lambda re
     if options.lora_export not in LORA_EXPORTS:
         raise InputError(f"--lora-export {options.lora_export}: choose one of {', '.join(LORA_EXPORTS)}")
     point = _resume_point(options)
-    model, tokenizer, rows = _model_and_data(options)
-    if options.lora is not None:
-        model = models.add_lora(model, options.lora)
+    model, tokenizer, rows = _tokenizer_and_data(options)
     with scratch_dir(options.nvme_path) as nvme_dir, \
             staged_output(options.output, resume=point is not None) as out:
         config = ds_config(options, nvme_dir)
         batches = Batches(rows, config[MICRO], seed=options.seed)
         if point is not None:
             checkpoints.check_same_data(point, checkpoints.data_state(batches, options.seq_len))
+        model = _placed_model(options, model, config)
         try:
             engine = initialize(model, config)
-        except ConfigError as e:  # ConfigPathError included: a bad --nvme-path
+        except (ConfigError, BudgetError) as e:  # ConfigPathError included: a bad --nvme-path
             raise InputError(str(e)) from None
         metrics = None
         try:

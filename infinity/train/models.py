@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from infinity.errors import InputError
+from infinity.errors import CheckpointError, InputError
+from infinity.models import DEFAULT_WINDOW, load
 from infinity.train.data import ByteTokenizer
 
 logger = logging.getLogger(__name__)
@@ -30,15 +31,17 @@ def default_model(seed: int = 0) -> tuple[torch.nn.Module, ByteTokenizer]:
     return transformers.LlamaForCausalLM(config), ByteTokenizer()
 
 
-def load_model(directory: str | pathlib.Path) -> torch.nn.Module:
-    """A causal LM from a local Hugging Face directory, read fully into RAM for now."""
-    # TODO(#8): stream with infinity.models.load
-    import transformers
-
+def load_model(directory: str | pathlib.Path, config: dict[str, Any], *, lora: int | None = None,
+               window: int = DEFAULT_WINDOW) -> torch.nn.Module:
+    """A causal LM from a local Hugging Face directory, streamed into the engine's store with
+    `infinity.models.load` (never whole in RAM; initialize it with the same `config`), with
+    LoRA adapters of rank `lora` added before it is placed (the frozen base gets no optimizer
+    state). InputError when the directory is not a loadable model."""
     directory = _model_dir(directory)
+    prepare = None if lora is None else lambda model: add_lora(model, lora)
     try:
-        return transformers.AutoModelForCausalLM.from_pretrained(directory, local_files_only=True)
-    except (OSError, ValueError) as e:
+        return load(directory, config, window=window, prepare=prepare)
+    except CheckpointError as e:
         raise InputError(f"--model {directory}: cannot load a causal LM ({_first_line(e)})") from None
 
 
@@ -61,7 +64,8 @@ def max_positions(model: torch.nn.Module) -> int | None:
 
 def add_lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
     """Freeze `model` and add LoRA adapters of `rank` (alpha = 2 * rank, no dropout) on its
-    attention and MLP projections; only the adapters train."""
+    attention and MLP projections; only the adapters train. On a model built on the meta
+    device the adapters still get real values (peft's initialisation: A random, B zero)."""
     if rank < 1:
         raise InputError(f"--lora {rank}: the rank must be at least 1")
     try:
@@ -71,10 +75,23 @@ def add_lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
     config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
                              target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
     wrapped = peft.get_peft_model(model, config)
+    _materialise_adapters(wrapped)
     trained = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
     total = sum(p.numel() for p in wrapped.parameters())
     logger.info("lora: rank %d, %d of %d parameters train", rank, trained, total)
     return wrapped
+
+
+def _materialise_adapters(model: torch.nn.Module) -> None:
+    """peft puts adapters on the device of their base layer, meta for a model being streamed
+    in: give them memory and peft's initial values."""
+    for module in model.modules():
+        adapters = [getattr(module, name, None) for name in ("lora_A", "lora_B")]
+        if hasattr(module, "reset_lora_parameters") and any(
+                p.device.type == "meta" for a in adapters if a is not None for p in a.parameters()):
+            for a in adapters:
+                a.to_empty(device="cpu")
+            module.reset_lora_parameters("default", True)
 
 
 def _model_dir(directory: str | pathlib.Path) -> pathlib.Path:

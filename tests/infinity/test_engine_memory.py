@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from infinity import BudgetError
 from infinity.engine._plan import plan_memory
 from infinity.store import Tier
 from infinity.zero import FetchUnit
@@ -85,3 +86,15 @@ def test_prefetch_window_shrinks_to_what_the_host_budget_leaves():
     # 48 MiB less the smallest working set (2 units of params, 3 tiles + the values being
     # updated, 2 gradients passing through) leaves a window of a few units, not 200 MB of them.
     assert 0 < tight.prefetch_numel * 4 <= (48 << 20) - 5 * (4 << 20) - 3 * (3 << 20)
+
+
+def test_a_budget_too_small_for_the_optimizer_tiles_names_sub_group_size():
+    """At the default sub_group_size (1e9) a tile is a whole unit: a big embedding makes three
+    of them exceed a modest budget; the error says which setting shrinks them."""
+    units = [_unit(i, 1 << 24) for i in range(4)]  # 64 MiB units: tiles of 192 MiB
+    kwargs = {"offload_param": "nvme", "offload_optimizer": "nvme", "accelerator": False, "prefetch_numel": 0}
+    with pytest.raises(BudgetError, match=r"3 optimizer tiles of 16777216 elements \(zero_optimization."
+                                          r"sub_group_size 1000000000: lower it"):
+        plan_memory(units, host_memory_budget=512 << 20, tile_numel=1_000_000_000, **kwargs)
+    small_tiles = plan_memory(units, host_memory_budget=512 << 20, tile_numel=1 << 20, **kwargs)
+    assert small_tiles.budgets[Tier.HOST] <= 512 << 20

@@ -305,6 +305,45 @@ def test_not_a_directory(tmp_path):
         infinity.models.load(tmp_path / "nowhere", config(tmp_path))
 
 
+class Scaled(torch.nn.Module):
+    """A wrapper adding one parameter (`prepare`'s job in the tests below)."""
+
+    def __init__(self, inner: torch.nn.Module, scale: torch.Tensor) -> None:
+        super().__init__()
+        self.inner, self.scale = inner, torch.nn.Parameter(scale)
+        self.config = inner.config
+
+    def forward(self, input_ids):
+        return self.inner(input_ids).logits * self.scale
+
+
+def test_prepare_wraps_freezes_and_adds_parameters_with_their_values(tmp_path):
+    original = tiny_llama(tie=False)
+    directory = saved(tmp_path, original)
+    cfg = config(tmp_path)
+
+    def prepare(model):
+        model.requires_grad_(False)
+        return Scaled(model, torch.full((64,), 2.0))
+
+    model = infinity.models.load(directory, cfg, window=WINDOW, prepare=prepare)
+    ids = batches(1)[0]
+    with infinity.initialize(model, cfg) as engine:
+        trained = [s.name for u in engine.units if u.requires_grad for s in u.slots]
+        optimized = [getattr(u, "values_key", None) or u.key for u in engine.optimizer.units]
+        assert trained == ["scale"] and optimized == [u.key for u in engine.units if u.requires_grad]
+        with torch.no_grad():
+            got = engine(ids)
+    with torch.no_grad():
+        torch.testing.assert_close(got, original(ids).logits * 2.0)
+
+
+def test_prepare_adding_a_parameter_without_values_is_refused(tmp_path):
+    directory = saved(tmp_path, tiny_llama())
+    with pytest.raises(ValueError, match="prepare added parameter 'scale' on the meta device"):
+        infinity.models.load(directory, config(tmp_path), prepare=lambda m: Scaled(m, torch.empty(64, device="meta")))
+
+
 @pytest.mark.requires_cuda
 @pytest.mark.parametrize("param", ["none", "nvme"])
 def test_loads_onto_the_accelerator(tmp_path, param):

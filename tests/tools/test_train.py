@@ -62,6 +62,43 @@ def test_model_data_and_lora_runs_export_loadable_models(tmp_path, capsys, tiny_
     assert os.listdir(tmp_path / "nvme") == []  # the scratch directory is gone
 
 
+def test_model_streams_into_the_store_never_through_from_pretrained(tmp_path, capsys, tiny_hf_model,
+                                                                   monkeypatch):
+    """--model goes through infinity.models.load (the model initialize gets is the one load
+    placed), with and without --lora; from_pretrained, which reads the whole model into RAM,
+    is never called."""
+    transformers = pytest.importorskip("transformers")
+    from infinity.train import job, models
+
+    def whole_model_read(*args, **kwargs):
+        raise AssertionError("from_pretrained called: the model would be read whole into RAM")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", whole_model_read)
+    loaded, initialized = [], []
+    real_load, real_initialize = models.load, job.initialize
+    monkeypatch.setattr(models, "load", lambda *a, **k: loaded.append(real_load(*a, **k)) or loaded[-1])
+    monkeypatch.setattr(job, "initialize", lambda m, c: initialized.append(m) or real_initialize(m, c))
+    for extra in ((), ("--lora", "2")):
+        code, out, err = run_main(capsys, "--model", str(tiny_hf_model), "--steps", "1", "--seq-len", "32",
+                                  "--batch-size", "2", "--nvme-path", str(tmp_path / "nvme"), *extra)
+        assert code == 0, err
+        assert initialized[-1] is loaded[-1]
+    assert [hasattr(m, "peft_config") for m in loaded] == [False, True]
+
+
+def test_lora_on_a_model_directory_repeats_exactly_with_the_same_seed(tmp_path, capsys, tiny_hf_model):
+    """The adapters' random initial values come from --seed, so two runs give the same losses
+    (and another seed others)."""
+    losses = {}
+    for name, seed in (("a", "0"), ("b", "0"), ("c", "1")):
+        code, out, err = run_main(capsys, "--model", str(tiny_hf_model), "--steps", "2", "--seq-len", "32",
+                                  "--batch-size", "2", "--lr", "1e-2", "--lora", "2", "--seed", seed,
+                                  "--nvme-path", str(tmp_path / "nvme"), "--output", str(tmp_path / name))
+        assert code == 0, err
+        losses[name] = [json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    assert losses["a"] == losses["b"] and losses["a"] != losses["c"]
+
+
 def interrupted_run(*args):
     """Run infinity-train in a child, send it SIGINT once its first step is shown; (exit code,
     stdout, stderr)."""
@@ -105,11 +142,21 @@ def test_sigint_finishes_the_step_and_exits_0(tmp_path):
     (["--config", "{tmp}/unknown.json"], "unknown config key 'zero_optimization.stagee'"),
     (["--save-every", "0"], "--save-every 0: must be at least 1"),
     (["--resume"], "--resume: no checkpoint in {tmp}/out/checkpoints"),
+    (["--config", "{tmp}/tiny_budget.json"], "host_memory_budget 4096 bytes cannot hold this model's plan"),
+    (["--model", "{model}", "--seq-len", "32", "--config", "{tmp}/tiny_budget.json"],
+     "host_memory_budget 4096 bytes cannot hold this model's plan"),
+    (["--model", "{model}", "--seq-len", "32", "--lora", "0"], "--lora 0: the rank must be at least 1"),
+    (["--model", "{tmp}/no_weights", "--seq-len", "32"], "--model {tmp}/no_weights: cannot load a causal LM ({tmp}/no_weights: no "
+                                      "model.safetensors nor model.safetensors.index.json"),
 ])
 def test_bad_input_one_line_exit_2_nothing_in_output(tmp_path, capsys, tiny_hf_model, args, message):
     (tmp_path / "empty.txt").write_text("\n")
     (tmp_path / "bad.json").write_text("{")
     (tmp_path / "unknown.json").write_text('{"zero_optimization": {"stagee": 3}}')
+    (tmp_path / "tiny_budget.json").write_text('{"infinity": {"host_memory_budget": 4096}}')
+    (tmp_path / "no_weights").mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "no_weights" / name).write_bytes((tiny_hf_model / name).read_bytes())
     fill = {"tmp": str(tmp_path), "model": str(tiny_hf_model)}
     code, out, err = run_main(capsys, *[a.format(**fill) for a in args], "--output", str(tmp_path / "out"))
     assert code == 2

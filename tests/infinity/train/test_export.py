@@ -26,6 +26,11 @@ def nvme_config(tmp_path) -> dict:
     return config
 
 
+def streamed(directory, config, lora=None):
+    """The engine of `directory` streamed into the store as infinity-train loads it."""
+    return initialize(models.load_model(directory, config, lora=lora), config)
+
+
 def fine_tune(engine, steps=3, vocab=256):
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
@@ -41,7 +46,7 @@ def logits_of(model_or_engine, ids):
 
 
 def test_export_round_trip_gives_the_engines_logits(tmp_path, tiny_hf_model):
-    engine = initialize(models.load_model(tiny_hf_model), nvme_config(tmp_path))
+    engine = streamed(tiny_hf_model, nvme_config(tmp_path))
     before = dict(iter_parameters(engine))
     fine_tune(engine)
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(2))
@@ -74,8 +79,7 @@ def _writes_by_key(engine, path):
 
 
 def test_lora_trains_only_the_adapters_and_exports_merged(tmp_path, tiny_hf_model):
-    model = models.add_lora(models.load_model(tiny_hf_model), 4)
-    engine = initialize(model, nvme_config(tmp_path))
+    engine = streamed(tiny_hf_model, nvme_config(tmp_path), lora=4)
     trained = {u.key for u in engine.units if u.requires_grad}
     assert trained and all(".lora_" in k for k in trained)
     optimized = {getattr(u, "values_key", None) or u.key for u in engine.optimizer.units}
@@ -105,7 +109,7 @@ def test_lora_trains_only_the_adapters_and_exports_merged(tmp_path, tiny_hf_mode
 
 def test_lora_adapter_export_loads_with_peft(tmp_path, tiny_hf_model):
     peft = pytest.importorskip("peft")
-    engine = initialize(models.add_lora(models.load_model(tiny_hf_model), 2), nvme_config(tmp_path))
+    engine = streamed(tiny_hf_model, nvme_config(tmp_path), lora=2)
     fine_tune(engine)
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(2))
     engine.eval()
@@ -120,7 +124,7 @@ def test_lora_adapter_export_loads_with_peft(tmp_path, tiny_hf_model):
 
 
 def test_adapter_export_needs_a_lora_model(tmp_path, tiny_hf_model):
-    engine = initialize(models.load_model(tiny_hf_model), nvme_config(tmp_path))
+    engine = streamed(tiny_hf_model, nvme_config(tmp_path))
     try:
         with pytest.raises(ValueError, match="needs a peft model"):
             write_adapter(engine, tmp_path / "adapter")
@@ -162,3 +166,19 @@ def test_lora_trains_under_a_host_budget_below_the_frozen_model(tmp_path):
         assert engine.global_steps == 2
     finally:
         engine.close(restore_params=False)
+
+
+def test_lora_adapters_on_a_streamed_model_start_as_peft_initialises_them(tmp_path, tiny_hf_model):
+    """The adapters of a model streamed in (its base built on meta) get real values: A random,
+    B zero, so the model starts equal to its base."""
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(2))
+    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_hf_model, local_files_only=True).eval()
+    engine = streamed(tiny_hf_model, nvme_config(tmp_path), lora=4)
+    try:
+        adapters = dict(iter_parameters(engine, lambda n: ".lora_" in n))
+        assert adapters and all(t.abs().sum() > 0 for n, t in adapters.items() if ".lora_A." in n)
+        assert all(not t.any() for n, t in adapters.items() if ".lora_B." in n)
+        engine.eval()
+        torch.testing.assert_close(logits_of(engine, ids), logits_of(base, ids), rtol=1e-5, atol=1e-5)
+    finally:
+        engine.close()

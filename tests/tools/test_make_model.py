@@ -1,0 +1,45 @@
+"""infinity-make-model: writes a random Llama directory of the asked shape that infinity-train
+trains; bad shapes and an existing directory are one line and exit 2."""
+
+import json
+
+import pytest
+
+from tools import make_model
+
+pytest.importorskip("transformers")
+
+SHAPE = ["--layers", "2", "--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv-heads", "2",
+         "--vocab", "320", "--max-positions", "128"]
+
+
+def test_writes_the_asked_shape_and_counts_its_parameters(tmp_path, capsys):
+    assert make_model.main([str(tmp_path / "m"), *SHAPE, "--max-shard-size", "64K"]) == 0
+    out = capsys.readouterr().out
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"],
+            config["num_key_value_heads"], config["vocab_size"]) == (2, 64, 128, 2, 320)
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "bfloat16"
+    per_layer = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64
+    count = 2 * per_layer + 2 * 320 * 64 + 64
+    assert f"({count})" in out
+    assert len(list((tmp_path / "m").glob("model-*-of-*.safetensors"))) > 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--heads", "5"], "--hidden 256, --heads 5, --kv-heads 5: hidden must divide by heads"),
+    (["--heads", "8", "--kv-heads", "3"], "--kv-heads 3: hidden must divide by heads, and heads by kv-heads"),
+    (["--vocab", "100"], "--vocab 100: at least 258"),
+    (["--layers", "0"], "--layers 0: must be at least 1"),
+])
+def test_bad_shapes_are_one_line_and_exit_2(tmp_path, capsys, args, message):
+    assert make_model.main([str(tmp_path / "m"), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_existing_directory_is_refused(tmp_path, capsys):
+    (tmp_path / "m").mkdir()
+    assert make_model.main([str(tmp_path / "m")]) == 2
+    assert "exists" in capsys.readouterr().err
