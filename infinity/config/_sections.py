@@ -359,7 +359,12 @@ class InfinityConfig(Section):
     """Verify a checksum of every tensor read back from NVMe. Default false."""
     aio_backend: Literal["auto", "libaio", "io_uring", "threads"] = "auto"
     """The aio backend: "auto" probes once and logs the pick. Default "auto"."""
+    collective_timeout: float = 300.0
+    """Seconds a collective across data-parallel ranks may take before every rank stops with
+    a RankError (a dead or stuck peer). Used when the engine starts the process group itself.
+    Default 300."""
 
     def __post_init__(self) -> None:
         budget = self.host_memory_budget
         check(budget is None or budget > 0, "host_memory_budget", budget, "a byte count > 0")
+        check(self.collective_timeout > 0, "collective_timeout", self.collective_timeout, "seconds > 0")
