@@ -82,13 +82,15 @@ def _plan(units: list[FetchUnit], config: Config, device: torch.device) -> Memor
         tile_numel=zero.sub_group_size, host_memory_budget=config.infinity.host_memory_budget)
 
 
-def open_store(layout: Layout, config: Config) -> TensorStore:
-    """The store with the layout's budgets (its swap file under the config's nvme_path)."""
+def open_store(layout: Layout, config: Config, *, rank: int = 0) -> TensorStore:
+    """The store with the layout's budgets (its swap file under the config's nvme_path, one
+    per rank and process)."""
     zero = config.zero_optimization
     nvme_path = zero.offload_param.nvme_path if layout.plan.param_home == Tier.NVME else None
     nvme_path = nvme_path or zero.offload_optimizer.nvme_path
     aio_options = {**config.aio.handle_options(), "backend": config.infinity.aio_backend}
-    return TensorStore(layout.plan.budgets, nvme_path=nvme_path, device=layout.device, aio_options=aio_options)
+    return TensorStore(layout.plan.budgets, nvme_path=nvme_path, device=layout.device, aio_options=aio_options,
+                       rank=rank)
 
 
 def attach_placed(model: torch.nn.Module, placed: Placed) -> None:

@@ -13,6 +13,14 @@ are fetched (taking a store use, state FETCHING) until the elements within the w
 allowed). A released unit whose next use in the trace comes within `max_reuse_numel` elements
 stays READY. The store is told the distance (in uses) to each unit's next use, so its eviction
 follows the trace. Budgets are in elements, as DeepSpeed's stage3_* knobs are.
+
+[Note: gathers in step on every rank] With the parameters partitioned over ranks, each unit
+becomes READY through one all-gather, which every rank must issue in the same order. Whether a
+unit is still READY when used again must therefore not depend on anything rank-local: keeping
+a unit for reuse depends on store pressure and on how many prefetches landed, so with a
+`gather` no unit is kept (released units are fetched again, from the shard the store keeps).
+Prefetch reads only the local shard; the gather happens in `_wait`, at use time, in trace
+order.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import torch
 from infinity.errors import BudgetError
 from infinity.store import TensorStore, Tier
 from infinity.zero._common import PrefetchStats, UnitState
+from infinity.zero.ranks import Ranks
 from infinity.zero.saved_views import ViewIndex, pack_saved, unpack_saved
 from infinity.zero.trace import PassCursor, Trace, TraceBook
 from infinity.zero.unit import FetchUnit
@@ -50,6 +59,9 @@ class ParamCoordinator:
         max_traces: traces memoised per pass key.
         on_grads_final: called (lock held, keep it short) when a unit's gradient buffer holds
             this backward's final gradients, after the unit was released.
+        gather: with several ranks at stage 3, the store holds this rank's shard of each unit:
+            a fetched shard is all-gathered into the whole unit before it is bound, and units
+            are not kept for reuse (see [Note: gathers in step on every rank]).
 
     Thread-safe (autograd may run hooks from its own threads).
     """
@@ -57,8 +69,10 @@ class ParamCoordinator:
     def __init__(self, units: Sequence[FetchUnit], store: TensorStore, *, fetch_tier: Tier,
                  device: torch.device, prefetch_numel: int, max_live_numel: int,
                  max_reuse_numel: int, max_traces: int = 4,
-                 on_grads_final: Callable[[FetchUnit], None] | None = None) -> None:
+                 on_grads_final: Callable[[FetchUnit], None] | None = None,
+                 gather: Ranks | None = None) -> None:
         self.units = list(units)
+        self.gather = gather
         self.on_grads_final = on_grads_final
         self.store = store
         self.fetch_tier = fetch_tier
@@ -258,6 +272,8 @@ class ParamCoordinator:
         start = time.perf_counter()
         try:
             flat = u.future.result()
+            if self.gather is not None:
+                flat = self.gather.all_gather(flat, u.numel, f"parameters of {u.name}")
         finally:
             self.stats.stall_s += time.perf_counter() - start
         u.bind(flat)
@@ -284,6 +300,8 @@ class ParamCoordinator:
         return float(nxt - self._cursor.pos) if nxt < len(trace) else _FAR
 
     def _reused_soon(self, u: FetchUnit) -> bool:
+        if self.gather is not None:  # See [Note: gathers in step on every rank]
+            return False
         trace = self._cursor.trace if self._cursor is not None else None
         if trace is None or not 0 <= u.last_pos < len(trace) or self._live_numel > self.max_live_numel:
             return False

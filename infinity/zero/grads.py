@@ -66,7 +66,10 @@ class GradBuffer(ABC):
                 s.param.grad = None
         shard = ranks.reduce_scatter_mean(full, f"gradient of {self.name}").to("cpu")
         with self._writable() as flat:
-            flat.add_(shard) if self.has_grad else flat.copy_(shard)
+            if self.has_grad:
+                flat.add_(shard)
+            else:
+                flat.copy_(shard)
         self.has_grad = True
 
     def average_over(self, ranks: Ranks) -> None:

@@ -56,6 +56,29 @@ class Shard:
         return self.stop - self.start
 
 
+@dataclass(frozen=True, slots=True)
+class Partition:
+    """What this rank holds of each unit under a ZeRO stage (DeepSpeed's meaning): stage 0
+    everything; 1 also only its shard of the optimizer state; 2 also only its shard of the
+    gradients; 3 also only its shard of the parameters in the store. With one rank nothing is
+    partitioned, whatever the stage."""
+
+    ranks: Ranks
+    stage: int
+
+    @property
+    def state(self) -> bool:
+        return self.ranks.world > 1 and self.stage >= 1
+
+    @property
+    def grads(self) -> bool:
+        return self.ranks.world > 1 and self.stage >= 2
+
+    @property
+    def params(self) -> bool:
+        return self.ranks.world > 1 and self.stage == 3
+
+
 def environment_world_size() -> int:
     """Ranks of this job: the initialised process group's size, else torchrun's WORLD_SIZE,
     else 1."""
@@ -69,14 +92,10 @@ class Ranks:
 
     Attributes:
         rank, world: this rank and the number of ranks.
-        created_group: True when `from_environment` initialised the process group (then
-            `close()` destroys it).
     """
 
-    def __init__(self, rank: int = 0, world: int = 1, *, store: Any = None,
-                 created_group: bool = False) -> None:
+    def __init__(self, rank: int = 0, world: int = 1, *, store: Any = None) -> None:
         self.rank, self.world = rank, world
-        self.created_group = created_group
         self._store = store  # the rendezvous store, for the roll call after a failure
         self._failed: RankError | None = None
 
@@ -88,7 +107,8 @@ class Ranks:
     def from_environment(cls, *, timeout_s: float) -> Ranks:
         """The ranks of this job: an initialised process group, else one started from
         torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; gloo on CPU, NCCL
-        on GPUs, collectives timing out after `timeout_s`), else one process.
+        on GPUs, collectives timing out after `timeout_s`), else one process. A group started
+        here stays for the life of the process (later engines use it), as DeepSpeed's does.
 
         Ranks other than 0 log only warnings and errors from then on (logger "infinity",
         unless the application set its level)."""
@@ -118,7 +138,7 @@ class Ranks:
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                               is_master=rank == 0, timeout=timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-        return cls(rank, world, store=store, created_group=True)
+        return cls(rank, world, store=store)
 
     # -- shards ----------------------------------------------------------------------------------
 
@@ -133,15 +153,20 @@ class Ranks:
     def all_reduce_mean_(self, t: torch.Tensor, what: str) -> None:
         """Average `t` over the ranks, in place."""
         if self.world > 1:
-            self._run(f"all_reduce({what})", lambda: dist.all_reduce(t))
+            self._collective(f"all_reduce({what})", t, dist.all_reduce)
             t.div_(self.world)
+
+    def broadcast_(self, t: torch.Tensor, what: str) -> None:
+        """Overwrite `t` with rank 0's, in place."""
+        if self.world > 1:
+            self._collective(f"broadcast({what})", t, lambda x: dist.broadcast(x, 0))
 
     def all_reduce_sum(self, value: float, what: str) -> float:
         """The sum of `value` over the ranks (float64)."""
         if self.world == 1:
             return value
         t = torch.tensor([value], dtype=torch.float64)
-        self._run(f"all_reduce({what})", lambda: dist.all_reduce(t))
+        self._collective(f"all_reduce({what})", t, dist.all_reduce)
         return float(t)
 
     def reduce_scatter_mean(self, full: torch.Tensor, what: str) -> torch.Tensor:
@@ -149,17 +174,21 @@ class Ranks:
         elements, padded)."""
         if self.world == 1:
             return full
-        out = torch.empty(full.numel() // self.world, dtype=full.dtype, device=full.device)
-        self._run(f"reduce_scatter({what})", lambda: dist.reduce_scatter_tensor(out, full))
-        return out.div_(self.world)
+        device = self._device()
+        src = full.to(device)
+        out = torch.empty(full.numel() // self.world, dtype=full.dtype, device=device)
+        self._run(f"reduce_scatter({what})", lambda: dist.reduce_scatter_tensor(out, src))
+        return out.div_(self.world).to(full.device)
 
     def all_gather(self, shard: torch.Tensor, numel: int, what: str) -> torch.Tensor:
         """Every rank's `shard` (1-D, equal sizes) laid end to end, cut to `numel` elements."""
         if self.world == 1:
             return shard[:numel]
-        out = torch.empty(shard.numel() * self.world, dtype=shard.dtype, device=shard.device)
-        self._run(f"all_gather({what})", lambda: dist.all_gather_into_tensor(out, shard.contiguous()))
-        return out[:numel]
+        device = self._device()
+        src = shard.to(device).contiguous()
+        out = torch.empty(shard.numel() * self.world, dtype=shard.dtype, device=device)
+        self._run(f"all_gather({what})", lambda: dist.all_gather_into_tensor(out, src))
+        return out[:numel].to(shard.device)
 
     def check_same(self, text: str, what: str) -> None:
         """Raise ConfigError on every rank unless every rank passed the same `text` (a config,
@@ -168,21 +197,33 @@ class Ranks:
             return
         digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
         mine = torch.tensor([digest], dtype=torch.int64)
-        every = torch.empty(self.world, dtype=torch.int64)
-        self._run(f"all_gather({what})", lambda: dist.all_gather_into_tensor(every, mine))
+        every = self.all_gather(mine, self.world, what)
         differ = [r for r in range(self.world) if every[r] != every[0]]
         if differ:
             raise ConfigError(f"{what} differs between ranks: rank(s) {differ} differ from rank 0; "
                               "start every rank with the same config and model")
 
-    def close(self) -> None:
-        """Destroy the process group if `from_environment` created it."""
-        if self.created_group and dist.is_initialized():
-            if self._failed is None:
-                dist.destroy_process_group()
-            self.created_group = False
+    @property
+    def failed(self) -> bool:
+        """A collective failed: the job cannot go on (no further collective is tried)."""
+        return self._failed is not None
+
+    def _device(self) -> torch.device:
+        """Where the backend's tensors must be: CUDA for NCCL, host memory for gloo."""
+        if dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     # -- failures --------------------------------------------------------------------------------
+
+    def _collective(self, collective: str, t: torch.Tensor, call: Callable[[torch.Tensor], Any]) -> None:
+        """Run an in-place collective on `t`, staged through the backend's device (NCCL needs
+        CUDA tensors; gloo takes CPU ones)."""
+        device = self._device()
+        staged = t if t.device == device else t.to(device)
+        self._run(collective, lambda: call(staged))
+        if staged is not t:
+            t.copy_(staged)
 
     def _run(self, collective: str, call: Callable[[], T]) -> T:
         if self._failed is not None:

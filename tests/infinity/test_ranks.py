@@ -1,0 +1,201 @@
+"""Data-parallel ranks (gloo, 2 processes with torchrun's environment): ZeRO stages 0-3 with
+offload none / nvme train exactly as one process on the concatenated batch (plain PyTorch +
+AdamW, <= 1e-5 relative on losses and parameters, fp32, 10 steps), with clipping and gradient
+accumulation; mismatched configs and a batch size that ignores the world are refused on every
+rank; a killed rank ends the other with RankError naming it, not a hang.
+
+All parity cases run in one launch (one child process per rank runs them in turn; see
+_ranks_child.py) to pay the processes' start once.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _ranks_child import MICRO, global_batch, make_model  # noqa: E402
+
+CHILD = Path(__file__).parent / "_ranks_child.py"
+WORLD = 2
+STEPS = 10
+LR, WEIGHT_DECAY, CLIP = 1e-2, 0.01, 0.05  # CLIP is below the gradient norm: every step clips
+
+
+def _config(stage, *, nvme=None, clip=0.0, gas=1, **extra):
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 10, "sub_group_size": 32}
+    if nvme is not None:
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": str(nvme)}
+        if stage == 3:
+            zero["offload_param"] = {"device": "nvme", "nvme_path": str(nvme)}
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
+            "gradient_clipping": clip, "zero_optimization": zero,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
+            "infinity": {"collective_timeout": 60}, **extra}
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(tmp_path, cases, timeout_s):
+    """Run the child on WORLD ranks; returns (their Popen results, per-rank results)."""
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"out": str(out), "cases": cases}))
+    port = _free_port()
+    procs = []
+    for rank in range(WORLD):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, str(CHILD), str(spec)], env=env, cwd=os.getcwd(),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    deadline = time.monotonic() + timeout_s
+    done = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            done.append((p.returncode, stderr))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    results = [torch.load(out / f"rank{r}.pt") if (out / f"rank{r}.pt").exists() else None
+               for r in range(WORLD)]
+    return done, results
+
+
+def _reference(config, steps):
+    """Plain PyTorch on the concatenated batch of every rank: (micro-batch losses, params)."""
+    model = make_model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    gas = config["gradient_accumulation_steps"]
+    losses = []
+    for step in range(steps):
+        for micro in range(gas):
+            x, y = global_batch(step, micro, WORLD)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            (loss / gas).backward()
+            losses.append(loss.item())
+        if config["gradient_clipping"]:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config["gradient_clipping"])
+        opt.step()
+        opt.zero_grad()
+    return losses, dict(model.named_parameters())
+
+
+def _relative(a, b):
+    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b))
+
+
+PARITY = {  # name -> config(nvme path)
+    "stage0": lambda nvme: _config(0),
+    "stage1-clip": lambda nvme: _config(1, clip=CLIP),
+    "stage1-nvme": lambda nvme: _config(1, nvme=nvme),
+    "stage2-clip-gas2": lambda nvme: _config(2, clip=CLIP, gas=2),
+    "stage2-nvme": lambda nvme: _config(2, nvme=nvme),
+    "stage3": lambda nvme: _config(3),
+    "stage3-clip": lambda nvme: _config(3, clip=CLIP),
+    "stage3-nvme-gas2": lambda nvme: _config(3, nvme=nvme, gas=2),
+}
+
+
+@pytest.fixture(scope="module")
+def ranks_run(tmp_path_factory):
+    """One launch of every case below on 2 ranks."""
+    tmp_path = tmp_path_factory.mktemp("ranks")
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    cases = [{"name": name, "config": make(nvme), "steps": STEPS} for name, make in PARITY.items()]
+    cases += [
+        {"name": "mismatch", "steps": 1,
+         "config": [_config(1), _config(1, clip=CLIP)]},
+        {"name": "batch", "steps": 1,
+         "config": {**_config(1), "train_batch_size": MICRO}},  # as if one rank
+        {"name": "checkpoint", "steps": 1, "config": _config(1), "checkpoint": str(tmp_path / "ckpt")},
+    ]
+    done, results = _launch(tmp_path, cases, timeout_s=240)
+    for rank, (code, stderr) in enumerate(done):
+        assert code == 0, f"rank {rank} exited {code}:\n{stderr[-3000:]}"
+    return results, nvme
+
+
+@pytest.mark.parametrize("name", list(PARITY))
+def test_ranks_match_one_process_on_the_concatenated_batch(ranks_run, name):
+    results, nvme = ranks_run
+    config = PARITY[name](nvme)
+    ref_losses, ref_params = _reference(config, STEPS)
+    per_rank = [r[name] for r in results]
+    for r in per_rank:
+        assert "error" not in r, r
+    # The loss over the concatenated batch is the mean of the ranks' (equal-sized) losses.
+    losses = torch.tensor([r["losses"] for r in per_rank]).mean(0)
+    assert _relative(losses, torch.tensor(ref_losses)) <= 1e-5
+    for rank, r in enumerate(per_rank):
+        assert r["params"].keys() == ref_params.keys()
+        for key, ref in ref_params.items():
+            assert _relative(r["params"][key], ref.detach()) <= 1e-5, (rank, key)
+    assert torch.equal(torch.cat([p.flatten() for p in per_rank[0]["params"].values()]),
+                       torch.cat([p.flatten() for p in per_rank[1]["params"].values()]))
+    # Units (in order): layer 0 (weight + bias, 88), layer 2's weight (55), the resident bias (5)
+    # at stage 3; below it one resident unit of every parameter (148).
+    stage = config["zero_optimization"]["stage"]
+    numels = [88, 55, 5] if stage == 3 else [148]
+    shards = [-(-n // WORLD) for n in numels]
+    slices = [[(74, 0)], [(74, 74)]]  # each rank steps its own slice of the values entry
+    owned = {0: [[(148, 0)]] * WORLD, 1: slices, 2: slices,
+             3: [[(s, 0) for s in shards]] * WORLD}[stage]  # the padded shard entry
+    assert [r["owned"] for r in per_rank] == owned
+    grads = {0: numels, 1: numels, 2: shards, 3: shards}[stage]  # gradients partitioned from 2
+    assert [r["grads"] for r in per_rank] == [grads] * WORLD
+    overlapped = config["gradient_clipping"] == 0
+    assert per_rank[0]["optimizer"]["overlap"] is overlapped
+    if overlapped and config["zero_optimization"]["stage"] == 3:  # (below 3 every unit is resident)
+        # units were stepped on the worker during backward
+        assert per_rank[0]["optimizer"]["units_stepped_in_backward"] > 0
+
+
+def test_ranks_refuse_configs_that_differ(ranks_run):
+    results, _ = ranks_run
+    for r in results:
+        assert "ConfigError" in r["mismatch"]["error"]
+        assert "differs between ranks: rank(s) [1] differ from rank 0" in r["mismatch"]["message"]
+
+
+def test_a_batch_size_that_ignores_the_world_is_refused(ranks_run):
+    results, _ = ranks_run
+    for r in results:
+        assert "ConfigError" in r["batch"]["error"]
+        assert "world_size = 3 * 1 * 2 = 6" in r["batch"]["message"]
+
+
+def test_checkpoints_on_several_ranks_are_refused(ranks_run):
+    results, _ = ranks_run
+    for r in results:
+        assert "NotImplementedError" in r["checkpoint"]["error"]
+        assert "save_checkpoint with 2 data-parallel ranks" in r["checkpoint"]["message"]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_killed_rank_ends_the_other_with_an_error_naming_it(tmp_path, stage):
+    """Rank 1 dies after a forward; rank 0 is then in a collective (all-reduce or
+    reduce-scatter in backward, all-gather in forward) and must stop with RankError."""
+    case = {"name": "killed", "config": _config(stage), "steps": 4, "die_at_step": 2}
+    start = time.monotonic()
+    done, _ = _launch(tmp_path, [case], timeout_s=60)
+    (code0, stderr0), (code1, _) = done
+    assert code1 == 17
+    assert code0 != 0
+    assert "infinity.errors.RankError: rank 0 of 2:" in stderr0, stderr0[-3000:]
+    assert "rank(s) [1] did not answer" in stderr0, stderr0[-3000:]
+    assert time.monotonic() - start < 60
