@@ -8,12 +8,14 @@ case trains the tiny model of `make_model` on this rank's rows of `global_batch`
 micro-batch losses and final parameters into out/rank<r>.pt; a case that raises records the
 error's type and message (and the rank carries on with the next case). `die_at_step`: rank 1
 exits at once (os._exit) after that step's forward, as a killed rank would. `checkpoint`: a
-directory to save a checkpoint into before training.
+directory to save a checkpoint into before training. `stall_at_step`: rank 1 sleeps `stall_s`
+there instead (a stuck rank), then exits.
 """
 
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -52,6 +54,9 @@ def run_case(case: dict, rank: int, world: int) -> dict:
                 loss = torch.nn.functional.mse_loss(engine(x[rows]), y[rows])
                 if step == case.get("die_at_step") and rank == 1:
                     os._exit(17)
+                if step == case.get("stall_at_step") and rank == 1:
+                    time.sleep(case["stall_s"])
+                    os._exit(18)
                 engine.backward(loss)
                 engine.step()
                 losses.append(float(loss))
