@@ -94,11 +94,8 @@ class Engine:
                               f"{self.ranks.world}) or use infinity.initialize")
         self.partition = Partition(self.ranks, zero.stage)
         self.precision, self.device = choose_model_precision(config)
-        placed = take_placed(model, config, self.precision, self.device)  # see [Note: placed models]
-        if placed is not None and self.partition.params:
-            raise ConfigError(f"zero_optimization.stage 3 with {self.ranks.world} ranks cannot adopt a model from "
-                              "infinity.models.load (its store holds whole units, stage 3 keeps one shard "
-                              "per rank): use stage 0-2, or one rank")
+        placed = take_placed(model, config, self.precision, self.device,  # see [Note: placed models]
+                             sharded_params=self.partition.params)
         deferred = placed is None and is_deferred(model)  # built under zero.Init
         if placed is None:
             if config.fp16.enabled or config.bf16.enabled:

@@ -1,4 +1,4 @@
-"""One data-parallel rank of tests/infinity/test_ranks.py, started with torchrun's environment
+"""One data-parallel rank of tests/infinity/test_engine_ranks.py, started with torchrun's environment
 (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); the engine starts the process group itself.
 
     python tests/infinity/_ranks_child.py SPEC.json

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import infinity
+
 sys.path.insert(0, str(Path(__file__).parent))
 from _ranks_child import MICRO, global_batch, make_model  # noqa: E402
 
@@ -227,3 +229,17 @@ def test_a_lost_rank_ends_the_other_with_an_error_naming_it(tmp_path, stage, how
         assert done[1][0] == 17
     else:  # rank 0 gave up after the timeout, long before rank 1 woke up
         assert elapsed < 25
+
+
+def test_a_loaded_model_is_refused_at_stage_3_on_several_ranks():
+    """A store from infinity.models.load holds whole units; the model keeps it for a retry."""
+    from infinity.config import load_config
+    from infinity.engine._placement import Placed, attach_placed, take_placed
+
+    model = make_model(0)
+    placed = Placed(layout=None, store=None)
+    attach_placed(model, placed)
+    config = load_config(_config(3), world_size=WORLD)
+    with pytest.raises(infinity.ConfigError, match="stage 3 with 2 ranks cannot adopt a model from infinity.models.load"):
+        take_placed(model, config, None, None, sharded_params=True)
+    assert model._infinity_placed is placed
