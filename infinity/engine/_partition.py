@@ -67,9 +67,9 @@ class RankedUnits:
         numel = self.ranks.shard(unit.numel).numel if scatter is not None else unit.numel
         if grads_tier is not None:
             return StoredGrad(f"grad/{unit.key}", numel, unit.compute_dtype, store, grads_tier,
-                              scatter=scatter, name=unit.name)
+                              scatter=scatter, name=unit.key)
         if self.ranks.world > 1:  # made now, so zeros take part in the average too
-            return RamGrad(numel, unit.compute_dtype, scatter=scatter, name=unit.name)
+            return RamGrad(numel, unit.compute_dtype, scatter=scatter, name=unit.key)
         return None
 
     # -- gradients across ranks ------------------------------------------------------------------
@@ -114,7 +114,7 @@ class RankedUnits:
             try:
                 mine = torch.zeros(shard.numel, dtype=flat.dtype)
                 mine[:shard.real_numel] = flat[shard.start:shard.stop]
-                flat.copy_(self.ranks.all_gather(mine, u.numel, f"values of {u.name}"))
+                flat.copy_(self.ranks.all_gather(mine, u.numel, f"values {u.key}"))
                 changed = True
             finally:
                 store.release(u.key, Tier.HOST, dirty=changed)
@@ -122,5 +122,5 @@ class RankedUnits:
     def whole_values(self, shard: torch.Tensor, unit: FetchUnit) -> torch.Tensor:
         """A unit's whole values from what the store holds (stage 3: gathered from the ranks)."""
         if self.partition.params:
-            return self.ranks.all_gather(shard, unit.numel, f"values of {unit.name}")
+            return self.ranks.all_gather(shard, unit.numel, f"values {unit.key}")
         return shard

@@ -273,7 +273,7 @@ class ParamCoordinator:
         try:
             flat = u.future.result()
             if self.gather is not None:
-                flat = self.gather.all_gather(flat, u.numel, f"parameters of {u.name}")
+                flat = self.gather.all_gather(flat, u.numel, f"parameters {u.key}")
         finally:
             self.stats.stall_s += time.perf_counter() - start
         u.bind(flat)

@@ -64,7 +64,7 @@ class GradBuffer(ABC):
             if g is not None:
                 full[s.offset:s.offset + s.shape.numel()].copy_(g.detach().reshape(-1))
                 s.param.grad = None
-        shard = ranks.reduce_scatter_mean(full, f"gradient of {self.name}").to("cpu")
+        shard = ranks.reduce_scatter_mean(full, f"gradient {self.name}").to("cpu")
         with self._writable() as flat:
             if self.has_grad:
                 flat.add_(shard)
@@ -78,7 +78,7 @@ class GradBuffer(ABC):
         with self._writable() as flat:
             if not self.has_grad:
                 flat.zero_()
-            ranks.all_reduce_mean_(flat, f"gradient of {self.name}")
+            ranks.all_reduce_mean_(flat, f"gradient {self.name}")
         self.has_grad = True
 
     @contextlib.contextmanager

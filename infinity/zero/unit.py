@@ -178,7 +178,7 @@ def put_unit(store: TensorStore, unit: FetchUnit, flat: torch.Tensor, home: Tier
     starts from rank 0's values (as DDP and DeepSpeed broadcast them), and with the parameters
     partitioned (stage 3) the store holds only this rank's padded shard of them."""
     if partition is not None:
-        partition.ranks.broadcast_(flat, f"values of {unit.name}")
+        partition.ranks.broadcast_(flat, f"values {unit.key}")
         if partition.params:
             shard = partition.ranks.shard(unit.numel)
             part = torch.zeros(shard.numel, dtype=flat.dtype)
