@@ -9,7 +9,7 @@ micro-batch losses and final parameters into out/rank<r>.pt; a case that raises 
 error's type and message (and the rank carries on with the next case). `die_at_step`: rank 1
 exits at once (os._exit) after that step's forward, as a killed rank would. `checkpoint`: a
 directory to save a checkpoint into before training. `stall_at_step`: rank 1 sleeps `stall_s`
-there instead (a stuck rank), then exits.
+there instead (a stuck rank), then exits. `zero_init`: build the model under infinity.zero.Init.
 """
 
 import json
@@ -40,7 +40,11 @@ def global_batch(step: int, micro: int, world: int) -> tuple[torch.Tensor, torch
 
 def run_case(case: dict, rank: int, world: int) -> dict:
     # Ranks build different initial values: the engine must start every rank from rank 0's.
-    model = make_model(case.get("seed", 0) + rank)
+    if case.get("zero_init"):  # values created by initialize, from rank 0's
+        with infinity.zero.Init(case["config"]):
+            model = make_model(case.get("seed", 0) + rank)
+    else:
+        model = make_model(case.get("seed", 0) + rank)
     engine = infinity.initialize(model, case["config"])
     gas = engine.config.gradient_accumulation_steps
     losses = []

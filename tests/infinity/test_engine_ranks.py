@@ -145,6 +145,7 @@ def ranks_run(tmp_path_factory):
          "config": [_config(1), _config(1, clip=CLIP)]},
         {"name": "batch", "steps": 1,
          "config": {**_config(1), "train_batch_size": MICRO}},  # as if one rank
+        {"name": "zero-init", "steps": STEPS, "config": _config(0), "zero_init": True},
         {"name": "checkpoint", "steps": 1, "config": _config(1), "checkpoint": str(tmp_path / "ckpt")},
     ]
     (code, output), results = _torchrun(tmp_path, cases, timeout_s=240)
@@ -243,3 +244,14 @@ def test_a_loaded_model_is_refused_at_stage_3_on_several_ranks():
     with pytest.raises(infinity.ConfigError, match="stage 3 with 2 ranks cannot adopt a model from infinity.models.load"):
         take_placed(model, config, None, None, sharded_params=True)
     assert model._infinity_placed is placed
+
+
+def test_a_model_built_under_zero_init_trains_as_one_on_every_rank(ranks_run):
+    """Each rank's initialisers draw other values (seeds differ); the store gets rank 0's."""
+    results, _ = ranks_run
+    first, second = (r["zero-init"] for r in results)
+    assert first["params"].keys() == second["params"].keys()
+    for key, value in first["params"].items():
+        assert torch.equal(value, second["params"][key]), key
+    losses = torch.tensor([first["losses"], second["losses"]]).mean(0)
+    assert losses[-1] < losses[0]
