@@ -155,16 +155,22 @@ def used_nbytes(directory) -> int:
 
 
 @pytest.fixture
-def sigkilled_child():
-    """run(code, directory) -> (used bytes before, while alive, after SIGKILL; names left).
+def sigkilled_child_frees(small_tmpfs, tmp_path):
+    """check(code, size, nbytes): `code` (DIRECTORY in it names the directory) runs in a child
+    that makes a swap file of at least `nbytes`, prints one line when it holds it, then sleeps
+    until it is killed with SIGKILL (no handler, no atexit runs). Asserts the file took its
+    space, no name is left, and the file system's used space returns to what it was.
 
-    `code` runs in a child that makes a swap file in `directory`, prints one line when it
-    holds it, then sleeps until it is killed with SIGKILL (no handler, no atexit runs).
-    Space freed by the kernel after death may show up a moment later, so "after" is polled
-    until it is back at "before" (or 10 s pass).
+    The directory is a private tmpfs of `size` where this process may mount, else tmp_path's
+    shared file system (others may use it: 16 MiB of slack). Space freed by the kernel after
+    death may show up a moment later, so "after" is polled until it is back (or 10 s pass).
     """
-    def run(code: str, directory):
+    def check(code: str, size: str, nbytes: int) -> None:
+        directory, slack = small_tmpfs(size), 0
+        if directory is None:
+            directory, slack = tmp_path, 16 << 20
         before = used_nbytes(directory)
+        code = code.replace("DIRECTORY", repr(str(directory)))
         child = subprocess.Popen([sys.executable, "-c", code + "\nimport time\ntime.sleep(600)\n"],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
@@ -179,9 +185,11 @@ def sigkilled_child():
         deadline = time.monotonic() + 10
         while (after := used_nbytes(directory)) > before and time.monotonic() < deadline:
             time.sleep(0.05)
-        return before, alive, after, sorted(os.listdir(directory))
+        assert alive - before >= nbytes - slack, "the child's swap file took no space: test broken"
+        assert sorted(os.listdir(directory)) == []
+        assert after <= before + slack, f"{after - before} bytes still used after the child died"
 
-    return run
+    return check
 
 
 @pytest.fixture(scope="session")

@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import time
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
@@ -150,6 +151,7 @@ class Engine:
         self.overlap = config.gradient_clipping == 0 and not fp16.enabled
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="infinity-optim") if self.overlap else None
         self.units_stepped_in_backward = 0
+        self._queued: deque[int] = deque()  # units submitted to the worker, the running one first
         self._pending_save: Future[Path] | None = None  # a background checkpoint save
 
     def _make_optimizer(self) -> SwappedOptimizer:
@@ -216,8 +218,26 @@ class Engine:
         if self._stepping is not None and unit.requires_grad and not unit.persistent \
                 and unit.state is UnitState.RELEASED:
             i = self._index[unit]
-            self._stepping[i] = self._worker.submit(self._step_unit, i, unit, 1.0)
+            self._queued.append(i)
+            if len(self._queued) == 2:  # the worker is on the one before: read this one's state
+                self._prefetch_state(i)
+            self._stepping[i] = self._worker.submit(self._step_queued, i, unit)
             self.units_stepped_in_backward += 1
+
+    def _step_queued(self, i: int, unit: FetchUnit) -> None:
+        """The worker's step of a unit final in backward; the unit queued after it (if any) has
+        its state read meanwhile (a hint: an error there shows when that unit is stepped)."""
+        try:
+            if len(self._queued) > 1:
+                self._prefetch_state(self._queued[1])
+            self._step_unit(i, unit, 1.0)
+        finally:
+            self._queued.popleft()
+
+    def _prefetch_state(self, i: int) -> None:
+        j = self._opt_index.get(i)
+        if j is not None:  # this rank steps part of the unit
+            self.optimizer.prefetch_unit(j)
 
     def _step_unit(self, i: int, unit: FetchUnit, grad_scale: float) -> None:
         j = self._opt_index.get(i)

@@ -332,6 +332,19 @@ class SwappedOptimizer(StreamedState):
         target = self._completed + 1
         self._stream(self._group_tiles[u], target, lambda _: grad, lambda _: target, grad_scale)
 
+    def prefetch_unit(self, u: int) -> list[str]:
+        """Start reading unit u's first tile not yet at the step being built (and the values
+        it updates), without holding anything: a caller stepping units one after another on a
+        worker calls it for the next unit while the current one computes, so the reads of one
+        unit overlap the update of the one before. Returns the keys started (store.prefetch:
+        stops where the host tier has no room)."""
+        self._unit(u, "prefetch_unit")
+        target = self._completed + 1
+        t = next((t for t in self._group_tiles[u] if self._tile_steps[t] < target), None)
+        if t is None:
+            return []
+        return self.store.prefetch([k for k in (self._keys[s.param] for s in self.tiles[t]) if k] + [self._key(t)])
+
     def finish_step(self) -> None:
         """Every unit has been stepped: completed steps += 1. Raises ValueError naming the
         units whose tiles do not all hold the step being built."""

@@ -123,8 +123,8 @@ def test_file_size_limit_fails_at_creation(tmp_path):
 
 
 CHILD_WITH_SWAP_FILE = """
-import sys, torch, aio
-swap = aio.SwapFile(sys.argv[-1] + "/run.swap", 64 << 20)
+import torch, aio
+swap = aio.SwapFile(DIRECTORY + "/run.swap", 64 << 20)
 handle = aio.Handle()  # keeps its own descriptors to the file too
 extent = swap.allocate(1 << 20)
 swap.write(handle, extent, torch.ones(1 << 18)).wait()
@@ -132,18 +132,10 @@ print(swap.name, flush=True)
 """
 
 
-def test_sigkill_leaves_no_swap_file_and_frees_its_space(small_tmpfs, tmp_path, sigkilled_child):
+def test_sigkill_leaves_no_swap_file_and_frees_its_space(sigkilled_child_frees):
     """A process killed with SIGKILL holding a 64 MiB swap file (and a handle using it) leaves
     no file, and the file system's used space returns to what it was."""
-    directory = small_tmpfs("128m")
-    slack = 0  # a private tmpfs: nothing else uses it
-    if directory is None:  # not root: the shared file system of tmp_path, which others may use
-        directory, slack = tmp_path, 16 << 20
-    code = CHILD_WITH_SWAP_FILE.replace("sys.argv[-1]", repr(str(directory)))
-    before, alive, after, names = sigkilled_child(code, directory)
-    assert alive - before >= (64 << 20) - slack, "the child's swap file took no space: test broken"
-    assert names == []
-    assert after <= before + slack, f"{after - before} bytes still used after the child died"
+    sigkilled_child_frees(CHILD_WITH_SWAP_FILE, "128m", 64 << 20)
 
 
 def test_messages_name_the_directory_and_say_unlinked(tmp_path):

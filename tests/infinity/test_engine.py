@@ -309,6 +309,31 @@ def test_optimizer_overlaps_backward_on_the_timeline(tmp_path):
     assert {"optimizer", "compute", "grads final", "nvme->host"} <= lanes
 
 
+def test_the_worker_reads_the_next_units_state_while_it_steps_one(tmp_path):
+    """Units queue on the optimizer worker when it is slower than backward; the one after the
+    running unit has its state read meanwhile (prefetch_unit), and the result is unchanged."""
+    model, reference, data = mlp(), mlp(), mlp_batches(2)
+    engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme"))
+    opt, asked = engine.optimizer, []
+    step_unit, prefetch_unit = opt.step_unit, opt.prefetch_unit
+
+    def slow_step_unit(u, grad, **kw):
+        time.sleep(0.05)
+        return step_unit(u, grad, **kw)
+
+    def spy_prefetch_unit(u):
+        asked.append((u, opt.completed_steps))
+        return prefetch_unit(u)
+
+    opt.step_unit, opt.prefetch_unit = slow_step_unit, spy_prefetch_unit
+    losses = train_engine(engine, data)
+    assert engine.units_stepped_in_backward == 6
+    engine.close()
+    assert_parity(model, reference, losses, train_reference(reference, data))
+    # Backward makes units 2, 1, 0 final in that order; 1 and 0 wait behind the running one.
+    assert sorted(set(asked)) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
 def test_with_clipping_the_optimizer_runs_after_backward(tmp_path):
     engine = infinity.initialize(mlp(), config(tmp_path, "cpu", "cpu", gradient_clipping=1.0))
     assert not engine.overlap

@@ -292,3 +292,35 @@ def test_bad_offsets(tmp_path, put_units):
         past_the_end = SwappedOptimizer.from_units([UnitSpec(10, torch.float32, "unit0", 95)], store)
         with pytest.raises(ValueError, match=r"'unit0' holds 100 x torch.float32; expected \[95:105\] of"):
             past_the_end.step_unit(0, torch.ones(10))
+
+
+def test_prefetch_unit_reads_ahead_and_holds_nothing(tmp_path, put_units, values_of, in_use):
+    """prefetch_unit starts the next unit's first tile (and its values) toward the host while
+    nothing is held; stepping afterwards is bit for bit what it is without; a unit already
+    stepped for the step being built has nothing to read."""
+    numels = [3000, 3000]
+    with _store(tmp_path, host=256 << 10) as store:
+        masters, specs = put_units(store, [torch.float32] * 2, numels)
+        opt_ref = CPUAdam(masters, lr=1e-2, **HYPER)
+        opt = SwappedOptimizer.from_units(specs, store, lr=1e-2, tile_numel=TILE, **HYPER)
+        first_tile = [opt._key(opt._group_tiles[u][0]) for u in range(2)]
+        for step in range(2):
+            grads = _grads(specs, step)
+            store.flush()
+            for key in first_tile[1:] + ["unit1"]:
+                if "host" in store.tiers_of(key):
+                    store.evict(key, "host")
+                assert store.tiers_of(key) == ["nvme"]
+            opt.step_unit(0, grads[0])
+            assert opt.prefetch_unit(1) == ["unit1", first_tile[1]]
+            assert in_use(store) == []
+            store.flush()
+            assert "host" in store.tiers_of(first_tile[1]) and "host" in store.tiers_of("unit1")
+            opt.step_unit(1, grads[1])
+            assert opt.prefetch_unit(1) == [] and opt.prefetch_unit(0) == []  # both at this step
+            opt.finish_step()
+            _ref_step(opt_ref, masters, grads, 1e-2)
+        for u, master in enumerate(masters):
+            assert torch.equal(values_of(store, f"unit{u}"), master)
+        with pytest.raises(ValueError, match=r"unit must be an int in \[0, 2\)"):
+            opt.prefetch_unit(2)
