@@ -9,7 +9,8 @@ micro-batch losses and final parameters into out/rank<r>.pt; a case that raises 
 error's type and message (and the rank carries on with the next case). `die_at_step`: rank 1
 exits at once (os._exit) after that step's forward, as a killed rank would. `checkpoint`: a
 directory to save a checkpoint into before training. `stall_at_step`: rank 1 sleeps `stall_s`
-there instead (a stuck rank), then exits. `zero_init`: build the model under infinity.zero.Init.
+there instead (a stuck rank), then exits. `zero_init`: build the model under infinity.zero.Init. `overflow_at_step`: rank 1's loss is
+multiplied by inf there.
 """
 
 import json
@@ -55,7 +56,10 @@ def run_case(case: dict, rank: int, world: int) -> dict:
             for micro in range(gas):
                 x, y = global_batch(step, micro, world)
                 rows = slice(rank * MICRO, (rank + 1) * MICRO)
-                loss = torch.nn.functional.mse_loss(engine(x[rows]), y[rows])
+                dtype = torch.float16 if engine.config.fp16.enabled else torch.float32
+                loss = torch.nn.functional.mse_loss(engine(x[rows].to(dtype)), y[rows].to(dtype))
+                if step == case.get("overflow_at_step") and rank == 1:
+                    loss = loss * float("inf")  # this rank's gradients overflow, the other's do not
                 if step == case.get("die_at_step") and rank == 1:
                     os._exit(17)
                 if step == case.get("stall_at_step") and rank == 1:
@@ -65,7 +69,8 @@ def run_case(case: dict, rank: int, world: int) -> dict:
                 engine.step()
                 losses.append(float(loss))
         params = {name: value.clone() for name, value in engine.named_parameters()}
-        stats = engine.stats()["optimizer"]
+        stats = {**engine.stats()["optimizer"], "skipped_steps": engine.skipped_steps,
+                 "loss_scale": engine.stats()["loss_scale"]}
         # What this rank holds: the optimizer's (numel, offset) per unit, gradient buffer sizes.
         owned = [(spec.numel, spec.offset) for spec in engine.optimizer.units]
         grads = [u.grad.numel for u in engine.units if u.requires_grad]

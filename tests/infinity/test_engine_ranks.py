@@ -146,6 +146,8 @@ def ranks_run(tmp_path_factory):
         {"name": "batch", "steps": 1,
          "config": {**_config(1), "train_batch_size": MICRO}},  # as if one rank
         {"name": "zero-init", "steps": STEPS, "config": _config(0), "zero_init": True},
+        {"name": "fp16-overflow", "steps": 4, "overflow_at_step": 2,
+         "config": _config(3, fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 1})},
         {"name": "checkpoint", "steps": 1, "config": _config(1), "checkpoint": str(tmp_path / "ckpt")},
     ]
     (code, output), results = _torchrun(tmp_path, cases, timeout_s=240)
@@ -255,3 +257,16 @@ def test_a_model_built_under_zero_init_trains_as_one_on_every_rank(ranks_run):
         assert torch.equal(value, second["params"][key]), key
     losses = torch.tensor([first["losses"], second["losses"]]).mean(0)
     assert losses[-1] < losses[0]
+
+
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(ranks_run):
+    """fp16: rank 1's gradients overflow at step 2; the all-reduced norm is inf on both ranks,
+    so both skip that step and lower the loss scale alike, and stay one model."""
+    results, _ = ranks_run
+    first, second = (r["fp16-overflow"] for r in results)
+    for r in (first, second):
+        assert "error" not in r, r
+        assert r["optimizer"]["skipped_steps"] == 1
+        assert r["optimizer"]["loss_scale"] == 2.0 ** 8 / 2
+    for key, value in first["params"].items():
+        assert torch.equal(value, second["params"][key]), key
