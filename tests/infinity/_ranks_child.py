@@ -9,8 +9,8 @@ micro-batch losses and final parameters into out/rank<r>.pt; a case that raises 
 error's type and message (and the rank carries on with the next case). `die_at_step`: rank 1
 exits at once (os._exit) after that step's forward, as a killed rank would. `checkpoint`: a
 directory to save a checkpoint into before training. `stall_at_step`: rank 1 sleeps `stall_s`
-there instead (a stuck rank), then exits. `zero_init`: build the model under infinity.zero.Init. `overflow_at_step`: rank 1's loss is
-multiplied by inf there.
+there instead (a stuck rank), then exits. `zero_init`: build the model under infinity.zero.Init. `overflow_at_step`: rank 1's gradient of
+layer 0's bias is multiplied by inf there.
 """
 
 import json
@@ -46,6 +46,10 @@ def run_case(case: dict, rank: int, world: int) -> dict:
             model = make_model(case.get("seed", 0) + rank)
     else:
         model = make_model(case.get("seed", 0) + rank)
+    # Layer 0's bias lies in the second half of its unit: in rank 1's shard. An overflow there
+    # on rank 1 alone reaches no other rank's shard; only the all-reduced norm tells them.
+    overflow = [False]
+    model[0].bias.register_hook(lambda g: g * float("inf") if overflow[0] else g)
     engine = infinity.initialize(model, case["config"])
     gas = engine.config.gradient_accumulation_steps
     losses = []
@@ -58,8 +62,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
                 rows = slice(rank * MICRO, (rank + 1) * MICRO)
                 dtype = torch.float16 if engine.config.fp16.enabled else torch.float32
                 loss = torch.nn.functional.mse_loss(engine(x[rows].to(dtype)), y[rows].to(dtype))
-                if step == case.get("overflow_at_step") and rank == 1:
-                    loss = loss * float("inf")  # this rank's gradients overflow, the other's do not
+                overflow[0] = step == case.get("overflow_at_step") and rank == 1
                 if step == case.get("die_at_step") and rank == 1:
                     os._exit(17)
                 if step == case.get("stall_at_step") and rank == 1:
