@@ -133,7 +133,14 @@ class Ranks:
         if torch.cuda.is_available():
             backend = "nccl"
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s))
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        try:
+            dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s))
+        except Exception as exc:  # noqa: BLE001 - the store and backends raise many kinds
+            raise RankError(f"rank {rank} of {world}: init_process_group ({backend}, "
+                            f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}) failed within "
+                            f"{timeout_s:g} s: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                            rank=rank, collective="init_process_group") from exc
         return cls(dist.get_rank(), dist.get_world_size(), store=_default_store())
 
     # -- shards ----------------------------------------------------------------------------------

@@ -55,3 +55,23 @@ def test_a_partial_torchrun_environment_is_refused(monkeypatch):
         monkeypatch.delenv(key, raising=False)
     with pytest.raises(ValueError, match="WORLD_SIZE is 2 but RANK, MASTER_ADDR, MASTER_PORT is not set"):
         Ranks.from_environment(timeout_s=5)
+
+
+def test_a_rendezvous_the_other_ranks_never_join_fails_in_time(monkeypatch):
+    """Rank 0 of 2 alone: the process group cannot start; RankError after the timeout."""
+    import socket
+    import time
+
+    from infinity.errors import RankError
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    start = time.monotonic()
+    with pytest.raises(RankError, match="rank 0 of 2: init_process_group .* failed within 2 s"):
+        Ranks.from_environment(timeout_s=2)
+    assert time.monotonic() - start < 30
