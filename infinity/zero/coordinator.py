@@ -19,8 +19,12 @@ becomes READY through one all-gather, which every rank must issue in the same or
 unit is still READY when used again must therefore not depend on anything rank-local: keeping
 a unit for reuse depends on store pressure and on how many prefetches landed, so with a
 `gather` no unit is kept (released units are fetched again, from the shard the store keeps).
-Prefetch reads only the local shard; the gather happens in `_wait`, at use time, in trace
-order.
+Prefetch reads only the local shard (as far as the store has room: rank-local). The all-gather
+of the unit the trace uses next is started when a module acquires its units (its shard read
+first, if the prefetch did not), so it runs while that module computes; that depends only on
+the trace and on which units are READY, the same on every rank. A unit with a gather in flight
+is not dropped to make room (that would be rank-local); released otherwise, it waits for the
+gather and discards it.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import torch
 from infinity.errors import BudgetError
 from infinity.store import TensorStore, Tier
 from infinity.zero._common import PrefetchStats, UnitState
-from infinity.zero.ranks import Ranks
+from infinity.zero.ranks import PendingGather, Ranks
 from infinity.zero.saved_views import ViewIndex, pack_saved, unpack_saved
 from infinity.zero.trace import PassCursor, Trace, TraceBook
 from infinity.zero.unit import FetchUnit
@@ -88,6 +92,7 @@ class ParamCoordinator:
         self._views = ViewIndex()  # READY units by address; see [Note: saved parameter views]
         self._resident = [u for u in self.units if u.persistent]
         self._resident_ready = False
+        self._gathers: dict[FetchUnit, PendingGather] = {}  # see [Note: gathers in step on every rank]
         self.in_backward = False  # between the first backward acquire of a pass and its end
         self._lock = threading.RLock()
 
@@ -140,6 +145,8 @@ class ParamCoordinator:
             for u in units:
                 self._use(u)
                 u.users += 1
+            if self.gather is not None:
+                self._gather_next()
 
     def release(self, units: Sequence[FetchUnit]) -> None:
         """A module finished: units no module uses any more are released (or kept for reuse)."""
@@ -273,15 +280,34 @@ class ParamCoordinator:
         try:
             flat = u.future.result()
             if self.gather is not None:
-                flat = self.gather.all_gather(flat, u.numel, f"parameters {u.key}")
+                pending = self._gathers.pop(u, None) or self.gather.all_gather_start(
+                    flat, u.numel, f"parameters {u.key}")
+                flat = pending.wait()
         finally:
             self.stats.stall_s += time.perf_counter() - start
         u.bind(flat)
         u.state = UnitState.READY
         self._views.add(u)
 
+    def _gather_next(self) -> None:
+        """Start the all-gather of the unit the trace uses next; see [Note: gathers in step on
+        every rank]."""
+        trace = self._cursor.trace if self._cursor is not None else None
+        if trace is None or self._cursor.pos + 1 >= len(trace):
+            return
+        v = self.units[trace.units[self._cursor.pos + 1]]
+        if v.persistent or v.state is UnitState.READY or v in self._gathers:
+            return
+        if v.state is UnitState.RELEASED:
+            self._start(v, next_use=1.0, make_room=True)
+        self._gathers[v] = self.gather.all_gather_start(v.future.result(), v.numel, f"parameters {v.key}")
+        self.stats.gathered_ahead += 1
+
     def _release_unit(self, u: FetchUnit) -> None:
         u.expect(UnitState.FETCHING, UnitState.READY)
+        pending = self._gathers.pop(u, None)
+        if pending is not None:  # every rank started it: finish it before the shard goes
+            pending.wait()
         if u.state is UnitState.READY:
             self._views.remove(u)
             u.unbind(self._placeholders[u.compute_dtype])
@@ -357,5 +383,6 @@ class ParamCoordinator:
 
     def _drop_unused(self) -> None:
         for u in self.units:
-            if not u.persistent and u.users == 0 and u.state is not UnitState.RELEASED:
+            if not u.persistent and u.users == 0 and u.state is not UnitState.RELEASED \
+                    and u not in self._gathers:
                 self._release_unit(u)

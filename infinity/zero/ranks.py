@@ -79,6 +79,20 @@ class Partition:
         return self.ranks.world > 1 and self.stage == 3
 
 
+class PendingGather:
+    """An all-gather in flight; `wait()` returns the whole unit (on the shard's device)."""
+
+    def __init__(self, ranks: Ranks, work: Any, src: torch.Tensor, out: torch.Tensor, numel: int,
+                 device: torch.device, collective: str) -> None:
+        self._ranks, self._work, self._src, self._out = ranks, work, src, out  # src: alive until done
+        self._numel, self._device, self._collective = numel, device, collective
+
+    def wait(self) -> torch.Tensor:
+        self._ranks._run(self._collective, self._work.wait)
+        self._src = None
+        return self._out[:self._numel].to(self._device)
+
+
 def environment_world_size() -> int:
     """Ranks of this job: the initialised process group's size, else torchrun's WORLD_SIZE,
     else 1."""
@@ -187,11 +201,16 @@ class Ranks:
         """Every rank's `shard` (1-D, equal sizes) laid end to end, cut to `numel` elements."""
         if self.world == 1:
             return shard[:numel]
+        return self.all_gather_start(shard, numel, what).wait()
+
+    def all_gather_start(self, shard: torch.Tensor, numel: int, what: str) -> PendingGather:
+        """Start `all_gather` (world > 1); `shard` must stay unchanged until `wait()`."""
         device = self._device()
         src = shard.to(device).contiguous()
         out = torch.empty(shard.numel() * self.world, dtype=shard.dtype, device=device)
-        self._run(f"all_gather({what})", lambda: dist.all_gather_into_tensor(out, src))
-        return out[:numel].to(shard.device)
+        collective = f"all_gather({what})"
+        work = self._run(collective, lambda: dist.all_gather_into_tensor(out, src, async_op=True))
+        return PendingGather(self, work, src, out, numel, shard.device, collective)
 
     def check_same(self, text: str, what: str) -> None:
         """Raise ConfigError on every rank unless every rank passed the same `text` (a config,

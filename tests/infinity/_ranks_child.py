@@ -73,7 +73,8 @@ def run_case(case: dict, rank: int, world: int) -> dict:
                 losses.append(float(loss))
         params = {name: value.clone() for name, value in engine.named_parameters()}
         stats = {**engine.stats()["optimizer"], "skipped_steps": engine.skipped_steps,
-                 "loss_scale": engine.stats()["loss_scale"]}
+                 "loss_scale": engine.stats()["loss_scale"],
+                 "gathered_ahead": engine.stats()["prefetch"]["gathered_ahead"]}
         # What this rank holds: the optimizer's (numel, offset) per unit, gradient buffer sizes.
         owned = [(spec.numel, spec.offset) for spec in engine.optimizer.units]
         grads = [u.grad.numel for u in engine.units if u.requires_grad]
