@@ -19,7 +19,6 @@ Without an install: `python -m tools.convert ...` from the repository root.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import sys
 
@@ -28,6 +27,7 @@ from tqdm import tqdm
 
 from infinity.checkpoint import FORMATS, Conversion
 from infinity.errors import CheckpointError
+from infinity.memory import set_mmap_threshold
 from tools.cli import parse_size
 
 PROG = "infinity-convert"
@@ -55,19 +55,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _return_freed_memory() -> None:
-    """Keep glibc from hoarding freed tensors. After the first large free it raises its mmap
-    threshold, so later tensor-sized buffers come from the heap and stay there when freed, and
-    peak RSS creeps toward the checkpoint's size (measured: 72 MiB instead of 25 MiB converting
-    64 MiB into 16 MiB torch shards). A fixed 1 MiB threshold keeps them mmapped; a free
-    returns them to the OS."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return  # not glibc: its allocator is someone else's business
-    libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-
-
 def _summary(result) -> str:
     width = max([len("file")] + [len(f.name) for f in result.files])
     lines = [f"{'file':<{width}}  {'tensors':>7}  {'MiB':>10}"]
@@ -84,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    _return_freed_memory()
+    set_mmap_threshold(1 << 20)  # freed tensors go back to the OS: infinity/memory/malloc.py
     try:
         conversion = Conversion(args.src, to=args.to, tag=args.tag, dtype=DTYPES.get(args.dtype),
                                 max_shard_nbytes=args.max_shard_size, model_config=args.model_config)

@@ -363,8 +363,16 @@ class InfinityConfig(Section):
     """Seconds a collective across data-parallel ranks may take before every rank stops with
     a RankError (a dead or stuck peer). Used when the engine starts the process group itself.
     Default 300."""
+    mmap_threshold: ByteSize | None = 1 << 20
+    """glibc malloc: allocations of at least this many bytes get their own mapping, returned
+    to the OS when freed, so peak RSS follows what training holds (infinity/memory/malloc.py);
+    at most "32MiB". null leaves malloc as it is. Set for the whole process by initialize.
+    Default "1MiB"."""
 
     def __post_init__(self) -> None:
         budget = self.host_memory_budget
         check(budget is None or budget > 0, "host_memory_budget", budget, "a byte count > 0")
         check(self.collective_timeout > 0, "collective_timeout", self.collective_timeout, "seconds > 0")
+        threshold = self.mmap_threshold
+        check(threshold is None or 0 < threshold <= 32 << 20, "mmap_threshold", threshold,
+              'a byte count in (0, "32MiB"], or null')

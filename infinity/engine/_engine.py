@@ -45,7 +45,7 @@ from infinity.engine._partition import RankedUnits
 from infinity.engine._placement import choose_model_precision, lay_out, open_store, take_placed
 from infinity.engine._timeline import Timeline
 from infinity.errors import ConfigError
-from infinity.memory import peak_rss_bytes
+from infinity.memory import peak_rss_bytes, set_mmap_threshold
 from infinity.optim import DynamicLossScaler, SwappedOptimizer
 from infinity.store import TensorStore, Tier
 from infinity.zero import (
@@ -94,6 +94,8 @@ class Engine:
                               f"{self.ranks.world} ranks: load it with load_config(..., world_size="
                               f"{self.ranks.world}) or use infinity.initialize")
         self.partition = Partition(self.ranks, zero.stage)
+        if config.infinity.mmap_threshold is not None:
+            set_mmap_threshold(config.infinity.mmap_threshold)
         self.precision, self.device = choose_model_precision(config)
         placed = take_placed(model, config, self.precision, self.device,  # see [Note: placed models]
                              sharded_params=self.partition.params)

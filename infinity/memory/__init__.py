@@ -1,6 +1,7 @@
 """Preallocated memory: an arena that defragments itself, and the worker threads native kernels borrow."""
 
 from infinity.memory.arena import Arena, ArenaStats, Block
+from infinity.memory.malloc import set_mmap_threshold
 from infinity.memory.thread_pool import ThreadPool
 from infinity.memory.usage import peak_rss_bytes, rss_bytes, usable_cores
 
@@ -11,5 +12,6 @@ __all__ = [
     "ThreadPool",
     "peak_rss_bytes",
     "rss_bytes",
+    "set_mmap_threshold",
     "usable_cores",
 ]
