@@ -2,6 +2,7 @@
 
 from infinity import models
 from infinity.engine import Engine, initialize
-from infinity.errors import BudgetError, CheckpointError, ConfigError, ConfigPathError
+from infinity.errors import BudgetError, CheckpointError, ConfigError, ConfigPathError, RankError
 
-__all__ = ["BudgetError", "CheckpointError", "ConfigError", "ConfigPathError", "Engine", "initialize", "models"]
+__all__ = ["BudgetError", "CheckpointError", "ConfigError", "ConfigPathError", "Engine", "RankError", "initialize",
+           "models"]

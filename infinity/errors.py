@@ -35,3 +35,19 @@ class CheckpointError(ValueError):
 class InputError(ValueError):
     """Training input that cannot be used (model directory, data, sequence length, output path);
     the message names it and what would work."""
+
+
+class RankError(RuntimeError):
+    """A collective across data-parallel ranks failed: a peer rank died, or the collective ran
+    past `infinity.collective_timeout`. The message names this rank, the collective, and the
+    ranks that did not answer where they could be found.
+
+    Attributes: `rank` (this rank), `collective` (what was being done), `peers` (ranks found
+    not answering; empty when unknown).
+    """
+
+    def __init__(self, message: str, *, rank: int, collective: str, peers: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.collective = collective
+        self.peers = peers

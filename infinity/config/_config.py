@@ -32,7 +32,7 @@ from infinity.config._sections import (
 from infinity.config._values import FieldError, check
 from infinity.config._zero import ZeroConfig
 
-_ONE_PROCESS = "one process: no gradient communication (read when ranks come, issue 11)"
+_SUMMED_ONCE = "gradients are summed over the ranks in their own dtype, then divided once (docs/scale.md, Ranks)"
 _OPAQUE_FEATURE = "a DeepSpeed feature Infinity does not have; the section is not read"
 
 
@@ -111,9 +111,9 @@ class Config(Section):
     INTERNAL: ClassVar[frozenset[str]] = frozenset({"world_size", "auto_filled", "not_honoured"})
     ALIASES: ClassVar[dict[str, str]] = {"bfloat16": "bf16"}
     NOT_HONOURED: ClassVar[dict[str, str]] = {
-        "communication_data_type": _ONE_PROCESS,
-        "gradient_predivide_factor": _ONE_PROCESS,
-        "prescale_gradients": _ONE_PROCESS,
+        "communication_data_type": _SUMMED_ONCE,
+        "gradient_predivide_factor": _SUMMED_ONCE,
+        "prescale_gradients": _SUMMED_ONCE,
         "sparse_gradients": "gradients are dense (embedding gradients included)",
         "zero_allow_untested_optimizer": "the optimizer always comes from the config",
         "zero_force_ds_cpu_optimizer": "the optimizer always comes from the config",
@@ -128,7 +128,7 @@ class Config(Section):
             "pipeline", "nebula", "aim", "weight_quantization", "quantize_training",
             "eigenvalue", "progressive_layer_drop", "compile", "graph_harvesting",
             "vocabulary_size", "timers", "monitor_config")},
-        **{name: _ONE_PROCESS for name in (
+        **{name: _SUMMED_ONCE for name in (
             "disable_allgather", "gradient_allreduce_op", "seq_parallel_communication_data_type")},
         "checkpoint": "checkpoint options are arguments of the engine's save and load",
         "data_types": "gradients accumulate in the parameter dtype",

@@ -359,6 +359,10 @@ class InfinityConfig(Section):
     """Verify a checksum of every tensor read back from NVMe. Default false."""
     aio_backend: Literal["auto", "libaio", "io_uring", "threads"] = "auto"
     """The aio backend: "auto" probes once and logs the pick. Default "auto"."""
+    collective_timeout: float = 300.0
+    """Seconds a collective across data-parallel ranks may take before every rank stops with
+    a RankError (a dead or stuck peer). Used when the engine starts the process group itself.
+    Default 300."""
     mmap_threshold: ByteSize | None = 1 << 20
     """glibc malloc: allocations of at least this many bytes get their own mapping, returned
     to the OS when freed, so peak RSS follows what training holds (infinity/memory/malloc.py);
@@ -368,6 +372,7 @@ class InfinityConfig(Section):
     def __post_init__(self) -> None:
         budget = self.host_memory_budget
         check(budget is None or budget > 0, "host_memory_budget", budget, "a byte count > 0")
+        check(self.collective_timeout > 0, "collective_timeout", self.collective_timeout, "seconds > 0")
         threshold = self.mmap_threshold
         check(threshold is None or 0 < threshold <= 32 << 20, "mmap_threshold", threshold,
               'a byte count in (0, "32MiB"], or null')

@@ -15,7 +15,7 @@ from infinity.config._values import check
 
 Device = Literal["none", "cpu", "nvme"]
 
-_ONE_PROCESS = "one process: no gradient communication to tune (read when ranks come, issue 11)"
+_PER_UNIT = "one collective per unit, issued when the unit needs it: nothing to bucket or tune (docs/scale.md, Ranks)"
 _POOL = "the host_memory_budget sizes Infinity's arena and I/O buffers, not per-buffer counts"
 
 
@@ -191,26 +191,26 @@ class ZeroConfig(Section):
     """DeepSpeed: keep Muon momentum out of NVMe. Default false."""
 
     NOT_HONOURED: ClassVar[dict[str, str]] = {
-        "reduce_bucket_size": _ONE_PROCESS,
-        "allgather_bucket_size": _ONE_PROCESS,
-        "overlap_comm": _ONE_PROCESS,
-        "reduce_scatter": _ONE_PROCESS,
-        "allgather_partitions": _ONE_PROCESS,
-        "round_robin_gradients": _ONE_PROCESS,
-        "use_multi_rank_bucket_allreduce": _ONE_PROCESS,
-        "stage3_use_all_reduce_for_fetch_params": _ONE_PROCESS,
-        "stage3_allgather_sequential": _ONE_PROCESS,
-        "zero_hpz_partition_size": _ONE_PROCESS,
-        "zero_quantized_weights": "ZeRO++ quantized communication: " + _ONE_PROCESS,
-        "zero_quantized_nontrainable_weights": "ZeRO++ quantized communication: " + _ONE_PROCESS,
-        "zero_quantized_gradients": "ZeRO++ quantized communication: " + _ONE_PROCESS,
-        "mics_shard_size": "MiCS sharding: " + _ONE_PROCESS,
-        "mics_hierarchical_params_gather": "MiCS sharding: " + _ONE_PROCESS,
+        "reduce_bucket_size": _PER_UNIT,
+        "allgather_bucket_size": _PER_UNIT,
+        "overlap_comm": _PER_UNIT,
+        "reduce_scatter": _PER_UNIT,
+        "allgather_partitions": _PER_UNIT,
+        "round_robin_gradients": _PER_UNIT,
+        "use_multi_rank_bucket_allreduce": _PER_UNIT,
+        "stage3_use_all_reduce_for_fetch_params": _PER_UNIT,
+        "stage3_allgather_sequential": _PER_UNIT,
+        "zero_hpz_partition_size": _PER_UNIT,
+        "zero_quantized_weights": "ZeRO++ quantized communication: " + _PER_UNIT,
+        "zero_quantized_nontrainable_weights": "ZeRO++ quantized communication: " + _PER_UNIT,
+        "zero_quantized_gradients": "ZeRO++ quantized communication: " + _PER_UNIT,
+        "mics_shard_size": "MiCS sharding: " + _PER_UNIT,
+        "mics_hierarchical_params_gather": "MiCS sharding: " + _PER_UNIT,
         "contiguous_gradients": "gradients already go to one host buffer per fetch unit",
         "elastic_checkpoint": "checkpoints are rank-independent by design",
         "load_from_fp32_weights": "a checkpoint always restores the fp32 master",
         "pipeline_loading_checkpoint": "checkpoints stream with bounded memory anyway",
-        "ignore_unused_parameters": "one process: no stage 1/2 reduction waits for gradients",
+        "ignore_unused_parameters": "unused parameters are fine when every rank leaves the same ones unused (docs/scale.md, Ranks)",
         "memory_efficient_linear": "ordinary autograd; hooks fetch parameters per module",
         "override_module_apply": "Infinity does not patch module.apply",
         "stage3_module_granularity_threshold": "the fetch unit is one module's parameters",
@@ -225,7 +225,7 @@ class ZeroConfig(Section):
     NO_AUTO: ClassVar[frozenset[str]] = frozenset({"stage"})
     OPAQUE: ClassVar[dict[str, str]] = {
         "zenflow": "DeepSpeed's ZenFlow asynchronous update is not implemented",
-        "zeropp_loco_param": "ZeRO++ LoCo: " + _ONE_PROCESS,
+        "zeropp_loco_param": "ZeRO++ LoCo: " + _PER_UNIT,
         "leaf_module": "the fetch unit is always one module's parameters",
     }
 

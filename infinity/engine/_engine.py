@@ -1,5 +1,6 @@
 """Engine: forward / backward / step of a model whose parameters, gradients and optimizer state
-live in the tiered store (DeepSpeed's engine API, one process).
+live in the tiered store (DeepSpeed's engine API), on one process or on data-parallel ranks
+(torchrun; what each ZeRO stage partitions is in infinity/engine/_partition.py).
 
     engine = infinity.initialize(model, config)
     loss = engine(**batch).loss
@@ -17,10 +18,14 @@ The unit was released first, so nothing computes from its values while they chan
 gets the same kernel call with the same gradient and grad_scale as after backward, so the
 result is the same. Resident units (held until the step) are stepped after backward. With
 clipping or fp16 the whole step runs after backward (the norm / overflow needs every gradient).
+With several ranks, the collectives that make a unit's gradient final (all-reduce, or
+reduce-scatter) run in the backward hook before the unit is handed to the worker; the worker
+runs only the Adam step, never a collective.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -36,16 +41,19 @@ import torch
 
 from infinity.config import AdamParams, Config, OptimizerConfig, build_lr_schedule
 from infinity.engine import _checkpoint
+from infinity.engine._partition import RankedUnits
 from infinity.engine._placement import choose_model_precision, lay_out, open_store, take_placed
 from infinity.engine._timeline import Timeline
+from infinity.errors import ConfigError
 from infinity.memory import peak_rss_bytes, set_mmap_threshold
-from infinity.optim import DynamicLossScaler, SwappedOptimizer, UnitSpec
+from infinity.optim import DynamicLossScaler, SwappedOptimizer
 from infinity.store import TensorStore, Tier
 from infinity.zero import (
     FetchUnit,
     ModelHooks,
     ParamCoordinator,
-    StoredGrad,
+    Partition,
+    Ranks,
     UnitState,
     buffers_to,
     create_units,
@@ -80,10 +88,17 @@ class Engine:
         adam = (config.optimizer or _DEFAULT_OPTIMIZER).params
         self._schedule = None if config.scheduler is None else \
             build_lr_schedule(config.scheduler, optimizer_lr=adam.lr)  # its errors come first
+        self.ranks = Ranks.from_environment(timeout_s=config.infinity.collective_timeout)
+        if self.ranks.world != config.world_size:
+            raise ConfigError(f"the config was loaded for world_size {config.world_size} but this job has "
+                              f"{self.ranks.world} ranks: load it with load_config(..., world_size="
+                              f"{self.ranks.world}) or use infinity.initialize")
+        self.partition = Partition(self.ranks, zero.stage)
         if config.infinity.mmap_threshold is not None:
             set_mmap_threshold(config.infinity.mmap_threshold)
         self.precision, self.device = choose_model_precision(config)
-        placed = take_placed(model, config, self.precision, self.device)  # see [Note: placed models]
+        placed = take_placed(model, config, self.precision, self.device,  # see [Note: placed models]
+                             sharded_params=self.partition.params)
         deferred = placed is None and is_deferred(model)  # built under zero.Init
         if placed is None:
             if config.fp16.enabled or config.bf16.enabled:
@@ -93,32 +108,37 @@ class Engine:
         else:
             layout = placed.layout
         self.units, uses, self.plan = layout.units, layout.uses, layout.plan
+        self.ranks.check_same(_fingerprint(config, self.units), "the config or the model's layout")
         self.timeline = Timeline(time.perf_counter())
-        self.store = open_store(layout, config) if placed is None else placed.store
+        self.store = open_store(layout, config, rank=self.ranks.rank) if placed is None else placed.store
         self.coordinator: ParamCoordinator | None = None
         self._hooks: ModelHooks | None = None
         self._worker: ThreadPoolExecutor | None = None
         self._stepping: dict[int, Future] | None = None  # units stepped during this backward
+        self._trained = [u for u in self.units if u.requires_grad]
+        self._index = {u: i for i, u in enumerate(self._trained)}
+        self._ranked = RankedUnits(self.partition, self._trained)
         try:
+            partition = self.partition if self.ranks.world > 1 else None
             if deferred:  # see [Note: deferred parameters]
-                create_units(model, self.units, self.store, home=self.plan.param_home, device=self.device)
+                create_units(model, self.units, self.store, home=self.plan.param_home, device=self.device,
+                             partition=partition)
             elif placed is None:
-                place_units(self.units, self.store, home=self.plan.param_home, device=self.device)
-            if self.plan.grads_tier is not None:  # the budget cannot hold them in RAM
-                for u in self.units:
-                    if u.requires_grad:
-                        u.grad = StoredGrad(f"grad/{u.key}", u.numel, u.compute_dtype, self.store,
-                                            self.plan.grads_tier)
+                place_units(self.units, self.store, home=self.plan.param_home, device=self.device,
+                            partition=partition)
+            for u in self._trained:  # in RAM unless the budget cannot hold them there
+                u.grad = self._ranked.make_grad(u, self.store, self.plan.grads_tier)
             self.coordinator = ParamCoordinator(
                 self.units, self.store, fetch_tier=self.plan.fetch_tier, device=self.device,
                 prefetch_numel=self.plan.prefetch_numel, max_live_numel=zero.stage3_max_live_parameters,
-                max_reuse_numel=zero.stage3_max_reuse_distance, on_grads_final=self._grads_final)
+                max_reuse_numel=zero.stage3_max_reuse_distance, on_grads_final=self._grads_final,
+                gather=self.ranks if self.partition.params else None)
             self._hooks = ModelHooks(model, self.units, uses, self.coordinator)
-            self._trained = [u for u in self.units if u.requires_grad]
-            self._index = {u: i for i, u in enumerate(self._trained)}
             self.optimizer = self._make_optimizer()
         except BaseException:
-            self._teardown(restore_params=True)  # the model gets back what was moved
+            # The model gets back what was moved; not gathered from the ranks, which may be
+            # elsewhere (a rank-local failure), so stage 3 on several ranks leaves placeholders.
+            self._teardown(restore_params=not self.partition.params)
             raise
         fp16 = config.fp16
         self.scaler = DynamicLossScaler(
@@ -143,8 +163,9 @@ class Engine:
         p = opt.params
         hyper = {"lr": p.lr, "betas": p.betas, "eps": p.eps, "weight_decay": p.weight_decay,
                  "adamw_mode": opt.decoupled_weight_decay}
-        specs = [UnitSpec(u.numel, u.dtype, u.key) for u in self._trained]
-        return SwappedOptimizer.from_units(specs, self.store, state_tier=self.plan.state_tier,
+        specs = self._ranked.optimizer_specs()
+        self._opt_index = {i: j for j, i in enumerate(specs)}  # trained unit -> optimizer unit
+        return SwappedOptimizer.from_units(list(specs.values()), self.store, state_tier=self.plan.state_tier,
                                            tile_numel=self.config.zero_optimization.sub_group_size,
                                            **hyper)
 
@@ -191,14 +212,17 @@ class Engine:
         return loss
 
     def _grads_final(self, unit: FetchUnit) -> None:
-        """Coordinator callback: start the unit's optimizer step when overlapping."""
+        """Coordinator callback: average the unit's gradient over the ranks at the boundary
+        (stages 0-1), and start its optimizer step when overlapping."""
         self.timeline.record(unit.key, "grads final", time.perf_counter())
+        if unit.requires_grad and self.is_gradient_accumulation_boundary():
+            self._ranked.average(self._index[unit])
         if self._stepping is not None and unit.requires_grad and not unit.persistent \
                 and unit.state is UnitState.RELEASED:
             i = self._index[unit]
             self._queued.append(i)
             if len(self._queued) == 2:  # the worker is on the one before: read this one's state
-                self.optimizer.prefetch_unit(i)
+                self._prefetch_state(i)
             self._stepping[i] = self._worker.submit(self._step_queued, i, unit)
             self.units_stepped_in_backward += 1
 
@@ -207,19 +231,27 @@ class Engine:
         its state read meanwhile (a hint: an error there shows when that unit is stepped)."""
         try:
             if len(self._queued) > 1:
-                self.optimizer.prefetch_unit(self._queued[1])
+                self._prefetch_state(self._queued[1])
             self._step_unit(i, unit, 1.0)
         finally:
             self._queued.popleft()
 
+    def _prefetch_state(self, i: int) -> None:
+        j = self._opt_index.get(i)
+        if j is not None:  # this rank steps part of the unit
+            self.optimizer.prefetch_unit(j)
+
     def _step_unit(self, i: int, unit: FetchUnit, grad_scale: float) -> None:
+        j = self._opt_index.get(i)
+        if j is None:  # this rank owns no element of the unit
+            return
         with self.timeline.region(unit.key, "optimizer"):
             if unit.grad is None:
-                self.optimizer.step_unit(i, torch.zeros(unit.numel, dtype=unit.compute_dtype),
+                self.optimizer.step_unit(j, torch.zeros(unit.numel, dtype=unit.compute_dtype),
                                          grad_scale=grad_scale)
                 return
             with unit.grad.read() as grad:
-                self.optimizer.step_unit(i, grad, grad_scale=grad_scale)
+                self.optimizer.step_unit(j, self._ranked.grad_part(i, grad), grad_scale=grad_scale)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
@@ -238,6 +270,7 @@ class Engine:
     def _take_step(self) -> None:
         self.global_steps += 1
         self.coordinator.release_all()
+        self._ranked.average_rest()
         stepping, self._stepping = self._stepping, None
         if stepping is not None:
             self._finish_overlapped(stepping)
@@ -277,6 +310,7 @@ class Engine:
 
     def _end_step(self) -> None:
         self.optimizer.finish_step()
+        self._ranked.gather_values(self.store)
         self._zero_grads()
         if self.global_steps % self.config.steps_per_print == 0:
             p = self.coordinator.stats
@@ -289,15 +323,17 @@ class Engine:
             self.optimizer.lr = self._schedule.lr_at(self._schedule_steps - 1)
 
     def _grad_norm(self) -> float:
-        """L2 norm over every unit's gradient buffer (sum of squares in float64)."""
+        """L2 norm over every unit's gradient buffer (sum of squares in float64; over every
+        rank's shard when the gradients are partitioned)."""
         total = 0.0
         for u in self._trained:
             if u.grad is not None and u.grad.has_grad:
                 with u.grad.read() as grad:
                     total += float(torch.linalg.vector_norm(grad, dtype=torch.float32)) ** 2
-        return math.sqrt(total)
+        return math.sqrt(self._ranked.global_sum_of_squares(total))
 
     def _zero_grads(self) -> None:
+        self._ranked.new_step()
         for u in self._trained:
             if u.grad is not None:
                 u.grad.zero()
@@ -319,7 +355,7 @@ class Engine:
         self._check_open()
         self.coordinator.release_all()
         for unit in self.units:
-            yield from _unit_values(self.store, unit)
+            yield from _unit_values(self.store, unit, self._ranked)
 
     def stats(self) -> dict[str, Any]:
         """Store tiers and moves, prefetch counters, steps, and peak host memory (VmHWM)."""
@@ -345,6 +381,7 @@ class Engine:
         With async_save the last `async_budget_nbytes` of copies are written while training
         goes on; the next save, load or close() waits for it. Returns the tag's path."""
         self._check_open()
+        self._one_rank_only("save_checkpoint")
         self.wait_for_checkpoint()
         self._pending_save = _checkpoint.save_checkpoint(
             self, save_dir, tag, client_state, async_budget_nbytes=async_budget_nbytes if async_save else None)
@@ -360,6 +397,7 @@ class Engine:
                         load_optimizer_states: bool = True) -> dict[str, Any]:
         """Restore a checkpoint (tag None: `load_dir/latest`); returns its client_state."""
         self._check_open()
+        self._one_rank_only("load_checkpoint")
         self.wait_for_checkpoint()
         return _checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states)
 
@@ -387,10 +425,10 @@ class Engine:
                 self.coordinator.release_all()
             if self._hooks is not None:
                 self._hooks.remove()
-            if restore_params:
+            if restore_params and not self.ranks.failed:
                 for unit in self.units:
                     if unit.key in self.store:
-                        values = dict(_unit_values(self.store, unit))
+                        values = dict(_unit_values(self.store, unit, self._ranked))
                         for s in unit.slots:
                             s.param.data = values[s.name].to(self.device, unit.compute_dtype)
         finally:
@@ -406,10 +444,26 @@ class Engine:
         if self._closed:
             raise RuntimeError("the engine is closed")
 
+    def _one_rank_only(self, verb: str) -> None:
+        if self.ranks.world > 1:
+            raise NotImplementedError(
+                f"{verb} with {self.ranks.world} data-parallel ranks is not supported yet (issue 10): "
+                "each rank holds only its shards; train on one rank to write or read checkpoints")
 
-def _unit_values(store: TensorStore, unit: FetchUnit) -> Iterator[tuple[str, torch.Tensor]]:
+
+def _fingerprint(config: Config, units: list[FetchUnit]) -> str:
+    """What every rank must agree on: the config (less what each machine fills in, such as the
+    host memory budget) and the model's units."""
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+              if f.name not in ("infinity", "auto_filled")}
+    layout = [(u.key, u.numel, str(u.dtype), u.requires_grad) for u in units]
+    return repr((sorted(fields.items()), config.infinity.compute_dtype, layout))
+
+
+def _unit_values(store: TensorStore, unit: FetchUnit, ranked: RankedUnits) -> Iterator[tuple[str, torch.Tensor]]:
     flat = store.fetch(unit.key, Tier.HOST).result()
     try:
+        flat = ranked.whole_values(flat, unit)
         copies = [(s.name, flat[s.offset:s.offset + s.shape.numel()].view(s.shape).clone()) for s in unit.slots]
     finally:
         store.release(unit.key, Tier.HOST)

@@ -9,6 +9,7 @@ import torch
 
 from infinity.config import load_config
 from infinity.engine._engine import Engine
+from infinity.zero import environment_world_size
 
 
 def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLike[str]) -> Engine:
@@ -18,10 +19,14 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     placeholders between uses); train through the returned Engine, and `close()` it to remove
     the hooks and get ordinary parameters back.
 
+    Under torchrun (or with torch.distributed initialised) every rank calls this with the
+    same model and config: the ranks train one model data-parallel, partitioned by the ZeRO
+    stage (docs/scale.md, "Ranks"); the batch sizes count every rank.
+
     Raises ConfigError (a ValueError) or ConfigPathError (an OSError) naming the key at fault,
     and BudgetError when host_memory_budget cannot hold the memory plan; all before anything
-    is moved.
+    is moved. A rank that dies or a collective that times out raises RankError on the others.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"initialize() needs a torch.nn.Module, got {type(model).__name__}")
-    return Engine(model, load_config(config, model=model))
+    return Engine(model, load_config(config, model=model, world_size=environment_world_size()))

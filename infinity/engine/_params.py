@@ -43,6 +43,6 @@ def iter_parameters(engine: Engine, select: Callable[[str], bool] | None = None
     engine.coordinator.release_all()
     for unit in engine.units:
         if select is None or any(select(s.name) for s in unit.slots):
-            for name, values in _unit_values(engine.store, unit):
+            for name, values in _unit_values(engine.store, unit, engine._ranked):
                 if select is None or select(name):
                     yield name, values

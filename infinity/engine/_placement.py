@@ -79,16 +79,19 @@ def _plan(units: list[FetchUnit], config: Config, device: torch.device) -> Memor
         units, offload_param=zero.offload_param.device if zero.stage == 3 else "none",
         offload_optimizer=zero.offload_optimizer.device, accelerator=device.type != "cpu",
         prefetch_numel=zero.stage3_prefetch_bucket_size if config.infinity.trace_prefetch else 0,
-        tile_numel=zero.sub_group_size, host_memory_budget=config.infinity.host_memory_budget)
+        tile_numel=zero.sub_group_size, host_memory_budget=config.infinity.host_memory_budget,
+        world=config.world_size, stage=zero.stage)
 
 
-def open_store(layout: Layout, config: Config) -> TensorStore:
-    """The store with the layout's budgets (its swap file under the config's nvme_path)."""
+def open_store(layout: Layout, config: Config, *, rank: int = 0) -> TensorStore:
+    """The store with the layout's budgets (its swap file under the config's nvme_path, one
+    per rank and process)."""
     zero = config.zero_optimization
     nvme_path = zero.offload_param.nvme_path if layout.plan.param_home == Tier.NVME else None
     nvme_path = nvme_path or zero.offload_optimizer.nvme_path
     aio_options = {**config.aio.handle_options(), "backend": config.infinity.aio_backend}
-    return TensorStore(layout.plan.budgets, nvme_path=nvme_path, device=layout.device, aio_options=aio_options)
+    return TensorStore(layout.plan.budgets, nvme_path=nvme_path, device=layout.device, aio_options=aio_options,
+                       rank=rank)
 
 
 def attach_placed(model: torch.nn.Module, placed: Placed) -> None:
@@ -97,15 +100,21 @@ def attach_placed(model: torch.nn.Module, placed: Placed) -> None:
 
 
 def take_placed(model: torch.nn.Module, config: Config, precision: Precision,
-                device: torch.device) -> Placed | None:
+                device: torch.device, *, sharded_params: bool = False) -> Placed | None:
     """The placement attached to `model` (detached from it: one engine owns the store), after
     checking that `config` lays the model out the same way; None for an ordinary model.
 
-    Raises ConfigError naming what differs (the model keeps its placement then).
+    Raises ConfigError naming what differs, or when the engine keeps only a shard of each
+    unit (`sharded_params`: stage 3 on several ranks), which a loaded store does not hold;
+    the model keeps its placement then.
     """
     placed: Placed | None = getattr(model, _PLACED, None)
     if placed is None:
         return None
+    if sharded_params:
+        raise ConfigError(f"zero_optimization.stage 3 with {config.world_size} ranks cannot adopt a model from "
+                          "infinity.models.load (its store holds whole units, stage 3 keeps one shard per "
+                          "rank): use stage 0-2, or one rank")
     layout = placed.layout
     zero = config.zero_optimization
     persistence = zero.stage3_param_persistence_threshold if zero.stage == 3 else 1 << 62

@@ -11,6 +11,13 @@ slack for alignment. When `host_memory_budget` cannot hold the gradient buffers 
 smallest host tier, they go to the store too (at home on NVMe, two of the largest passing
 through the host tier): each micro-batch then reads and writes them.
 
+[Note: memory plan of a rank] With `world` data-parallel ranks every figure above is one
+rank's: from stage 1 the Adam state counts only this rank's shard of each unit (1/world of
+it, padded), from stage 2 the gradient buffers too, and at stage 3 the parameters the store
+holds. Collectives need whole-unit buffers outside the store, counted beside the gradient
+buffers: at stage 3 the gathered units in use (resident units, two of the largest), from stage
+2 one gradient being reduce-scattered, at stages 1-2 one unit being gathered after the step.
+
 When the modules compute from the host tier, a prefetched unit holds its block until it is
 used, so the prefetch window is what the host tier holds beyond its smallest working set
 (`MemoryPlan.prefetch_numel`, never more than the config asks): a window larger than that would
@@ -36,9 +43,44 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // _PAGE) * _PAGE
 
 
-def _state_nbytes(unit: FetchUnit) -> int:
-    """Adam state of one unit: moments, plus an fp32 master for low-precision values."""
-    return unit.numel * (8 if unit.dtype == torch.float32 else 12)
+def _state_nbytes(unit: FetchUnit, numel: int) -> int:
+    """Adam state of `numel` elements of a unit: moments, plus an fp32 master for low-precision
+    values."""
+    return numel * (8 if unit.dtype == torch.float32 else 12)
+
+
+@dataclass(frozen=True, slots=True)
+class _Share:
+    """Elements of a unit one rank keeps, per kind; see [Note: memory plan of a rank]."""
+
+    world: int
+    stage: int
+
+    def _shard(self, unit: FetchUnit, from_stage: int) -> int:
+        return -(-unit.numel // self.world) if self.world > 1 and self.stage >= from_stage else unit.numel
+
+    def values_nbytes(self, unit: FetchUnit) -> int:
+        return self._shard(unit, 3) * unit.dtype.itemsize
+
+    def state_numel(self, unit: FetchUnit) -> int:
+        return self._shard(unit, 1)
+
+    def grad_nbytes(self, unit: FetchUnit) -> int:
+        return self._shard(unit, 2) * unit.compute_dtype.itemsize
+
+    def collective_nbytes(self, units: Sequence[FetchUnit]) -> int:
+        """Whole-unit buffers the collectives need outside the store."""
+        if self.world == 1 or not units:
+            return 0
+        largest = max(u.numel * u.compute_dtype.itemsize for u in units)
+        nbytes = 0
+        if self.stage == 3:
+            nbytes += sum(u.numel * u.compute_dtype.itemsize for u in units if u.persistent) + 2 * largest
+        if self.stage >= 2:
+            nbytes += largest
+        if self.stage in (1, 2):
+            nbytes += 2 * largest
+        return nbytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +89,7 @@ class MemoryPlan:
     param_home: Tier  # where unit values live between uses
     state_tier: Tier  # where the optimizer state lives in the store
     budgets: dict[Tier, int]  # store budget per tier, bytes
-    outside_store_nbytes: int  # gradient buffers in RAM
+    outside_store_nbytes: int  # gradient buffers in RAM, and whole-unit buffers of collectives
     grads_tier: Tier | None = None  # home of the gradient buffers in the store (None: in RAM)
     prefetch_numel: int = 0  # elements the coordinator may prefetch (the config's, or less)
     min_host_budget: int = 0  # the smallest host_memory_budget this model and offload accept
@@ -55,10 +97,11 @@ class MemoryPlan:
 
 def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optimizer: str,
                 accelerator: bool, prefetch_numel: int, tile_numel: int,
-                host_memory_budget: int | None) -> MemoryPlan:
+                host_memory_budget: int | None, world: int = 1, stage: int = 0) -> MemoryPlan:
     """Budgets for the store from the unit sizes and the offload devices; see [Note: memory plan].
     `host_memory_budget` caps the host tier (less what lives outside the store); the tier is
-    never larger than the plan needs.
+    never larger than the plan needs. With `world` ranks at ZeRO `stage`, the plan of one rank
+    (see [Note: memory plan of a rank]).
 
     Raises BudgetError when `host_memory_budget` cannot hold the smallest working set.
     """
@@ -66,16 +109,19 @@ def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optim
     param_home = {"none": fetch_tier, "cpu": Tier.HOST, "nvme": Tier.NVME}[offload_param]
     state_tier = {"none": Tier.HOST, "cpu": Tier.HOST, "nvme": Tier.NVME}[offload_optimizer]
     trained = [u for u in units if u.requires_grad]
-    everything = sum(_aligned(u.nbytes) for u in units)
-    resident = sum(_aligned(u.nbytes) for u in units if u.persistent)
-    largest = max((_aligned(u.nbytes) for u in units if not u.persistent), default=0)
+    share = _Share(world, stage)
+    everything = sum(_aligned(share.values_nbytes(u)) for u in units)
+    resident = sum(_aligned(share.values_nbytes(u)) for u in units if u.persistent)
+    largest = max((_aligned(share.values_nbytes(u)) for u in units if not u.persistent), default=0)
     elt = max((u.nbytes // max(u.numel, 1) for u in units), default=4)
     working = min(everything, resident + 3 * largest + _aligned(prefetch_numel * elt))
-    tile_elements = min(tile_numel, max((u.numel for u in trained), default=0))
+    tile_elements = min(tile_numel, max((share.state_numel(u) for u in trained), default=0))
     tile = tile_elements * 12 + _TILE_SLACK
-    state = sum(_state_nbytes(u) + _TILE_SLACK * -(-u.numel // tile_numel) for u in trained)
-    grads = sum(_aligned(u.grad_nbytes) for u in trained)
-    outside = grads
+    state = sum(_state_nbytes(u, share.state_numel(u)) + _TILE_SLACK * -(-share.state_numel(u) // tile_numel)
+                for u in trained)
+    grads = sum(_aligned(share.grad_nbytes(u)) for u in trained)
+    collectives = share.collective_nbytes(units)
+    outside = grads + collectives
 
     budgets: dict[Tier, int] = {}
     if accelerator:
@@ -89,12 +135,12 @@ def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optim
     host = host_params + host_state
     grads_tier = None
     has_nvme = Tier.NVME in (param_home, state_tier)  # a swap file to put gradients in
-    largest_grad = max((_aligned(u.grad_nbytes) for u in trained), default=0)
-    min_budget = host_minimum + (min(grads, 2 * largest_grad) if has_nvme else grads)
+    largest_grad = max((_aligned(share.grad_nbytes(u)) for u in trained), default=0)
+    min_budget = host_minimum + collectives + (min(grads, 2 * largest_grad) if has_nvme else grads)
     if host_memory_budget is not None:
         budget = int(host_memory_budget)
         if budget - outside < host_minimum and grads and has_nvme:  # gradients must leave RAM
-            grads_tier, outside = Tier.NVME, 0
+            grads_tier, outside = Tier.NVME, collectives
             host_minimum += 2 * largest_grad
             host += 2 * largest_grad
         if budget - outside < host_minimum:
@@ -103,9 +149,9 @@ def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optim
                 if state_tier == Tier.NVME else ""
             raise BudgetError(
                 f"host_memory_budget {budget} bytes cannot hold this model's plan: {outside} "
-                f"bytes of gradients in RAM plus at least {host_minimum} bytes of parameters, "
-                f"optimizer tiles{' and gradients' if grads_tier else ''} in the host tier ({tiles}"
-                f"the largest unit {largest} bytes); raise the budget or offload more "
+                f"bytes of gradients{' and collective buffers' if collectives else ''} in RAM plus at least "
+                f"{host_minimum} bytes of parameters, optimizer tiles{' and gradients' if grads_tier else ''} "
+                f"in the host tier ({tiles}the largest unit {largest} bytes); raise the budget or offload more "
                 f"(offload_param/offload_optimizer device 'nvme')")
         host = min(host, budget - outside)
     budgets[Tier.HOST] = host

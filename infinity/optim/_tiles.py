@@ -21,11 +21,13 @@ GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class UnitSpec(NamedTuple):
-    """One engine fetch unit: a module's parameters flattened into one 1-D store entry."""
+    """One engine fetch unit: a module's parameters flattened into one 1-D store entry; or,
+    with several data-parallel ranks, the slice of it this rank's optimizer owns."""
 
-    numel: int  # elements of the unit's flat values
+    numel: int  # elements stepped: the unit's flat values, or this rank's slice of them
     dtype: torch.dtype  # float32 / bfloat16 / float16, as the model stores them
-    values_key: str  # store key of a 1-D entry (numel,) of `dtype` holding the unit's values
+    values_key: str  # store key of a 1-D entry of `dtype` holding the unit's values
+    offset: int = 0  # first element stepped in the values entry (it holds offset + numel or more)
 
 
 class Segment(NamedTuple):
@@ -98,13 +100,14 @@ class GroupValues:
 
     def __init__(self, store: TensorStore, keys: Sequence[str | None],
                  host: Sequence[torch.Tensor] | None, numels: Sequence[int],
-                 dtypes: Sequence[torch.dtype]) -> None:
+                 dtypes: Sequence[torch.dtype], offsets: Sequence[int] | None = None) -> None:
         self._store, self._keys, self._host = store, keys, host
         self._numels, self._dtypes = numels, dtypes
+        self._offsets = offsets if offsets is not None else [0] * len(numels)
         self._held: dict[int, list] = {}  # group -> [tensor or None while reading, modified]
 
     def get(self, i: int) -> torch.Tensor:
-        """The flat values of group i."""
+        """The flat values of group i (its slice of the store entry)."""
         key = self._keys[i]
         if key is None:
             return self._host[i].data.view(-1)
@@ -113,10 +116,11 @@ class GroupValues:
             future = self._store.fetch(key, Tier.HOST)
             held = self._held[i] = [None, False]  # a use is taken: released even if the read fails
             value = future.result()
-            if value.numel() != self._numels[i] or value.dtype != self._dtypes[i]:
-                raise ValueError(f"store entry {key!r} holds {value.numel()} x {value.dtype}; "
-                                 f"expected {self._numels[i]} x {self._dtypes[i]}")
-            held[0] = value.view(-1)
+            start, stop = self._offsets[i], self._offsets[i] + self._numels[i]
+            if value.numel() < stop or value.dtype != self._dtypes[i]:
+                raise ValueError(f"store entry {key!r} holds {value.numel()} x {value.dtype}; expected "
+                                 f"{stop if start == 0 else f'[{start}:{stop}] of'} x {self._dtypes[i]}")
+            held[0] = value.view(-1)[start:stop]
         return held[0]
 
     def modified(self, i: int) -> None:

@@ -139,6 +139,11 @@ class SwappedOptimizer(StreamedState):
         values, upcast) and the moments (12 B/element); new values are rounded into the values
         entry. A unit's values entry is fetched to the host tier whole while its tiles are
         updated: the host budget must hold it beside 3 tiles per concurrent `step_unit`.
+
+        With `UnitSpec.offset` a unit steps elements [offset, offset + numel) of its values
+        entry and leaves the rest alone: a data-parallel rank owning a slice of a unit whose
+        values every rank holds whole (ZeRO stages 1 and 2). Its gradient has `numel` elements.
+        An entry stepped from offset 0 must hold exactly `numel` elements.
         """
         self = cls.__new__(cls)
         self.params, self.param_keys, self.max_grad_norm = None, [], 0.0
@@ -152,13 +157,15 @@ class SwappedOptimizer(StreamedState):
                 raise ValueError(f"unit {u}: dtype {spec.dtype}; expected float32, bfloat16 or float16")
             if spec.values_key not in store:
                 raise ValueError(f"unit {u}: values_key {spec.values_key!r} is not in the store")
+            if isinstance(spec.offset, bool) or not isinstance(spec.offset, int) or spec.offset < 0:
+                raise ValueError(f"unit {u}: offset must be an int >= 0, got {spec.offset!r}")
         self._configure(store, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         adamw_mode=adamw_mode, tile_numel=tile_numel, threads=threads, name=name,
                         state_tier=state_tier)
         self._set_groups(shapes=[torch.Size([u.numel]) for u in self.units],
                          dtypes=[u.dtype for u in self.units],
                          keys=[u.values_key for u in self.units], host=None,
-                         master_row=[u.dtype != torch.float32 for u in self.units],
+                         offsets=[u.offset for u in self.units], master_row=[u.dtype != torch.float32 for u in self.units],
                          tiles=cut_per_group([u.numel for u in self.units], tile_numel))
         return self
 
@@ -185,9 +192,11 @@ class SwappedOptimizer(StreamedState):
 
     def _set_groups(self, *, shapes: list[torch.Size], dtypes: list[torch.dtype],
                     keys: list[str | None], host: list[torch.Tensor] | None,
-                    master_row: list[bool], tiles: list[list[Segment]]) -> None:
+                    master_row: list[bool], tiles: list[list[Segment]],
+                    offsets: list[int] | None = None) -> None:
         """Record what is stepped (parameters or units) and how it is tiled; write the tiles."""
         self._shapes, self._dtypes, self._keys, self._host = shapes, dtypes, keys, host
+        self._offsets = offsets
         self._numels = [math.prod(s) for s in shapes]
         self._master_row = master_row
         self.tiles = tiles
@@ -224,7 +233,7 @@ class SwappedOptimizer(StreamedState):
             )
 
     def _values(self) -> GroupValues:
-        return GroupValues(self.store, self._keys, self._host, self._numels, self._dtypes)
+        return GroupValues(self.store, self._keys, self._host, self._numels, self._dtypes, self._offsets)
 
     def _write_initial_state(self) -> None:
         values = self._values()

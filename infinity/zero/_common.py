@@ -26,3 +26,4 @@ class PrefetchStats:
     stall_s: float = 0.0  # seconds spent waiting for bytes inside hooks
     trace_switches: int = 0  # passes that started on a memoised trace
     divergences: int = 0  # passes that left their trace (rest of the pass on demand)
+    gathered_ahead: int = 0  # stage 3 on several ranks: all-gathers started one use early

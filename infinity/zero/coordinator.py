@@ -13,6 +13,18 @@ are fetched (taking a store use, state FETCHING) until the elements within the w
 allowed). A released unit whose next use in the trace comes within `max_reuse_numel` elements
 stays READY. The store is told the distance (in uses) to each unit's next use, so its eviction
 follows the trace. Budgets are in elements, as DeepSpeed's stage3_* knobs are.
+
+[Note: gathers in step on every rank] With the parameters partitioned over ranks, each unit
+becomes READY through one all-gather, which every rank must issue in the same order. Whether a
+unit is still READY when used again must therefore not depend on anything rank-local: keeping
+a unit for reuse depends on store pressure and on how many prefetches landed, so with a
+`gather` no unit is kept (released units are fetched again, from the shard the store keeps).
+Prefetch reads only the local shard (as far as the store has room: rank-local). The all-gather
+of the unit the trace uses next is started when a module acquires its units (its shard read
+first, if the prefetch did not), so it runs while that module computes; that depends only on
+the trace and on which units are READY, the same on every rank. A unit with a gather in flight
+is not dropped to make room (that would be rank-local); released otherwise, it waits for the
+gather and discards it.
 """
 
 from __future__ import annotations
@@ -28,6 +40,7 @@ import torch
 from infinity.errors import BudgetError
 from infinity.store import TensorStore, Tier
 from infinity.zero._common import PrefetchStats, UnitState
+from infinity.zero.ranks import PendingGather, Ranks
 from infinity.zero.saved_views import ViewIndex, pack_saved, unpack_saved
 from infinity.zero.trace import PassCursor, Trace, TraceBook
 from infinity.zero.unit import FetchUnit
@@ -50,6 +63,9 @@ class ParamCoordinator:
         max_traces: traces memoised per pass key.
         on_grads_final: called (lock held, keep it short) when a unit's gradient buffer holds
             this backward's final gradients, after the unit was released.
+        gather: with several ranks at stage 3, the store holds this rank's shard of each unit:
+            a fetched shard is all-gathered into the whole unit before it is bound, and units
+            are not kept for reuse (see [Note: gathers in step on every rank]).
 
     Thread-safe (autograd may run hooks from its own threads).
     """
@@ -57,8 +73,10 @@ class ParamCoordinator:
     def __init__(self, units: Sequence[FetchUnit], store: TensorStore, *, fetch_tier: Tier,
                  device: torch.device, prefetch_numel: int, max_live_numel: int,
                  max_reuse_numel: int, max_traces: int = 4,
-                 on_grads_final: Callable[[FetchUnit], None] | None = None) -> None:
+                 on_grads_final: Callable[[FetchUnit], None] | None = None,
+                 gather: Ranks | None = None) -> None:
         self.units = list(units)
+        self.gather = gather
         self.on_grads_final = on_grads_final
         self.store = store
         self.fetch_tier = fetch_tier
@@ -74,6 +92,7 @@ class ParamCoordinator:
         self._views = ViewIndex()  # READY units by address; see [Note: saved parameter views]
         self._resident = [u for u in self.units if u.persistent]
         self._resident_ready = False
+        self._gathers: dict[FetchUnit, PendingGather] = {}  # see [Note: gathers in step on every rank]
         self.in_backward = False  # between the first backward acquire of a pass and its end
         self._lock = threading.RLock()
 
@@ -126,6 +145,8 @@ class ParamCoordinator:
             for u in units:
                 self._use(u)
                 u.users += 1
+            if self.gather is not None:
+                self._gather_next()
 
     def release(self, units: Sequence[FetchUnit]) -> None:
         """A module finished: units no module uses any more are released (or kept for reuse)."""
@@ -262,14 +283,35 @@ class ParamCoordinator:
         start = time.perf_counter()
         try:
             flat = u.future.result()
+            if self.gather is not None:
+                pending = self._gathers.pop(u, None) or self.gather.all_gather_start(
+                    flat, u.numel, f"parameters {u.key}")
+                flat = pending.wait()
         finally:
             self.stats.stall_s += time.perf_counter() - start
         u.bind(flat)
         u.state = UnitState.READY
         self._views.add(u)
 
+    def _gather_next(self) -> None:
+        """Start the all-gather of the unit the trace uses next; see [Note: gathers in step on
+        every rank]."""
+        trace = self._cursor.trace if self._cursor is not None else None
+        if trace is None or self._cursor.pos + 1 >= len(trace):
+            return
+        v = self.units[trace.units[self._cursor.pos + 1]]
+        if v.persistent or v.state is UnitState.READY or v in self._gathers:
+            return
+        if v.state is UnitState.RELEASED:
+            self._start(v, next_use=1.0, make_room=True)
+        self._gathers[v] = self.gather.all_gather_start(v.future.result(), v.numel, f"parameters {v.key}")
+        self.stats.gathered_ahead += 1
+
     def _release_unit(self, u: FetchUnit) -> None:
         u.expect(UnitState.FETCHING, UnitState.READY)
+        pending = self._gathers.pop(u, None)
+        if pending is not None:  # every rank started it: finish it before the shard goes
+            pending.wait()
         if u.state is UnitState.READY:
             self._views.remove(u)
             u.unbind(self._placeholders[u.compute_dtype])
@@ -288,6 +330,8 @@ class ParamCoordinator:
         return float(nxt - self._cursor.pos) if nxt < len(trace) else _FAR
 
     def _reused_soon(self, u: FetchUnit) -> bool:
+        if self.gather is not None:  # See [Note: gathers in step on every rank]
+            return False
         trace = self._cursor.trace if self._cursor is not None else None
         if trace is None or not 0 <= u.last_pos < len(trace) or self._live_numel > self.max_live_numel:
             return False
@@ -343,5 +387,6 @@ class ParamCoordinator:
 
     def _drop_unused(self) -> None:
         for u in self.units:
-            if not u.persistent and u.users == 0 and u.state is not UnitState.RELEASED:
+            if not u.persistent and u.users == 0 and u.state is not UnitState.RELEASED \
+                    and u not in self._gathers:
                 self._release_unit(u)

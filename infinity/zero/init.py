@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from infinity.store import TensorStore, Tier
-from infinity.zero.unit import FetchUnit, ParamSlot
+from infinity.zero.ranks import Partition
+from infinity.zero.unit import FetchUnit, ParamSlot, put_unit
 
 logger = logging.getLogger(__name__)
 
@@ -80,9 +81,10 @@ def is_deferred(model: torch.nn.Module) -> bool:
 
 
 def create_units(model: torch.nn.Module, units: list[FetchUnit], store: TensorStore, *, home: Tier,
-                 device: torch.device) -> None:
-    """Create the values of deferred parameters unit by unit into `store` (at home on `home`)
-    and leave empty placeholders (on `device`); see [Note: deferred parameters].
+                 device: torch.device, partition: Partition | None = None) -> None:
+    """Create the values of deferred parameters unit by unit into `store` (at home on `home`;
+    see `put_unit` for `partition`) and leave empty placeholders (on `device`); see
+    [Note: deferred parameters].
 
     Raises ValueError naming a module that has deferred parameters but no initialiser.
     """
@@ -111,7 +113,7 @@ def create_units(model: torch.nn.Module, units: list[FetchUnit], store: TensorSt
             else:
                 module.reset_parameters()
         flat = torch.cat([s.param.detach().reshape(-1) for s in unit.slots]).to(unit.dtype)
-        store.put(unit.key, flat, home)
+        put_unit(store, unit, flat, home, partition)
         del flat
         if unit.compute_dtype not in placeholders:
             placeholders[unit.compute_dtype] = torch.empty(0, dtype=unit.compute_dtype, device=device)

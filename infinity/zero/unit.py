@@ -19,6 +19,7 @@ import torch
 from infinity.store import TensorFuture, TensorStore, Tier
 from infinity.zero._common import UnitState
 from infinity.zero.grads import GradBuffer, RamGrad
+from infinity.zero.ranks import Partition
 
 logger = logging.getLogger(__name__)
 
@@ -171,13 +172,30 @@ def plan_units(model: torch.nn.Module, *, persistence_numel: int, storage_dtype:
     return units, uses
 
 
-def place_units(units: list[FetchUnit], store: TensorStore, *, home: Tier, device: torch.device) -> None:
-    """Move each unit's values into `store` (at home on `home`) and leave empty placeholders
-    (on `device`) in the parameters; the original tensors are freed unit by unit."""
+def put_unit(store: TensorStore, unit: FetchUnit, flat: torch.Tensor, home: Tier,
+             partition: Partition | None) -> None:
+    """Put a unit's flat values into `store` at home on `home`. With several ranks every rank
+    starts from rank 0's values (as DDP and DeepSpeed broadcast them), and with the parameters
+    partitioned (stage 3) the store holds only this rank's padded shard of them."""
+    if partition is not None:
+        partition.ranks.broadcast_(flat, f"values {unit.key}")
+        if partition.params:
+            shard = partition.ranks.shard(unit.numel)
+            part = torch.zeros(shard.numel, dtype=flat.dtype)
+            part[:shard.real_numel] = flat[shard.start:shard.stop]
+            flat = part
+    store.put(unit.key, flat, home)
+
+
+def place_units(units: list[FetchUnit], store: TensorStore, *, home: Tier, device: torch.device,
+                partition: Partition | None = None) -> None:
+    """Move each unit's values into `store` (at home on `home`; see `put_unit` for
+    `partition`) and leave empty placeholders (on `device`) in the parameters; the original
+    tensors are freed unit by unit."""
     placeholders: dict[torch.dtype, torch.Tensor] = {}
     for unit in units:
         flat = torch.cat([s.param.detach().reshape(-1).to("cpu") for s in unit.slots]).to(unit.dtype)
-        store.put(unit.key, flat, home)
+        put_unit(store, unit, flat, home, partition)
         del flat
         if unit.compute_dtype not in placeholders:
             placeholders[unit.compute_dtype] = torch.empty(0, dtype=unit.compute_dtype, device=device)

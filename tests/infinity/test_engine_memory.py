@@ -98,3 +98,24 @@ def test_a_budget_too_small_for_the_optimizer_tiles_names_sub_group_size():
         plan_memory(units, host_memory_budget=512 << 20, tile_numel=1_000_000_000, **kwargs)
     small_tiles = plan_memory(units, host_memory_budget=512 << 20, tile_numel=1 << 20, **kwargs)
     assert small_tiles.budgets[Tier.HOST] <= 512 << 20
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_plan_of_a_rank_counts_its_shards(stage):
+    """With 4 ranks: the optimizer state from stage 1, the gradients from stage 2 and the
+    parameters at stage 3 are a quarter of one process's (all in the host tier here), plus the
+    whole-unit buffers of the collectives outside the store."""
+    units = [_unit(i, 1 << 20) for i in range(8)]  # 8 units of 4 MiB
+    kwargs = {"offload_param": "cpu", "offload_optimizer": "cpu", "accelerator": False,
+              "prefetch_numel": 0, "tile_numel": 1 << 18, "host_memory_budget": None}
+    one = plan_memory(units, **kwargs)
+    rank = plan_memory(units, world=4, stage=stage, **kwargs)
+    unit_nbytes, n = 4 << 20, len(units)
+    params = n * unit_nbytes // (4 if stage == 3 else 1)
+    state = 2 * n * unit_nbytes // (4 if stage >= 1 else 1)
+    slack = 32 * (64 << 10)  # the tiles' slack: 4 tiles of 1 << 18 elements per unit
+    assert one.budgets[Tier.HOST] == n * unit_nbytes + 2 * n * unit_nbytes + slack
+    assert rank.budgets[Tier.HOST] == params + state + slack // (4 if stage >= 1 else 1)
+    grads = n * unit_nbytes // (4 if stage >= 2 else 1)
+    collectives = {0: 0, 1: 2, 2: 3, 3: 3}[stage] * unit_nbytes
+    assert rank.outside_store_nbytes == grads + collectives

@@ -253,6 +253,47 @@ def test_large_finite_fp16_gradients_are_not_an_overflow(tmp_path, put_units):
         assert opt.completed_steps == 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slices_stepped_by_two_owners_equal_the_whole_unit(tmp_path, dtype, put_units, values_of):
+    """UnitSpec.offset: two optimizers (two data-parallel ranks' shards) each step their slice of
+    the same values entries; together they equal one optimizer over the whole units, bit for
+    bit, and neither touches the other's slice."""
+    numels = [2501, 7, 1000]
+    with _store(tmp_path, host=2 * MiB) as store:
+        masters, specs = put_units(store, [dtype] * len(numels), numels)
+        opt_ref = CPUAdam(masters, lr=1e-2, **HYPER)
+        owners = []
+        for r in range(2):
+            size = [-(-n // 2) for n in numels]
+            slices = [UnitSpec(min(s, n - r * s), dtype, spec.values_key, r * s)
+                      for n, s, spec in zip(numels, size, specs)]
+            owners.append((slices, SwappedOptimizer.from_units(slices, store, lr=1e-2, tile_numel=TILE,
+                                                               name=f"rank{r}", **HYPER)))
+        for step in range(3):
+            grads = _grads(specs, step)
+            _ref_step(opt_ref, masters, grads, 1e-2)
+            for slices, opt in owners:
+                for u, spec in enumerate(slices):
+                    opt.step_unit(u, grads[u][spec.offset:spec.offset + spec.numel].contiguous())
+                opt.finish_step()
+        for spec, master in zip(specs, masters):
+            assert torch.equal(values_of(store, spec.values_key), master.to(dtype))
+        (_, first), _ = owners
+        state = dict(first.iter_state())[0]
+        assert torch.equal(state["exp_avg"], opt_ref.state[masters[0]]["exp_avg"][:1251])
+
+
+def test_bad_offsets(tmp_path, put_units):
+    with _store(tmp_path) as store:
+        _, specs = put_units(store, [torch.float32], [100])
+        for offset in (-1, 1.5, True):
+            with pytest.raises(ValueError, match="unit 0: offset must be an int >= 0"):
+                SwappedOptimizer.from_units([UnitSpec(10, torch.float32, "unit0", offset)], store)
+        past_the_end = SwappedOptimizer.from_units([UnitSpec(10, torch.float32, "unit0", 95)], store)
+        with pytest.raises(ValueError, match=r"'unit0' holds 100 x torch.float32; expected \[95:105\] of"):
+            past_the_end.step_unit(0, torch.ones(10))
+
+
 def test_prefetch_unit_reads_ahead_and_holds_nothing(tmp_path, put_units, values_of, in_use):
     """prefetch_unit starts the next unit's first tile (and its values) toward the host while
     nothing is held; stepping afterwards is bit for bit what it is without; a unit already

@@ -1,0 +1,126 @@
+"""The engine's per-unit work split over data-parallel ranks by the ZeRO stage (docs/scale.md,
+"Ranks"); with one rank every answer is "the whole unit" and no collective is issued.
+
+| stage | store holds (values)   | gradient buffer                   | optimizer steps        |
+|-------|------------------------|-----------------------------------|------------------------|
+| 0     | whole unit             | whole, averaged once per step     | whole unit             |
+| 1     | whole unit             | whole, averaged once per step     | own shard, then gather |
+| 2     | whole unit             | own shard, reduce-scattered       | own shard, then gather |
+| 3     | own shard (padded)     | own shard, reduce-scattered       | own shard in place     |
+
+"Averaged once per step": an all-reduce at the accumulation boundary, as soon as the unit's
+gradient is final in the last backward (or at the step for a unit that got none), so the
+overlapped optimizer still starts early. "Then gather": after every unit is stepped, each
+rank's updated shard is all-gathered into every rank's values. The gradient norm for clipping
+and the fp16 overflow check is the sum of squares over the shards, all-reduced, so every rank
+decides the same. See [Note: shards of a unit] and [Note: collective order] in
+infinity.zero.ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from infinity.optim import UnitSpec
+from infinity.store import TensorStore, Tier
+from infinity.zero import FetchUnit, GradBuffer, Partition, RamGrad, StoredGrad
+
+
+class RankedUnits:
+    """What this rank does with each trained unit (`trained[i]`) under `partition`."""
+
+    def __init__(self, partition: Partition, trained: list[FetchUnit]) -> None:
+        self.partition = partition
+        self.ranks = partition.ranks
+        self.trained = trained
+        self._averaged: set[int] = set()  # units whose gradient was averaged this step
+
+    def optimizer_specs(self) -> dict[int, UnitSpec]:
+        """Trained unit index -> what this rank's optimizer steps of it (a unit whose shard is
+        all padding is absent at stages 1 and 2)."""
+        specs = {}
+        for i, u in enumerate(self.trained):
+            shard = self.ranks.shard(u.numel)
+            if self.partition.params:  # the values entry is the padded shard
+                specs[i] = UnitSpec(shard.numel, u.dtype, u.key)
+            elif self.partition.state:
+                if shard.real_numel:
+                    specs[i] = UnitSpec(shard.real_numel, u.dtype, u.key, shard.start)
+            else:
+                specs[i] = UnitSpec(u.numel, u.dtype, u.key)
+        return specs
+
+    def grad_part(self, i: int, grad: torch.Tensor) -> torch.Tensor:
+        """The part of unit i's gradient buffer that its optimizer spec steps."""
+        shard = self.ranks.shard(self.trained[i].numel)
+        if self.partition.params:
+            return grad
+        if self.partition.grads:
+            return grad[:shard.real_numel]
+        if self.partition.state:
+            return grad[shard.start:shard.stop]
+        return grad
+
+    def make_grad(self, unit: FetchUnit, store: TensorStore, grads_tier: Tier | None) -> GradBuffer | None:
+        """The unit's gradient buffer (None: the coordinator makes a RAM one when needed)."""
+        scatter = self.ranks if self.partition.grads else None
+        numel = self.ranks.shard(unit.numel).numel if scatter is not None else unit.numel
+        if grads_tier is not None:
+            return StoredGrad(f"grad/{unit.key}", numel, unit.compute_dtype, store, grads_tier,
+                              scatter=scatter, name=unit.key)
+        if self.ranks.world > 1:  # made now, so zeros take part in the average too
+            return RamGrad(numel, unit.compute_dtype, scatter=scatter, name=unit.key)
+        return None
+
+    # -- gradients across ranks ------------------------------------------------------------------
+
+    @property
+    def averages(self) -> bool:
+        """Whole gradients are averaged over the ranks once per step (stages 0 and 1)."""
+        return self.ranks.world > 1 and not self.partition.grads
+
+    def average(self, i: int) -> None:
+        """Average unit i's gradient over the ranks if not done this step."""
+        if self.averages and i not in self._averaged:
+            self.trained[i].grad.average_over(self.ranks)
+            self._averaged.add(i)
+
+    def average_rest(self) -> None:
+        """At the step: average the units no backward hook averaged (in unit order)."""
+        for i in range(len(self.trained)):
+            self.average(i)
+
+    def new_step(self) -> None:
+        self._averaged.clear()
+
+    def global_sum_of_squares(self, local: float) -> float:
+        """The gradient's sum of squares over every rank's shard (stages 2-3); at stages 0-1
+        each rank holds the whole averaged gradient already."""
+        if self.partition.grads:
+            return self.ranks.all_reduce_sum(local, "gradient norm")
+        return local
+
+    # -- values across ranks ---------------------------------------------------------------------
+
+    def gather_values(self, store: TensorStore) -> None:
+        """Stages 1-2, after every unit is stepped: each rank's updated shard of each unit's
+        values into every rank's values."""
+        if not self.partition.state or self.partition.params:
+            return
+        for u in self.trained:
+            shard = self.ranks.shard(u.numel)
+            flat = store.fetch(u.key, Tier.HOST).result()
+            changed = False
+            try:
+                mine = torch.zeros(shard.numel, dtype=flat.dtype)
+                mine[:shard.real_numel] = flat[shard.start:shard.stop]
+                flat.copy_(self.ranks.all_gather(mine, u.numel, f"values {u.key}"))
+                changed = True
+            finally:
+                store.release(u.key, Tier.HOST, dirty=changed)
+
+    def whole_values(self, shard: torch.Tensor, unit: FetchUnit) -> torch.Tensor:
+        """A unit's whole values from what the store holds (stage 3: gathered from the ranks)."""
+        if self.partition.params:
+            return self.ranks.all_gather(shard, unit.numel, f"values {unit.key}")
+        return shard

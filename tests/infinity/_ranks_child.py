@@ -1,0 +1,103 @@
+"""One data-parallel rank of tests/infinity/test_engine_ranks.py, started with torchrun's environment
+(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); the engine starts the process group itself.
+
+    python tests/infinity/_ranks_child.py SPEC.json
+
+SPEC: {"out": dir, "cases": [{"name", "config", "steps", "seed"?, "die_at_step"?}, ...]}. Each
+case trains the tiny model of `make_model` on this rank's rows of `global_batch` and records its
+micro-batch losses and final parameters into out/rank<r>.pt; a case that raises records the
+error's type and message (and the rank carries on with the next case). `die_at_step`: rank 1
+exits at once (os._exit) after that step's forward, as a killed rank would. `checkpoint`: a
+directory to save a checkpoint into before training. `stall_at_step`: rank 1 sleeps `stall_s`
+there instead (a stuck rank), then exits. `zero_init`: build the model under infinity.zero.Init. `overflow_at_step`: rank 1's gradient of
+layer 0's bias is multiplied by inf there.
+"""
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.getcwd())  # the worktree's infinity, as pytest's cwd
+
+import infinity  # noqa: E402
+
+IN, HIDDEN, OUT = 7, 11, 5
+MICRO = 3
+
+
+def make_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT))
+
+
+def global_batch(step: int, micro: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Micro-batch `micro` of step `step` over every rank: world * MICRO rows."""
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    return torch.randn(world * MICRO, IN, generator=g), torch.randn(world * MICRO, OUT, generator=g)
+
+
+def run_case(case: dict, rank: int, world: int) -> dict:
+    # Ranks build different initial values: the engine must start every rank from rank 0's.
+    if case.get("zero_init"):  # values created by initialize, from rank 0's
+        with infinity.zero.Init(case["config"]):
+            model = make_model(case.get("seed", 0) + rank)
+    else:
+        model = make_model(case.get("seed", 0) + rank)
+    # Layer 0's bias lies in the second half of its unit: in rank 1's shard. An overflow there
+    # on rank 1 alone reaches no other rank's shard; only the all-reduced norm tells them.
+    overflow = [False]
+    model[0].bias.register_hook(lambda g: g * float("inf") if overflow[0] else g)
+    engine = infinity.initialize(model, case["config"])
+    gas = engine.config.gradient_accumulation_steps
+    losses = []
+    try:
+        if "checkpoint" in case:
+            engine.save_checkpoint(case["checkpoint"])
+        for step in range(case["steps"]):
+            for micro in range(gas):
+                x, y = global_batch(step, micro, world)
+                rows = slice(rank * MICRO, (rank + 1) * MICRO)
+                dtype = torch.float16 if engine.config.fp16.enabled else torch.float32
+                loss = torch.nn.functional.mse_loss(engine(x[rows].to(dtype)), y[rows].to(dtype))
+                overflow[0] = step == case.get("overflow_at_step") and rank == 1
+                if step == case.get("die_at_step") and rank == 1:
+                    os._exit(17)
+                if step == case.get("stall_at_step") and rank == 1:
+                    time.sleep(case["stall_s"])
+                    os._exit(18)
+                engine.backward(loss)
+                engine.step()
+                losses.append(float(loss))
+        params = {name: value.clone() for name, value in engine.named_parameters()}
+        stats = {**engine.stats()["optimizer"], "skipped_steps": engine.skipped_steps,
+                 "loss_scale": engine.stats()["loss_scale"],
+                 "gathered_ahead": engine.stats()["prefetch"]["gathered_ahead"]}
+        # What this rank holds: the optimizer's (numel, offset) per unit, gradient buffer sizes.
+        owned = [(spec.numel, spec.offset) for spec in engine.optimizer.units]
+        grads = [u.grad.numel for u in engine.units if u.requires_grad]
+    finally:
+        engine.close()
+    return {"losses": losses, "params": params, "optimizer": stats, "owned": owned, "grads": grads}
+
+
+def main() -> int:
+    spec = json.loads(open(sys.argv[1]).read())
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    results = {}
+    for case in spec["cases"]:
+        config = case["config"]
+        if isinstance(config, list):  # one config per rank (a mismatch)
+            case = {**case, "config": config[rank]}
+        try:
+            results[case["name"]] = run_case(case, rank, world)
+        except (infinity.ConfigError, NotImplementedError) as exc:
+            results[case["name"]] = {"error": [c.__name__ for c in type(exc).__mro__], "message": str(exc)}
+    torch.save(results, os.path.join(spec["out"], f"rank{rank}.pt"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,274 @@
+"""Data-parallel ranks (gloo, 2 processes with torchrun's environment): ZeRO stages 0-3 with
+offload none / nvme train exactly as one process on the concatenated batch (plain PyTorch +
+AdamW, <= 1e-5 relative on losses and parameters, fp32, 10 steps), with clipping and gradient
+accumulation; mismatched configs and a batch size that ignores the world are refused on every
+rank; a killed rank ends the other with RankError naming it, not a hang.
+
+All parity cases run in one torchrun launch (one child process per rank runs them in turn; see
+_ranks_child.py) to pay the processes' start once. The lost-rank tests start the ranks with
+torchrun's environment by hand, to see each rank's exit code and output.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import infinity
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _ranks_child import MICRO, global_batch, make_model  # noqa: E402
+
+CHILD = Path(__file__).parent / "_ranks_child.py"
+WORLD = 2
+STEPS = 10
+LR, WEIGHT_DECAY, CLIP = 1e-2, 0.01, 0.05  # CLIP is below the gradient norm: every step clips
+
+
+def _config(stage, *, nvme=None, clip=0.0, gas=1, **extra):
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 10, "sub_group_size": 32}
+    if nvme is not None:
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": str(nvme)}
+        if stage == 3:
+            zero["offload_param"] = {"device": "nvme", "nvme_path": str(nvme)}
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
+            "gradient_clipping": clip, "zero_optimization": zero,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
+            "infinity": {"collective_timeout": 60}, **extra}
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spec(tmp_path, cases):
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"out": str(out), "cases": cases}))
+    return spec, out
+
+
+def _results(out):
+    return [torch.load(out / f"rank{r}.pt") if (out / f"rank{r}.pt").exists() else None
+            for r in range(WORLD)]
+
+
+def _torchrun(tmp_path, cases, timeout_s):
+    """Run the child on WORLD ranks with torchrun; returns (its exit code and output, per-rank results)."""
+    spec, out = _spec(tmp_path, cases)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
+               "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(CHILD), str(spec)]
+    run = subprocess.run(command, cwd=os.getcwd(), capture_output=True, text=True, timeout=timeout_s,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return (run.returncode, run.stdout + run.stderr), _results(out)
+
+
+def _launch(tmp_path, cases, timeout_s, wait_for=WORLD):
+    """Run the child on WORLD processes with torchrun's environment, each rank's output apart;
+    returns (returncode, stderr) of the first `wait_for` ranks (the others are killed once
+    those ended)."""
+    spec, _ = _spec(tmp_path, cases)
+    port = _free_port()
+    procs = []
+    for rank in range(WORLD):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, str(CHILD), str(spec)], env=env, cwd=os.getcwd(),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    deadline = time.monotonic() + timeout_s
+    done = []
+    try:
+        for p in procs[:wait_for]:
+            _, stderr = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            done.append((p.returncode, stderr))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return done
+
+
+def _reference(config, steps):
+    """Plain PyTorch on the concatenated batch of every rank: (micro-batch losses, params)."""
+    model = make_model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    gas = config["gradient_accumulation_steps"]
+    losses = []
+    for step in range(steps):
+        for micro in range(gas):
+            x, y = global_batch(step, micro, WORLD)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            (loss / gas).backward()
+            losses.append(loss.item())
+        if config["gradient_clipping"]:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config["gradient_clipping"])
+        opt.step()
+        opt.zero_grad()
+    return losses, dict(model.named_parameters())
+
+
+def _relative(a, b):
+    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b))
+
+
+PARITY = {  # name -> config(nvme path)
+    "stage0": lambda nvme: _config(0),
+    "stage1-clip": lambda nvme: _config(1, clip=CLIP),
+    "stage1-nvme": lambda nvme: _config(1, nvme=nvme),
+    "stage2-clip-gas2": lambda nvme: _config(2, clip=CLIP, gas=2),
+    "stage2-nvme": lambda nvme: _config(2, nvme=nvme),
+    "stage3": lambda nvme: _config(3),
+    "stage3-clip": lambda nvme: _config(3, clip=CLIP),
+    "stage3-nvme-gas2": lambda nvme: _config(3, nvme=nvme, gas=2),
+}
+
+
+@pytest.fixture(scope="module")
+def ranks_run(tmp_path_factory):
+    """One launch of every case below on 2 ranks, with torchrun."""
+    tmp_path = tmp_path_factory.mktemp("ranks")
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    cases = [{"name": name, "config": make(nvme), "steps": STEPS} for name, make in PARITY.items()]
+    cases += [
+        {"name": "mismatch", "steps": 1,
+         "config": [_config(1), _config(1, clip=CLIP)]},
+        {"name": "batch", "steps": 1,
+         "config": {**_config(1), "train_batch_size": MICRO}},  # as if one rank
+        {"name": "zero-init", "steps": STEPS, "config": _config(0), "zero_init": True},
+        {"name": "fp16-overflow", "steps": 4, "overflow_at_step": 2,
+         "config": _config(3, fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 1})},
+        {"name": "checkpoint", "steps": 1, "config": _config(1), "checkpoint": str(tmp_path / "ckpt")},
+    ]
+    (code, output), results = _torchrun(tmp_path, cases, timeout_s=240)
+    assert code == 0, f"torchrun exited {code}:\n{output[-3000:]}"
+    return results, nvme
+
+
+@pytest.mark.parametrize("name", list(PARITY))
+def test_ranks_match_one_process_on_the_concatenated_batch(ranks_run, name):
+    results, nvme = ranks_run
+    config = PARITY[name](nvme)
+    ref_losses, ref_params = _reference(config, STEPS)
+    per_rank = [r[name] for r in results]
+    for r in per_rank:
+        assert "error" not in r, r
+    # The loss over the concatenated batch is the mean of the ranks' (equal-sized) losses.
+    losses = torch.tensor([r["losses"] for r in per_rank]).mean(0)
+    assert _relative(losses, torch.tensor(ref_losses)) <= 1e-5
+    for rank, r in enumerate(per_rank):
+        assert r["params"].keys() == ref_params.keys()
+        for key, ref in ref_params.items():
+            assert _relative(r["params"][key], ref.detach()) <= 1e-5, (rank, key)
+    assert torch.equal(torch.cat([p.flatten() for p in per_rank[0]["params"].values()]),
+                       torch.cat([p.flatten() for p in per_rank[1]["params"].values()]))
+    # Units (in order): layer 0 (weight + bias, 88), layer 2's weight (55), the resident bias (5)
+    # at stage 3; below it one resident unit of every parameter (148).
+    stage = config["zero_optimization"]["stage"]
+    numels = [88, 55, 5] if stage == 3 else [148]
+    shards = [-(-n // WORLD) for n in numels]
+    slices = [[(74, 0)], [(74, 74)]]  # each rank steps its own slice of the values entry
+    owned = {0: [[(148, 0)]] * WORLD, 1: slices, 2: slices,
+             3: [[(s, 0) for s in shards]] * WORLD}[stage]  # the padded shard entry
+    assert [r["owned"] for r in per_rank] == owned
+    grads = {0: numels, 1: numels, 2: shards, 3: shards}[stage]  # gradients partitioned from 2
+    assert [r["grads"] for r in per_rank] == [grads] * WORLD
+    # Stage 3 gathers the next unit while a module computes (from step 2, along the trace).
+    assert (per_rank[0]["optimizer"]["gathered_ahead"] > 0) is (stage == 3)
+    overlapped = config["gradient_clipping"] == 0
+    assert per_rank[0]["optimizer"]["overlap"] is overlapped
+    if overlapped and config["zero_optimization"]["stage"] == 3:  # (below 3 every unit is resident)
+        # units were stepped on the worker during backward
+        assert per_rank[0]["optimizer"]["units_stepped_in_backward"] > 0
+
+
+def test_ranks_refuse_configs_that_differ(ranks_run):
+    results, _ = ranks_run
+    for r in results:
+        assert "ConfigError" in r["mismatch"]["error"]
+        assert "differs between ranks: rank(s) [1] differ from rank 0" in r["mismatch"]["message"]
+
+
+def test_a_batch_size_that_ignores_the_world_is_refused(ranks_run):
+    results, _ = ranks_run
+    for r in results:
+        assert "ConfigError" in r["batch"]["error"]
+        assert "world_size = 3 * 1 * 2 = 6" in r["batch"]["message"]
+
+
+def test_checkpoints_on_several_ranks_are_refused(ranks_run):
+    results, _ = ranks_run
+    for r in results:
+        assert "NotImplementedError" in r["checkpoint"]["error"]
+        assert "save_checkpoint with 2 data-parallel ranks" in r["checkpoint"]["message"]
+
+
+@pytest.mark.parametrize("stage, how", [(3, "dies"), (1, "stalls")])
+def test_a_lost_rank_ends_the_other_with_an_error_naming_it(tmp_path, stage, how):
+    """Rank 1 dies (or stalls past collective_timeout) after a forward; rank 0 is then in a
+    collective (all-reduce or reduce-scatter in backward, all-gather in forward) and must stop
+    with RankError naming rank 1, not hang."""
+    case = {"name": "lost", "steps": 4, "config": _config(stage)}
+    if how == "dies":
+        case["die_at_step"] = 2
+    else:
+        case.update(stall_at_step=2, stall_s=30, config=_config(stage, infinity={"collective_timeout": 3}))
+    start = time.monotonic()
+    done = _launch(tmp_path, [case], timeout_s=60, wait_for=1 if how == "stalls" else WORLD)
+    elapsed = time.monotonic() - start
+    (code0, stderr0) = done[0]
+    assert code0 != 0
+    assert "infinity.errors.RankError: rank 0 of 2:" in stderr0, stderr0[-3000:]
+    assert "rank(s) [1] did not answer" in stderr0, stderr0[-3000:]
+    if how == "dies":
+        assert done[1][0] == 17
+    else:  # rank 0 gave up after the timeout, long before rank 1 woke up
+        assert elapsed < 25
+
+
+def test_a_loaded_model_is_refused_at_stage_3_on_several_ranks():
+    """A store from infinity.models.load holds whole units; the model keeps it for a retry."""
+    from infinity.config import load_config
+    from infinity.engine._placement import Placed, attach_placed, take_placed
+
+    model = make_model(0)
+    placed = Placed(layout=None, store=None)
+    attach_placed(model, placed)
+    config = load_config(_config(3), world_size=WORLD)
+    with pytest.raises(infinity.ConfigError, match="stage 3 with 2 ranks cannot adopt a model from infinity.models.load"):
+        take_placed(model, config, None, None, sharded_params=True)
+    assert model._infinity_placed is placed
+
+
+def test_a_model_built_under_zero_init_trains_as_one_on_every_rank(ranks_run):
+    """Each rank's initialisers draw other values (seeds differ); the store gets rank 0's."""
+    results, _ = ranks_run
+    first, second = (r["zero-init"] for r in results)
+    assert first["params"].keys() == second["params"].keys()
+    for key, value in first["params"].items():
+        assert torch.equal(value, second["params"][key]), key
+    losses = torch.tensor([first["losses"], second["losses"]]).mean(0)
+    assert losses[-1] < losses[0]
+
+
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(ranks_run):
+    """fp16: rank 1's gradients overflow at step 2; the all-reduced norm is inf on both ranks,
+    so both skip that step and lower the loss scale alike, and stay one model."""
+    results, _ = ranks_run
+    first, second = (r["fp16-overflow"] for r in results)
+    for r in (first, second):
+        assert "error" not in r, r
+        assert r["optimizer"]["skipped_steps"] == 1
+        assert r["optimizer"]["loss_scale"] == 2.0 ** 8 / 2
+    for key, value in first["params"].items():
+        assert torch.equal(value, second["params"][key]), key
