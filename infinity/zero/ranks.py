@@ -129,16 +129,12 @@ class Ranks:
 
     @classmethod
     def _start_group(cls, timeout_s: float) -> Ranks:
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        timeout = datetime.timedelta(seconds=timeout_s)
         backend = "gloo"
         if torch.cuda.is_available():
             backend = "nccl"
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                              is_master=rank == 0, timeout=timeout)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-        return cls(rank, world, store=store)
+        dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s))
+        return cls(dist.get_rank(), dist.get_world_size(), store=_default_store())
 
     # -- shards ----------------------------------------------------------------------------------
 

@@ -7,7 +7,8 @@ SPEC: {"out": dir, "cases": [{"name", "config", "steps", "seed"?, "die_at_step"?
 case trains the tiny model of `make_model` on this rank's rows of `global_batch` and records its
 micro-batch losses and final parameters into out/rank<r>.pt; a case that raises records the
 error's type and message (and the rank carries on with the next case). `die_at_step`: rank 1
-exits at once (os._exit) after that step's forward, as a killed rank would.
+exits at once (os._exit) after that step's forward, as a killed rank would; `stall_at_step`:
+rank 1 sleeps `stall_s` there instead (a stuck rank), then exits.
 
 Checkpoints: `load` (a directory) restores before training, which then runs from the loaded
 step to `steps` (the parameters right after loading are recorded as "loaded");
@@ -20,6 +21,7 @@ split over this job's ranks (a 1-rank job resuming a 2-rank run takes both ranks
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -62,6 +64,9 @@ def run_case(case: dict, rank: int, world: int) -> dict:
                 loss = torch.nn.functional.mse_loss(engine(x[rows]), y[rows])
                 if step == case.get("die_at_step") and rank == 1:
                     os._exit(17)
+                if step == case.get("stall_at_step") and rank == 1:
+                    time.sleep(case["stall_s"])
+                    os._exit(18)
                 engine.backward(loss)
                 engine.step()
                 losses.append(float(loss))

@@ -4,8 +4,9 @@ AdamW, <= 1e-5 relative on losses and parameters, fp32, 10 steps), with clipping
 accumulation; mismatched configs and a batch size that ignores the world are refused on every
 rank; a killed rank ends the other with RankError naming it, not a hang.
 
-All parity cases run in one launch (one child process per rank runs them in turn; see
-_ranks_child.py) to pay the processes' start once.
+All parity cases run in one torchrun launch (one child process per rank runs them in turn; see
+_ranks_child.py) to pay the processes' start once. The lost-rank tests start the ranks with
+torchrun's environment by hand, to see each rank's exit code and output.
 """
 
 import json
@@ -46,33 +47,53 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _launch(tmp_path, cases, timeout_s, world=WORLD):
-    """Run the child on `world` ranks; returns (their Popen results, per-rank results)."""
+def _spec(tmp_path, cases):
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"out": str(out), "cases": cases}))
+    return spec, out
+
+
+def _results(out, world=WORLD):
+    return [torch.load(out / f"rank{r}.pt") if (out / f"rank{r}.pt").exists() else None
+            for r in range(world)]
+
+
+def _torchrun(tmp_path, cases, timeout_s, world=WORLD):
+    """Run the child on `world` ranks with torchrun; returns (its exit code and output, per-rank results)."""
+    spec, out = _spec(tmp_path, cases)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
+               "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(CHILD), str(spec)]
+    run = subprocess.run(command, cwd=os.getcwd(), capture_output=True, text=True, timeout=timeout_s,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return (run.returncode, run.stdout + run.stderr), _results(out, world)
+
+
+def _launch(tmp_path, cases, timeout_s, wait_for=WORLD):
+    """Run the child on WORLD processes with torchrun's environment, each rank's output apart;
+    returns (returncode, stderr) of the first `wait_for` ranks (the others are killed once
+    those ended)."""
+    spec, _ = _spec(tmp_path, cases)
     port = _free_port()
     procs = []
-    for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+    for rank in range(WORLD):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
         procs.append(subprocess.Popen([sys.executable, str(CHILD), str(spec)], env=env, cwd=os.getcwd(),
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     deadline = time.monotonic() + timeout_s
     done = []
     try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        for p in procs[:wait_for]:
+            _, stderr = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
             done.append((p.returncode, stderr))
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    results = [torch.load(out / f"rank{r}.pt") if (out / f"rank{r}.pt").exists() else None
-               for r in range(world)]
-    return done, results
+    return done
 
 
 def _reference(config, steps):
@@ -112,7 +133,7 @@ PARITY = {  # name -> config(nvme path)
 
 @pytest.fixture(scope="module")
 def ranks_run(tmp_path_factory):
-    """One launch of every case below on 2 ranks."""
+    """One launch of every case below on 2 ranks, with torchrun."""
     tmp_path = tmp_path_factory.mktemp("ranks")
     nvme = tmp_path / "nvme"
     nvme.mkdir()
@@ -123,9 +144,8 @@ def ranks_run(tmp_path_factory):
         {"name": "batch", "steps": 1,
          "config": {**_config(1), "train_batch_size": MICRO}},  # as if one rank
     ]
-    done, results = _launch(tmp_path, cases, timeout_s=240)
-    for rank, (code, stderr) in enumerate(done):
-        assert code == 0, f"rank {rank} exited {code}:\n{stderr[-3000:]}"
+    (code, output), results = _torchrun(tmp_path, cases, timeout_s=240)
+    assert code == 0, f"torchrun exited {code}:\n{output[-3000:]}"
     return results, nvme
 
 
@@ -178,16 +198,24 @@ def test_a_batch_size_that_ignores_the_world_is_refused(ranks_run):
         assert "world_size = 3 * 1 * 2 = 6" in r["batch"]["message"]
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_a_killed_rank_ends_the_other_with_an_error_naming_it(tmp_path, stage):
-    """Rank 1 dies after a forward; rank 0 is then in a collective (all-reduce or
-    reduce-scatter in backward, all-gather in forward) and must stop with RankError."""
-    case = {"name": "killed", "config": _config(stage), "steps": 4, "die_at_step": 2}
+@pytest.mark.parametrize("stage, how", [(3, "dies"), (1, "stalls")])
+def test_a_lost_rank_ends_the_other_with_an_error_naming_it(tmp_path, stage, how):
+    """Rank 1 dies (or stalls past collective_timeout) after a forward; rank 0 is then in a
+    collective (all-reduce or reduce-scatter in backward, all-gather in forward) and must stop
+    with RankError naming rank 1, not hang."""
+    case = {"name": "lost", "steps": 4, "config": _config(stage)}
+    if how == "dies":
+        case["die_at_step"] = 2
+    else:
+        case.update(stall_at_step=2, stall_s=30, config=_config(stage, infinity={"collective_timeout": 3}))
     start = time.monotonic()
-    done, _ = _launch(tmp_path, [case], timeout_s=60)
-    (code0, stderr0), (code1, _) = done
-    assert code1 == 17
+    done = _launch(tmp_path, [case], timeout_s=60, wait_for=1 if how == "stalls" else WORLD)
+    elapsed = time.monotonic() - start
+    (code0, stderr0) = done[0]
     assert code0 != 0
     assert "infinity.errors.RankError: rank 0 of 2:" in stderr0, stderr0[-3000:]
     assert "rank(s) [1] did not answer" in stderr0, stderr0[-3000:]
-    assert time.monotonic() - start < 60
+    if how == "dies":
+        assert done[1][0] == 17
+    else:  # rank 0 gave up after the timeout, long before rank 1 woke up
+        assert elapsed < 25

@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _ranks_child import MICRO  # noqa: E402
-from test_ranks import WORLD, _config, _launch, _relative  # noqa: E402
+from test_ranks import WORLD, _config, _relative, _torchrun  # noqa: E402
 
 STEPS, SAVE_AFTER = 6, 3
 STAGES = [1, 2, 3]
@@ -21,11 +21,6 @@ STAGES = [1, 2, 3]
 
 def _stage_config(stage, nvme, **extra):
     return {**_config(stage, nvme=nvme), **extra}
-
-
-def _checked(done):
-    for rank, (code, stderr) in enumerate(done):
-        assert code == 0, f"rank {rank} exited {code}:\n{stderr[-3000:]}"
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +44,8 @@ def runs(tmp_path_factory):
     results = []
     for name, cases, world in (("first", first, WORLD), ("resumed", resumed, WORLD), ("alone", alone, 1)):
         (tmp / name).mkdir()
-        done, per_rank = _launch(tmp / name, cases, timeout_s=240, world=world)
-        _checked(done)
+        (code, output), per_rank = _torchrun(tmp / name, cases, timeout_s=240, world=world)
+        assert code == 0, f"torchrun ({name}) exited {code}:\n{output[-3000:]}"
         results.append(per_rank)
     return results
 
