@@ -11,7 +11,7 @@ from infinity.checkpoint.deepspeed import (
 from infinity.checkpoint.manifest import FORMAT_VERSION, Manifest, TensorEntry
 from infinity.checkpoint.naming import ADAM_STATES, is_model_weight, optimizer_state_name
 from infinity.checkpoint.reader import CheckpointReader, is_infinity_checkpoint, latest_tag
-from infinity.checkpoint.rng import load_rng_state, save_rng_state
+from infinity.checkpoint.rng import load_rng_state, rng_state, save_rng_state
 from infinity.checkpoint.sources import TensorSource, open_source
 from infinity.checkpoint.writer import CheckpointWriter, TensorSink, remove_debris
 
@@ -39,5 +39,6 @@ __all__ = [
     "open_source",
     "optimizer_state_name",
     "remove_debris",
+    "rng_state",
     "save_rng_state",
 ]

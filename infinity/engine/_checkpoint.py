@@ -10,6 +10,14 @@ parameters were grouped into units, and any rank count can read its share):
   config, the caller's `client_state`, and a transformers model's config and generation config
   (so `infinity-convert --to hf` needs nothing else).
 
+[Note: checkpoints of several ranks] The file holds whole tensors whatever the number of ranks
+that wrote it, so any number of ranks reads it back (repartition on load). Every rank calls
+save: the shards of each unit (stage 3 values, stage 1-3 optimizer state) are all-gathered one
+unit at a time and rank 0 alone writes; a write error on rank 0 does not stop it taking part in
+the remaining gathers, and at the end every rank learns whether the tag was committed (all
+raise if not). Every rank calls load: each reads the tensors and keeps its part; the ranks then
+agree that all succeeded. Each rank's RNG states are saved (rank 0's under the one-process names).
+
 Load reads a checkpoint written by save, or by `infinity-convert --to infinity` from DeepSpeed
 (whose `<name>` are fp32 masters). A checkpoint without moments loads only with
 `load_optimizer_states=False` (moments start from zero, said in the log).
@@ -34,6 +42,7 @@ from infinity.checkpoint import (
     CheckpointWriter,
     load_rng_state,
     optimizer_state_name,
+    rng_state,
     save_rng_state,
 )
 from infinity.errors import CheckpointError
@@ -51,7 +60,8 @@ def save_checkpoint(engine: Engine, directory: str | Path, tag: str | None = Non
                     client_state: dict[str, Any] | None = None, *,
                     async_budget_nbytes: int | None = None) -> Future[Path]:
     """Write the engine's whole training state as tag `tag` (default `step<global_steps>`)
-    under `directory` and point `directory/latest` at it.
+    under `directory` and point `directory/latest` at it. Every rank calls it; see
+    [Note: checkpoints of several ranks].
 
     With `async_budget_nbytes` the tensors are copied to host memory (at most that many bytes
     wait at once) and written by a worker thread: this returns once the last copy is queued,
@@ -60,44 +70,124 @@ def save_checkpoint(engine: Engine, directory: str | Path, tag: str | None = Non
         logger.warning("checkpoint in the middle of gradient accumulation (micro step %d): the "
                        "accumulated gradients are not saved", engine.micro_steps)
     engine.coordinator.release_all()
+    ranks = engine.ranks
     tag = tag or f"step{engine.global_steps}"
-    metadata = _metadata(engine, client_state)
-    if async_budget_nbytes is None:
-        with CheckpointWriter(directory, tag, metadata=metadata) as writer:
-            _write_state(engine, writer)
-        done: Future[Path] = Future()
-        done.set_result(writer.path)
-        return done
-    saver = AsyncCheckpointWriter(directory, tag, metadata=metadata, budget_nbytes=async_budget_nbytes)
+    rng_states = ranks.all_gather_object(rng_state(), "RNG states")
+    sink = _RankZeroSink(ranks.world > 1)
+    if ranks.rank == 0:
+        sink.open(lambda: CheckpointWriter(directory, tag, metadata=_metadata(engine, client_state))
+                  if async_budget_nbytes is None else
+                  AsyncCheckpointWriter(directory, tag, metadata=_metadata(engine, client_state),
+                                        budget_nbytes=async_budget_nbytes))
     try:
-        _write_state(engine, saver)
+        _write_state(engine, sink)
+        for rank, state in enumerate(rng_states):
+            save_rng_state(sink, state, rank=rank)
     except BaseException:
-        saver.abort()
+        sink.abort()
         raise
-    return saver.commit()
+    done = sink.commit()
+    failures = ranks.all_gather_object(None if sink.error is None else f"{type(sink.error).__name__}: {sink.error}",
+                                       "checkpoint committed")
+    if sink.error is not None:
+        raise sink.error
+    if failures[0] is not None:
+        raise CheckpointError(f"rank 0 could not write checkpoint {tag!r} under {directory}: {failures[0]}")
+    if ranks.rank != 0:
+        done.set_result(Path(directory) / tag)
+    return done
 
 
-def _write_state(engine: Engine, writer: CheckpointWriter | AsyncCheckpointWriter) -> None:
-    """Every tensor of the engine's state, one unit at a time, then the RNG states."""
+class _RankZeroSink:
+    """What _write_state writes into: rank 0's writer, or nothing on the other ranks. With
+    `keep_going` (several ranks) a write error is kept, not raised, so rank 0 still takes part
+    in the remaining gathers; the error is raised after the ranks agree on the outcome."""
+
+    def __init__(self, keep_going: bool) -> None:
+        self.keep_going = keep_going
+        self.writer: CheckpointWriter | AsyncCheckpointWriter | None = None
+        self.error: BaseException | None = None
+        self.metadata: dict[str, Any] = {}
+
+    def open(self, make: Any) -> None:
+        self._do(lambda: setattr(self, "writer", make()))
+        if self.writer is not None:
+            self.metadata = self.writer.metadata
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if self.writer is not None and self.error is None:
+            self._do(lambda: self.writer.add(name, tensor))
+
+    def commit(self) -> Future[Path]:
+        """Commit rank 0's tag (the Future of an async one); abort it after an error."""
+        done: Future[Path] = Future()
+        if self.writer is None:
+            return done
+        if self.error is None:
+            try:
+                if isinstance(self.writer, AsyncCheckpointWriter):
+                    return self.writer.commit()
+                done.set_result(self.writer.commit())
+                return done
+            except BaseException as exc:
+                self.error = exc
+        self.abort()
+        return done
+
+    def abort(self) -> None:
+        if self.writer is not None:
+            self.writer.abort()
+            self.writer = None
+
+    def _do(self, call: Any) -> None:
+        try:
+            call()
+        except BaseException as exc:
+            if not self.keep_going or not isinstance(exc, Exception):
+                raise
+            logger.error("checkpoint write failed on rank 0 (the ranks finish the save, then all raise): %s", exc)
+            self.error = exc
+
+
+def _write_state(engine: Engine, writer: _RankZeroSink) -> None:
+    """Every tensor of the engine's state, whole, one unit at a time (gathered from the ranks
+    where they are partitioned)."""
     for unit in engine.units:
         for name, values in _unit_values(engine, unit):
             writer.add(name, values)
-    for i, state in engine.optimizer.iter_state():
-        unit = engine._trained[i]
+    states = engine.optimizer.iter_state()
+    for i, unit in enumerate(engine._trained):
+        local = next(states)[1] if i in engine._opt_index else None  # None: this rank owns none of it
         rows = ([MASTER] if unit.dtype != torch.float32 else []) + list(ADAM_STATES)
         for row in rows:
-            flat = state[row].reshape(-1)
+            flat = engine._ranked.whole_state(i, None if local is None else local[row]).reshape(-1)
             for s in unit.slots:
                 writer.add(optimizer_state_name(row, s.name),
                            flat[s.offset:s.offset + s.shape.numel()].view(s.shape))
-    save_rng_state(writer)
 
 
 def load_checkpoint(engine: Engine, directory: str | Path, tag: str | None = None, *,
                     load_optimizer_states: bool = True) -> dict[str, Any]:
-    """Restore what save_checkpoint wrote (tag None: the one `directory/latest` names); returns
-    the saved `client_state`. CheckpointError naming the parameter when the checkpoint lacks
-    one or has another shape."""
+    """Restore what save_checkpoint wrote (tag None: the one `directory/latest` names), on any
+    number of ranks; returns the saved `client_state`. CheckpointError naming the parameter
+    when the checkpoint lacks one or has another shape."""
+    error: BaseException | None = None
+    try:
+        client_state = _load(engine, directory, tag, load_optimizer_states)
+    except Exception as exc:
+        error = exc
+    failures = engine.ranks.all_gather_object(None if error is None else f"{type(error).__name__}: {error}",
+                                              "checkpoint loaded")
+    if error is not None:
+        raise error
+    failed = [(rank, message) for rank, message in enumerate(failures) if message is not None]
+    if failed:
+        rank, message = failed[0]
+        raise CheckpointError(f"rank {rank} could not load the checkpoint from {directory}: {message}")
+    return client_state
+
+
+def _load(engine: Engine, directory: str | Path, tag: str | None, load_optimizer_states: bool) -> dict[str, Any]:
     reader = CheckpointReader(directory, tag)
     engine.coordinator.release_all()
     names = set(reader.names())
@@ -110,10 +200,12 @@ def load_checkpoint(engine: Engine, directory: str | Path, tag: str | None = Non
                               f"parameter; load_checkpoint(..., load_optimizer_states=False) "
                               f"starts them from zero")
     for unit in engine.units:
+        whole = torch.empty(unit.numel, dtype=unit.dtype)
+        for s in unit.slots:
+            whole[s.offset:s.offset + s.shape.numel()] = reader.read(s.name).reshape(-1).to(unit.dtype)
         values = engine.store.fetch(unit.key, Tier.HOST).result()
         try:
-            for s in unit.slots:
-                values[s.offset:s.offset + s.shape.numel()] = reader.read(s.name).reshape(-1).to(unit.dtype)
+            values.copy_(engine._ranked.own_values(unit, whole))
         finally:
             engine.store.release(unit.key, Tier.HOST, dirty=True)
     saved = reader.metadata.get("engine") or {  # a DeepSpeed conversion's counters
@@ -127,15 +219,21 @@ def load_checkpoint(engine: Engine, directory: str | Path, tag: str | None = Non
     engine.optimizer.load_state(_optimizer_states(engine, reader, names, step, has_moments))
     _restore_counters(engine, saved)
     if "rng" in reader.metadata:
-        load_rng_state(reader)
+        load_rng_state(reader, rank=engine.ranks.rank)
+    written_by = int(saved.get("world_size", 1))
+    if written_by != engine.ranks.world:
+        logger.info("checkpoint %s was written by %d rank(s), repartitioned for %d", reader.path,
+                    written_by, engine.ranks.world)
     logger.info("engine restored from %s (step %d)", reader.path, engine.global_steps)
     return reader.metadata.get("client_state") or {}
 
 
 def _unit_values(engine: Engine, unit) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, values) of the unit's parameters; the unit's entry is held while they are written."""
+    """(name, values) of the unit's parameters, whole (gathered at stage 3 on several ranks);
+    the unit's entry is held while they are written."""
     flat = engine.store.fetch(unit.key, Tier.HOST).result()
     try:
+        flat = engine._ranked.whole_values(flat, unit)
         for s in unit.slots:
             yield s.name, flat[s.offset:s.offset + s.shape.numel()].view(s.shape)
     finally:
@@ -153,8 +251,12 @@ def _check_unit(reader: CheckpointReader, names: set[str], unit) -> None:
 
 def _optimizer_states(engine: Engine, reader: CheckpointReader, names: set[str], step: int,
                       has_moments: bool) -> Iterator[tuple[int, dict[str, Any]]]:
-    """What SwappedOptimizer.load_state takes, unit by unit (one unit's state in memory)."""
+    """What SwappedOptimizer.load_state takes, unit by unit (one unit's whole state in memory;
+    this rank keeps its part)."""
     for i, unit in enumerate(engine._trained):
+        j = engine._opt_index.get(i)
+        if j is None:  # this rank steps no element of the unit
+            continue
         state: dict[str, Any] = {"step": step}
         rows = [MASTER, *ADAM_STATES]
         for row in rows:
@@ -167,8 +269,8 @@ def _optimizer_states(engine: Engine, reader: CheckpointReader, names: set[str],
                     flat.zero_()
                     continue
                 flat[s.offset:s.offset + s.shape.numel()] = reader.read(name).reshape(-1).float()
-            state[row] = flat
-        yield i, state
+            state[row] = engine._ranked.own_state(i, flat)
+        yield j, state
 
 
 def _metadata(engine: Engine, client_state: dict[str, Any] | None) -> dict[str, Any]:
@@ -176,6 +278,7 @@ def _metadata(engine: Engine, client_state: dict[str, Any] | None) -> dict[str, 
     generation = getattr(engine.module, "generation_config", None)
     return {
         "engine": {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+                   "world_size": engine.ranks.world, "zero_stage": engine.config.zero_optimization.stage,
                    "skipped_steps": engine.skipped_steps,
                    "optimizer_step": engine.optimizer.completed_steps,
                    "schedule_steps": engine._schedule_steps, "lr": engine.optimizer.lr,

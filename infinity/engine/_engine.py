@@ -381,7 +381,6 @@ class Engine:
         With async_save the last `async_budget_nbytes` of copies are written while training
         goes on; the next save, load or close() waits for it. Returns the tag's path."""
         self._check_open()
-        self._one_rank_only("save_checkpoint")
         self.wait_for_checkpoint()
         self._pending_save = _checkpoint.save_checkpoint(
             self, save_dir, tag, client_state, async_budget_nbytes=async_budget_nbytes if async_save else None)
@@ -397,7 +396,6 @@ class Engine:
                         load_optimizer_states: bool = True) -> dict[str, Any]:
         """Restore a checkpoint (tag None: `load_dir/latest`); returns its client_state."""
         self._check_open()
-        self._one_rank_only("load_checkpoint")
         self.wait_for_checkpoint()
         return _checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states)
 
@@ -443,12 +441,6 @@ class Engine:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("the engine is closed")
-
-    def _one_rank_only(self, verb: str) -> None:
-        if self.ranks.world > 1:
-            raise NotImplementedError(
-                f"{verb} with {self.ranks.world} data-parallel ranks is not supported yet (issue 10): "
-                "each rank holds only its shards; train on one rank to write or read checkpoints")
 
 
 def _fingerprint(config: Config, units: list[FetchUnit]) -> str:

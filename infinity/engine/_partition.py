@@ -124,3 +124,38 @@ class RankedUnits:
         if self.partition.params:
             return self.ranks.all_gather(shard, unit.numel, f"values {unit.key}")
         return shard
+
+    # -- checkpoints: whole tensors in the file, this rank's part in memory ----------------------
+
+    def whole_state(self, i: int, local: torch.Tensor | None) -> torch.Tensor:
+        """One optimizer row (fp32) of trained unit i over every rank, from this rank's part
+        (None: this rank steps no element of the unit)."""
+        unit = self.trained[i]
+        if not self.partition.state:
+            return local
+        shard = self.ranks.shard(unit.numel)
+        mine = torch.zeros(shard.numel, dtype=torch.float32)
+        if local is not None:
+            mine[:local.numel()] = local.reshape(-1)
+        return self.ranks.all_gather(mine, unit.numel, f"optimizer state of {unit.name}")
+
+    def own_values(self, unit: FetchUnit, whole: torch.Tensor) -> torch.Tensor:
+        """What this rank's store entry of `unit` holds of its whole values (stage 3: the
+        padded shard)."""
+        return self._part(unit, whole, padded=True) if self.partition.params else whole
+
+    def own_state(self, i: int, whole: torch.Tensor) -> torch.Tensor:
+        """The part of one whole optimizer row of trained unit i that this rank's optimizer
+        steps (see optimizer_specs)."""
+        if not self.partition.state:
+            return whole
+        return self._part(self.trained[i], whole, padded=self.partition.params)
+
+    def _part(self, unit: FetchUnit, whole: torch.Tensor, *, padded: bool) -> torch.Tensor:
+        shard = self.ranks.shard(unit.numel)
+        if not padded:
+            return whole[shard.start:shard.stop]
+        part = torch.zeros(shard.numel, dtype=whole.dtype)
+        part[:shard.real_numel] = whole[shard.start:shard.stop]
+        return part
+

@@ -212,6 +212,14 @@ class Ranks:
         work = self._run(collective, lambda: dist.all_gather_into_tensor(out, src, async_op=True))
         return PendingGather(self, work, src, out, numel, shard.device, collective)
 
+    def all_gather_object(self, obj: T, what: str) -> list[T]:
+        """Every rank's picklable `obj`, in rank order (small things: RNG states, flags)."""
+        if self.world == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        self._run(f"all_gather_object({what})", lambda: dist.all_gather_object(out, obj))
+        return out
+
     def check_same(self, text: str, what: str) -> None:
         """Raise ConfigError on every rank unless every rank passed the same `text` (a config,
         a model layout): a mismatch would otherwise pair wrong collectives or hang."""

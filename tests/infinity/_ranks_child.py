@@ -7,10 +7,17 @@ SPEC: {"out": dir, "cases": [{"name", "config", "steps", "seed"?, "die_at_step"?
 case trains the tiny model of `make_model` on this rank's rows of `global_batch` and records its
 micro-batch losses and final parameters into out/rank<r>.pt; a case that raises records the
 error's type and message (and the rank carries on with the next case). `die_at_step`: rank 1
-exits at once (os._exit) after that step's forward, as a killed rank would. `checkpoint`: a
-directory to save a checkpoint into before training. `stall_at_step`: rank 1 sleeps `stall_s`
-there instead (a stuck rank), then exits. `zero_init`: build the model under infinity.zero.Init. `overflow_at_step`: rank 1's gradient of
-layer 0's bias is multiplied by inf there.
+exits at once (os._exit) after that step's forward, as a killed rank would; `stall_at_step`:
+rank 1 sleeps `stall_s` there instead (a stuck rank), then exits. `zero_init`: build the model
+under infinity.zero.Init. `overflow_at_step`: rank 1's gradient of layer 0's bias is multiplied
+by inf there.
+
+Checkpoints: `load` (a directory) restores before training, which then runs from the loaded
+step to `steps` (the parameters right after loading are recorded as "loaded");
+`save`+`save_after`: save there after that many steps (parameters then recorded as "saved").
+Both record "draw", four numbers from torch's RNG right after the save / the load.
+`data_world` (default: the world) is the number of ranks whose rows the whole job trains on,
+split over this job's ranks (a 1-rank job resuming a 2-rank run takes both ranks' rows).
 """
 
 import json
@@ -52,14 +59,18 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     model[0].bias.register_hook(lambda g: g * float("inf") if overflow[0] else g)
     engine = infinity.initialize(model, case["config"])
     gas = engine.config.gradient_accumulation_steps
-    losses = []
+    data_world = case.get("data_world", world)
+    rows_per_rank = data_world * MICRO // world
+    rows = slice(rank * rows_per_rank, (rank + 1) * rows_per_rank)
+    losses, record = [], {}
     try:
-        if "checkpoint" in case:
-            engine.save_checkpoint(case["checkpoint"])
-        for step in range(case["steps"]):
+        if "load" in case:
+            engine.load_checkpoint(case["load"])
+            record["loaded"] = dict(engine.named_parameters())
+            record["draw"] = torch.rand(4)  # the RNG state comes back with the checkpoint
+        for step in range(engine.global_steps, case["steps"]):
             for micro in range(gas):
-                x, y = global_batch(step, micro, world)
-                rows = slice(rank * MICRO, (rank + 1) * MICRO)
+                x, y = global_batch(step, micro, data_world)
                 dtype = torch.float16 if engine.config.fp16.enabled else torch.float32
                 loss = torch.nn.functional.mse_loss(engine(x[rows].to(dtype)), y[rows].to(dtype))
                 overflow[0] = step == case.get("overflow_at_step") and rank == 1
@@ -71,7 +82,11 @@ def run_case(case: dict, rank: int, world: int) -> dict:
                 engine.backward(loss)
                 engine.step()
                 losses.append(float(loss))
-        params = {name: value.clone() for name, value in engine.named_parameters()}
+            if step + 1 == case.get("save_after"):
+                engine.save_checkpoint(case["save"])
+                record["saved"] = dict(engine.named_parameters())
+                record["draw"] = torch.rand(4)
+        params = dict(engine.named_parameters())
         stats = {**engine.stats()["optimizer"], "skipped_steps": engine.skipped_steps,
                  "loss_scale": engine.stats()["loss_scale"],
                  "gathered_ahead": engine.stats()["prefetch"]["gathered_ahead"]}
@@ -80,7 +95,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
         grads = [u.grad.numel for u in engine.units if u.requires_grad]
     finally:
         engine.close()
-    return {"losses": losses, "params": params, "optimizer": stats, "owned": owned, "grads": grads}
+    return {"losses": losses, "params": params, "optimizer": stats, "owned": owned, "grads": grads, **record}
 
 
 def main() -> int:
@@ -93,7 +108,7 @@ def main() -> int:
             case = {**case, "config": config[rank]}
         try:
             results[case["name"]] = run_case(case, rank, world)
-        except (infinity.ConfigError, NotImplementedError) as exc:
+        except (infinity.ConfigError, infinity.CheckpointError, OSError) as exc:
             results[case["name"]] = {"error": [c.__name__ for c in type(exc).__mro__], "message": str(exc)}
     torch.save(results, os.path.join(spec["out"], f"rank{rank}.pt"))
     return 0

@@ -1,0 +1,90 @@
+"""Checkpoints of data-parallel ranks (gloo, 2 processes): a run saved on 2 ranks resumes on 2
+ranks bit for bit (each rank's RNG state included), and on 1 rank (the checkpoint holds whole tensors; each rank takes its part
+on load) exactly as saved and then as one process trains on the concatenated batch; a save that
+fails on rank 0 fails on every rank. See [Note: checkpoints of several ranks] in
+infinity/engine/_checkpoint.py.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _ranks_child import MICRO  # noqa: E402
+from test_engine_ranks import WORLD, _config, _relative, _torchrun  # noqa: E402
+
+STEPS, SAVE_AFTER = 6, 3
+STAGES = [1, 2, 3]
+
+
+def _stage_config(stage, nvme, **extra):
+    return {**_config(stage, nvme=nvme), **extra}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Launch 1 (2 ranks): train STEPS steps, saving after SAVE_AFTER. Launch 2 (2 ranks):
+    resume from it. Launch 3 (1 rank): resume from it on both ranks' rows. Plus a save whose
+    directory rank 0 cannot create."""
+    tmp = tmp_path_factory.mktemp("ranks-ckpt")
+    nvme = tmp / "nvme"
+    nvme.mkdir()
+    (tmp / "a-file").write_text("not a directory")
+    first = [{"name": f"stage{s}", "config": _stage_config(s, nvme), "steps": STEPS,
+              "save": str(tmp / f"ckpt{s}"), "save_after": SAVE_AFTER} for s in STAGES]
+    first.append({"name": "unwritable", "config": _config(3), "steps": 1, "save_after": 1,
+                  "save": str(tmp / "a-file" / "ckpt")})
+    resumed = [{"name": f"stage{s}", "config": _stage_config(s, nvme), "steps": STEPS,
+                "load": str(tmp / f"ckpt{s}")} for s in STAGES]
+    alone = [{"name": f"stage{s}", "steps": STEPS, "load": str(tmp / f"ckpt{s}"), "data_world": WORLD,
+              "config": _stage_config(s, nvme, train_micro_batch_size_per_gpu=WORLD * MICRO)}
+             for s in STAGES]
+    results = []
+    for name, cases, world in (("first", first, WORLD), ("resumed", resumed, WORLD), ("alone", alone, 1)):
+        (tmp / name).mkdir()
+        (code, output), per_rank = _torchrun(tmp / name, cases, timeout_s=240, world=world)
+        assert code == 0, f"torchrun ({name}) exited {code}:\n{output[-3000:]}"
+        results.append(per_rank)
+    return results
+
+
+def _flat(params):
+    return torch.cat([p.flatten() for p in params.values()])
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_two_ranks_resume_bit_for_bit(runs, stage):
+    first, resumed, _ = runs
+    name = f"stage{stage}"
+    for rank in range(WORLD):
+        a, b = first[rank][name], resumed[rank][name]
+        assert "error" not in a and "error" not in b, (a, b)
+        assert torch.equal(_flat(b["loaded"]), _flat(a["saved"])), rank
+        assert torch.equal(b["draw"], a["draw"]), rank  # each rank's own RNG state
+        assert b["losses"] == a["losses"][SAVE_AFTER:], rank
+        assert torch.equal(_flat(b["params"]), _flat(a["params"])), rank
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_one_rank_resumes_a_two_rank_checkpoint(runs, stage):
+    """Repartitioned on load: exactly the saved values; then one process on the concatenated
+    batch follows the 2-rank run to <= 1e-5 (the same sums in another order)."""
+    first, _, alone = runs
+    name = f"stage{stage}"
+    (one,) = [r[name] for r in alone]
+    assert "error" not in one, one
+    assert torch.equal(_flat(one["loaded"]), _flat(first[0][name]["saved"]))
+    assert torch.equal(one["draw"], first[0][name]["draw"])  # rank 0's RNG state
+    two_rank_losses = torch.tensor([r[name]["losses"][SAVE_AFTER:] for r in first]).mean(0)
+    assert _relative(torch.tensor(one["losses"]), two_rank_losses) <= 1e-5
+    for key, value in first[0][name]["params"].items():
+        assert _relative(one["params"][key], value) <= 1e-5, key
+
+
+def test_a_save_rank_0_cannot_write_fails_on_every_rank(runs):
+    first, _, _ = runs
+    zero, one = (first[rank]["unwritable"] for rank in range(WORLD))
+    assert "OSError" in zero["error"], zero
+    assert "CheckpointError" in one["error"] and "rank 0 could not write checkpoint" in one["message"], one
