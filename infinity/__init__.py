@@ -1,7 +1,7 @@
 """Infinity: fine-tune models larger than accelerator memory and RAM with tiered offload."""
 
-from infinity import models
+from infinity import checkpointing, models
 from infinity.engine import Engine, initialize
 from infinity.errors import BudgetError, CheckpointError, ConfigError, ConfigPathError
 
-__all__ = ["BudgetError", "CheckpointError", "ConfigError", "ConfigPathError", "Engine", "initialize", "models"]
+__all__ = ["BudgetError", "CheckpointError", "ConfigError", "ConfigPathError", "Engine", "checkpointing", "initialize", "models"]

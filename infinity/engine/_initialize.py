@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from infinity.config import load_config
+from infinity import checkpointing
+from infinity.config import ActivationCheckpointingConfig, load_config
 from infinity.engine._engine import Engine
 
 
@@ -20,8 +21,12 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
 
     Raises ConfigError (a ValueError) or ConfigPathError (an OSError) naming the key at fault,
     and BudgetError when host_memory_budget cannot hold the memory plan; all before anything
-    is moved.
+    is moved. A config that sets `activation_checkpointing` configures
+    `infinity.checkpointing` with it (as `deepspeed.checkpointing.configure` would).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"initialize() needs a torch.nn.Module, got {type(model).__name__}")
-    return Engine(model, load_config(config, model=model))
+    loaded = load_config(config, model=model)
+    if loaded.activation_checkpointing != ActivationCheckpointingConfig():
+        checkpointing.configure(deepspeed_config=loaded.activation_checkpointing)
+    return Engine(model, loaded)
