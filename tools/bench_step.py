@@ -11,6 +11,14 @@ the same path right after its steps). Each step's wall time and CPU time (all th
 child) are recorded: on a shared machine the CPU time varies far less than the wall time.
 Ratios between configurations are taken within each round, then the median over rounds.
 
+Children run with OMP_WAIT_POLICY=passive by default (--omp-wait-policy): with libgomp's default
+policy, torch's intra-op threads spin while they wait, which on a machine with more runnable
+threads than cores burns the cores other threads need. libgomp throttles that spinning once a
+process runs OpenMP from more than one thread, as the engine does (its optimizer worker), so
+without a fixed policy the plain-PyTorch child spins and the engine child does not: measured
+2026-12-01 on the shared 2-core machine, plain PyTorch's step (6 blocks) took 2.3-4.7 CPU
+seconds spinning and 1.2-1.5 passive, the same math.
+
     python -m tools.bench_step --path /nvme                      # ~300M parameters, fp32
     python -m tools.bench_step --path /tmp --layers 2 --d-model 64 --vocab 256 --seq 16
 """
@@ -20,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
 import statistics
 import subprocess
@@ -150,6 +159,14 @@ def paired_ratio(runs: list[dict], bases: list[dict], key: str) -> tuple[float, 
     return statistics.median(ratios), f"{min(ratios):.3g}-{max(ratios):.3g}"
 
 
+def child_env(args: argparse.Namespace) -> dict[str, str]:
+    """The children's environment: this one, with the OpenMP wait policy asked for."""
+    env = dict(os.environ)
+    if args.omp_wait_policy != "inherit":
+        env["OMP_WAIT_POLICY"] = args.omp_wait_policy
+    return env
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -166,6 +183,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=1, help="rounds of all configs, alternating")
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="subset of " + ",".join(CONFIGS))
     parser.add_argument("--sub-group-size", type=int, default=2_000_000, help="elements per optimizer tile (sub_group_size)")
+    parser.add_argument("--omp-wait-policy", choices=("passive", "active", "inherit"), default="passive",
+                        help="OMP_WAIT_POLICY of the children ('inherit': this process's environment)")
     parser.add_argument("--trace", help="write each engine child's Perfetto trace to TRACE.<config>.json")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
@@ -193,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             for config in configs if r % 2 == 0 else configs[::-1]:
                 done = subprocess.run([sys.executable, "-m", "tools.bench_step", *argv, "--path", directory,
-                                       "--child", config], capture_output=True, text=True)
+                                       "--child", config], capture_output=True, text=True, env=child_env(args))
                 if done.returncode != 0:
                     print(f"error: {config} child failed:\n{done.stderr[-4000:]}", file=sys.stderr)
                     return 1

@@ -59,3 +59,10 @@ def test_ratios_pair_the_children_of_each_round():
     assert results["none over torch"]["ratio"] == pytest.approx(1.1)  # medians: 2.2 / 5.0
     assert results["none over torch"]["range"] == "0.367-1.1"
     assert results["none over torch"]["cpu_ratio"] == 1.0
+
+
+def test_children_get_the_openmp_wait_policy_asked_for(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+    assert bench_step.child_env(bench_step.parse_args(["--path", str(tmp_path)]))["OMP_WAIT_POLICY"] == "passive"
+    inherit = bench_step.parse_args(["--path", str(tmp_path), "--omp-wait-policy", "inherit"])
+    assert bench_step.child_env(inherit)["OMP_WAIT_POLICY"] == "active"
