@@ -16,8 +16,8 @@ policy, torch's intra-op threads spin while they wait, which on a machine with m
 threads than cores burns the cores other threads need. libgomp throttles that spinning once a
 process runs OpenMP from more than one thread, as the engine does (its optimizer worker), so
 without a fixed policy the plain-PyTorch child spins and the engine child does not: measured
-2026-12-01 on the shared 2-core machine, plain PyTorch's step (6 blocks) took 2.3-4.7 CPU
-seconds spinning and 1.2-1.5 passive, the same math.
+2026-12-01 on the shared 2-core machine, plain PyTorch's step (6 blocks) took 2.3-5.4 CPU
+seconds spinning and 1.2-1.6 passive, the same math.
 
     python -m tools.bench_step --path /nvme                      # ~300M parameters, fp32
     python -m tools.bench_step --path /tmp --layers 2 --d-model 64 --vocab 256 --seq 16
