@@ -1,10 +1,23 @@
 """Training step of a GPT through the engine against its floor, in the same run.
 
-Three configurations, each in a fresh child process (so its peak RSS is its own), alternating
-in rounds: "nvme" (the engine, params and optimizer on NVMe under --path), "none" (the engine,
-offload none) and "torch" (plain PyTorch + torch.optim.AdamW). The floor of the nvme step is
-max(compute: the step with no offload, NVMe bytes moved per step / the raw aio read+write stream
-measured in the nvme child on the same path right after its steps).
+Configurations, each in a fresh child process (so its peak RSS is its own), alternating in
+rounds: "nvme" (the engine, params and optimizer on NVMe under --path), "none" (the engine,
+offload none), "torch" (plain PyTorch + torch.optim.AdamW(fused=True): PyTorch's fastest AdamW
+on the CPU, one pass over the state as the engine's kernel) and, on request, "torch-default"
+(AdamW with its default options: on the CPU a loop of several elementwise ops per parameter,
+each allocating temporaries). The floor of the nvme step is max(compute: the step with no
+offload, NVMe bytes moved per step / the raw aio read+write stream measured in the nvme child on
+the same path right after its steps). Each step's wall time and CPU time (all threads of the
+child) are recorded: on a shared machine the CPU time varies far less than the wall time.
+Ratios between configurations are taken within each round, then the median over rounds.
+
+Children run with OMP_WAIT_POLICY=passive by default (--omp-wait-policy): with libgomp's default
+policy, torch's intra-op threads spin while they wait, which on a machine with more runnable
+threads than cores burns the cores other threads need. libgomp throttles that spinning once a
+process runs OpenMP from more than one thread, as the engine does (its optimizer worker), so
+without a fixed policy the plain-PyTorch child spins and the engine child does not: measured
+2026-12-01 on the shared 2-core machine, plain PyTorch's step (6 blocks) took 2.3-5.4 CPU
+seconds spinning and 1.2-1.6 passive, the same math.
 
     python -m tools.bench_step --path /nvme                      # ~300M parameters, fp32
     python -m tools.bench_step --path /tmp --layers 2 --d-model 64 --vocab 256 --seq 16
@@ -15,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
 import statistics
 import subprocess
@@ -24,7 +38,8 @@ import time
 
 from infinity.memory import peak_rss_bytes
 
-CONFIGS = ("nvme", "none", "torch")
+CONFIGS = ("nvme", "none", "torch", "torch-default")
+DEFAULT_CONFIGS = ("nvme", "none", "torch")
 GB = 1e9
 
 
@@ -69,25 +84,27 @@ def run_child(args: argparse.Namespace, config: str, directory: str) -> dict:
     import torch
     model, batch = build(args)
     result: dict = {"config": config, "params": sum(p.numel() for p in model.parameters())}
-    times = []
-    if config == "torch":
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    times, cpu_times = [], []
+    if config.startswith("torch"):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=config == "torch" or None)
         for _ in range(args.steps):
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             model(**batch).loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             times.append(time.perf_counter() - start)
+            cpu_times.append(time.process_time() - cpu)
     else:
         import infinity
         engine = infinity.initialize(model, engine_config(args, config, directory))
         moved, on_demand = [], []
         for _ in range(args.steps):
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             engine.backward(engine(**batch).loss)
             engine.step()
             engine.store.flush()  # the step's write-back belongs to the step
             times.append(time.perf_counter() - start)
+            cpu_times.append(time.process_time() - cpu)
             stats = engine.stats()
             moved.append(_nvme_bytes(stats))
             on_demand.append(stats["prefetch"]["on_demand_nvme"])
@@ -100,6 +117,7 @@ def run_child(args: argparse.Namespace, config: str, directory: str) -> dict:
             result["on_demand_nvme_after_step_1"] = on_demand[-1] - on_demand[0]
             result["raw_gbps"] = raw_stream_gbps(directory, options)
     result["step_s"] = statistics.median(times[args.warmup:])
+    result["cpu_s"] = statistics.median(cpu_times[args.warmup:])
     result["peak_rss"] = peak_rss_bytes()
     return result
 
@@ -113,8 +131,8 @@ def report(runs: dict[str, list[dict]]) -> dict:
         values = [r[key] for r in runs[config]]
         return f"{min(values):.3g}-{max(values):.3g}"
 
-    out = {c: {"step_s": med(c, "step_s"), "step_range": rng(c, "step_s"),
-               "peak_rss_gb": med(c, "peak_rss") / GB} for c in runs}
+    out = {c: {"step_s": med(c, "step_s"), "step_range": rng(c, "step_s"), "cpu_s": med(c, "cpu_s"),
+               "cpu_range": rng(c, "cpu_s"), "peak_rss_gb": med(c, "peak_rss") / GB} for c in runs}
     if "nvme" in runs:
         nvme = out["nvme"]
         nvme.update(bytes_per_step_gb=med("nvme", "bytes_per_step") / GB, raw_gbps=med("nvme", "raw_gbps"),
@@ -125,9 +143,28 @@ def report(runs: dict[str, list[dict]]) -> dict:
                 floor = max(out[base]["step_s"], io_s)
                 out[f"nvme over floor ({base} compute)"] = {"floor_s": floor, "io_s": io_s,
                                                             "ratio": nvme["step_s"] / floor}
-    if "none" in out and "torch" in out:
-        out["none over torch"] = {"ratio": out["none"]["step_s"] / out["torch"]["step_s"]}
+    for base in ("torch", "torch-default"):
+        if "none" in out and base in out:
+            step, step_range = paired_ratio(runs["none"], runs[base], "step_s")
+            cpu, cpu_range = paired_ratio(runs["none"], runs[base], "cpu_s")
+            out[f"none over {base}"] = {"ratio": step, "range": step_range, "cpu_ratio": cpu,
+                                        "cpu_range": cpu_range}
     return out
+
+
+def paired_ratio(runs: list[dict], bases: list[dict], key: str) -> tuple[float, str]:
+    """Median and range over rounds of runs[r][key] / bases[r][key]: each ratio compares two
+    children of one round, run one after the other (the machine's load drifts over minutes)."""
+    ratios = [a[key] / b[key] for a, b in zip(runs, bases, strict=True)]
+    return statistics.median(ratios), f"{min(ratios):.3g}-{max(ratios):.3g}"
+
+
+def child_env(args: argparse.Namespace) -> dict[str, str]:
+    """The children's environment: this one, with the OpenMP wait policy asked for."""
+    env = dict(os.environ)
+    if args.omp_wait_policy != "inherit":
+        env["OMP_WAIT_POLICY"] = args.omp_wait_policy
+    return env
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -144,8 +181,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="steps not timed (the engine records its trace in step 1; torch and the "
                              "allocator touch their memory for the first time in steps 1-2)")
     parser.add_argument("--rounds", type=int, default=1, help="rounds of all configs, alternating")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="subset of " + ",".join(CONFIGS))
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="subset of " + ",".join(CONFIGS))
     parser.add_argument("--sub-group-size", type=int, default=2_000_000, help="elements per optimizer tile (sub_group_size)")
+    parser.add_argument("--omp-wait-policy", choices=("passive", "active", "inherit"), default="passive",
+                        help="OMP_WAIT_POLICY of the children ('inherit': this process's environment)")
     parser.add_argument("--trace", help="write each engine child's Perfetto trace to TRACE.<config>.json")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
@@ -173,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             for config in configs if r % 2 == 0 else configs[::-1]:
                 done = subprocess.run([sys.executable, "-m", "tools.bench_step", *argv, "--path", directory,
-                                       "--child", config], capture_output=True, text=True)
+                                       "--child", config], capture_output=True, text=True, env=child_env(args))
                 if done.returncode != 0:
                     print(f"error: {config} child failed:\n{done.stderr[-4000:]}", file=sys.stderr)
                     return 1

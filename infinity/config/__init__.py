@@ -1,8 +1,8 @@
 """DeepSpeed-compatible configuration: JSON -> typed, validated, frozen sections."""
 
+from infinity.config._activation import ActivationCheckpointingConfig
 from infinity.config._config import Config
 from infinity.config._ignored import (
-    ActivationCheckpointingConfig,
     FlopsProfilerConfig,
     MonitorConfig,
     WandbConfig,

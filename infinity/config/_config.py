@@ -13,8 +13,8 @@ from typing import ClassVar, Literal
 
 import torch
 
+from infinity.config._activation import ActivationCheckpointingConfig
 from infinity.config._ignored import (
-    ActivationCheckpointingConfig,
     FlopsProfilerConfig,
     MonitorConfig,
     WandbConfig,
@@ -92,7 +92,7 @@ class Config(Section):
     """DeepSpeed: print memory use at points of the step. Default false."""
     activation_checkpointing: ActivationCheckpointingConfig = field(
         default_factory=ActivationCheckpointingConfig)
-    """Accepted, not acted on."""
+    """For infinity.checkpointing.checkpoint (docs/scale.md, "Activation memory")."""
     flops_profiler: FlopsProfilerConfig = field(default_factory=FlopsProfilerConfig)
     """Accepted, not acted on."""
     tensorboard: MonitorConfig = field(default_factory=MonitorConfig)

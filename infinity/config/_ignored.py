@@ -12,28 +12,6 @@ from infinity.config._section import Section
 
 
 @dataclass(kw_only=True, frozen=True)
-class ActivationCheckpointingConfig(Section):
-    """`activation_checkpointing`: DeepSpeed's checkpointing of activations."""
-
-    partition_activations: bool = False
-    """DeepSpeed: partition checkpointed activations across model-parallel ranks. Default false."""
-    cpu_checkpointing: bool = False
-    """DeepSpeed: move checkpointed activations to the CPU. Default false."""
-    contiguous_memory_optimization: bool = False
-    """DeepSpeed: copy checkpoints into one buffer. Default false."""
-    number_checkpoints: int | None = None
-    """DeepSpeed: checkpoints for the contiguous buffer. Default null."""
-    synchronize_checkpoint_boundary: bool = False
-    """DeepSpeed: synchronise the device at each checkpoint. Default false."""
-    profile: bool = False
-    """DeepSpeed: time each checkpointed function. Default false."""
-
-    SECTION_REASON: ClassVar[str] = (
-        "activation checkpointing is the model's own (e.g. transformers' "
-        "gradient_checkpointing_enable())")
-
-
-@dataclass(kw_only=True, frozen=True)
 class FlopsProfilerConfig(Section):
     """`flops_profiler`: DeepSpeed's FLOP counter."""
 

@@ -47,12 +47,18 @@ class GradBuffer(ABC):
             self._accumulate_shard(slots, self.scatter)
             return
         with self._writable() as flat:
-            if not self.has_grad:
-                flat.zero_()  # stale values of the previous step
+            first = not self.has_grad  # the buffer holds the previous step's values: overwrite
+            if first and any(s.param.grad is None for s in slots):
+                flat.zero_()  # a parameter without a gradient this step contributes zeros
             for s in slots:
                 g = s.param.grad
                 if g is not None:
-                    flat[s.offset:s.offset + s.shape.numel()].add_(g.detach().reshape(-1).to("cpu"))
+                    piece = flat[s.offset:s.offset + s.shape.numel()]
+                    g = g.detach().reshape(-1)
+                    if first:
+                        piece.copy_(g)  # copy_ moves device gradients to the host itself
+                    else:
+                        piece.add_(g.to("cpu"))
                     s.param.grad = None
         self.has_grad = True
 

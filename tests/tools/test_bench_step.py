@@ -9,12 +9,12 @@ from tools import bench_step
 TINY = ["--layers", "1", "--d-model", "32", "--vocab", "64", "--seq", "8", "--sub-group-size", "2048"]
 
 
-@pytest.mark.parametrize("config", ["nvme", "torch"])
+@pytest.mark.parametrize("config", ["nvme", "torch", "torch-default"])
 def test_a_child_reports_its_figures(tmp_path, config):
     pytest.importorskip("transformers")
     args = bench_step.parse_args(["--path", str(tmp_path), *TINY, "--steps", "2", "--warmup", "1"])
     result = bench_step.run_child(args, config, str(tmp_path))
-    assert result["step_s"] > 0 and result["peak_rss"] > 0 and result["params"] > 0
+    assert result["step_s"] > 0 and result["cpu_s"] > 0 and result["peak_rss"] > 0 and result["params"] > 0
     if config == "nvme":
         assert result["bytes_per_step"] > 0 and result["raw_gbps"] > 0
         assert result["on_demand_nvme_after_step_1"] == 0  # the trace prefetches every unit
@@ -31,12 +31,12 @@ def test_main_runs_each_config_in_a_child(tmp_path):
 
 def test_floor_is_the_slower_of_compute_and_io():
     def run(config, step_s, **extra):
-        return [{"config": config, "step_s": step_s, "peak_rss": 1e9, **extra}]
+        return [{"config": config, "step_s": step_s, "cpu_s": step_s, "peak_rss": 1e9, **extra}]
     nvme = run("nvme", 3.0, bytes_per_step=8e9, raw_gbps=4.0, on_demand_nvme_after_step_1=0)
     results = bench_step.report({"nvme": nvme, "none": run("none", 1.5), "torch": run("torch", 1.0)})
     assert results["nvme over floor (none compute)"] == {"floor_s": 2.0, "io_s": 2.0, "ratio": 1.5}
     assert results["nvme over floor (torch compute)"]["floor_s"] == 2.0
-    assert results["none over torch"]["ratio"] == 1.5
+    assert results["none over torch"]["ratio"] == results["none over torch"]["cpu_ratio"] == 1.5
     slow = bench_step.report({"nvme": nvme, "none": run("none", 2.5)})
     assert slow["nvme over floor (none compute)"]["floor_s"] == 2.5  # compute-bound
 
@@ -47,3 +47,22 @@ def test_bad_arguments_are_refused(tmp_path):
     with pytest.raises(SystemExit):
         bench_step.parse_args(["--path", str(tmp_path), "--steps", "2", "--warmup", "2"])
     assert bench_step.main(["--path", str(tmp_path / "missing" / "dir"), *TINY]) == 2
+
+
+def test_ratios_pair_the_children_of_each_round():
+    """A round on a loaded machine slows both of its children: the ratio is taken per round,
+    not between medians that may come from different rounds."""
+    def rounds(config, *steps):
+        return [{"config": config, "step_s": t, "cpu_s": 1.0, "peak_rss": 1e9} for t in steps]
+    results = bench_step.report({"none": rounds("none", 1.1, 5.5, 2.2),
+                                 "torch": rounds("torch", 1.0, 5.0, 6.0)})
+    assert results["none over torch"]["ratio"] == pytest.approx(1.1)  # medians: 2.2 / 5.0
+    assert results["none over torch"]["range"] == "0.367-1.1"
+    assert results["none over torch"]["cpu_ratio"] == 1.0
+
+
+def test_children_get_the_openmp_wait_policy_asked_for(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+    assert bench_step.child_env(bench_step.parse_args(["--path", str(tmp_path)]))["OMP_WAIT_POLICY"] == "passive"
+    inherit = bench_step.parse_args(["--path", str(tmp_path), "--omp-wait-policy", "inherit"])
+    assert bench_step.child_env(inherit)["OMP_WAIT_POLICY"] == "active"
