@@ -1,9 +1,10 @@
 """The store's machinery under its lock: space on each tier, eviction, moves and their settling.
 
 [Note: fetched tensors stay put] A tensor returned by a fetch is a view of an arena block. The
-store never moves or evicts a copy that is in use (fetched, not yet released) and never
-compacts an arena while any of its copies is in use or has I/O in flight, so the view stays
-valid until `release`. After release it must not be used again.
+store never moves or evicts a copy that is in use (fetched, not yet released) or has I/O in
+flight: compaction slides the other blocks around such copies (`Arena.compact(keep=...)`), so
+the view stays valid until `release`. After release it must not be used again (the block may
+move at the next compaction).
 
 [Note: no waiting under the lock] Every step here runs under the store's lock and never
 blocks on I/O (or on a CUDA copy). A step that needs a move to finish first (a write-back
