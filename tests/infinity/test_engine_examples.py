@@ -9,13 +9,14 @@ steps (the Hugging Face Trainer fills it from its arguments).
 """
 
 import json
+import pathlib
 
 import pytest
 import torch
 
 import infinity
-from tests.infinity.config.test_config_examples import EXAMPLES
 
+EXAMPLES = pathlib.Path(__file__).parent / "config" / "examples"  # test_config_examples.py's
 STEPS = 3  # a WarmupLR of the docs updates at lr 0 twice (min lr, then log(1) of the warmup)
 
 

@@ -27,20 +27,6 @@ def _slots(s, keep=(1, 3, 5, 7)):
     return small
 
 
-def _in_thread(fn):
-    outcome = {}
-
-    def run():
-        try:
-            outcome["value"] = fn()
-        except BaseException as exc:  # reported to the test
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, outcome
-
-
 def _until(condition, timeout=10.0):
     end = time.monotonic() + timeout
     while not condition():
@@ -84,11 +70,11 @@ def test_copies_this_thread_holds_in_the_way_are_a_prompt_error_naming_the_numbe
         s.release("s3", "host")
 
 
-def test_a_request_larger_than_the_tier_is_an_error_without_waiting():
+def test_a_request_larger_than_the_tier_is_an_error_without_waiting(in_thread):
     with TensorStore({"host": MiB}, room_wait_s=60) as s:
         _slots(s)
         s.fetch("s3", "host").result()
-        thread, outcome = _in_thread(lambda: s.put("huge", torch.ones(300_000), "host"))
+        thread, outcome = in_thread(lambda: s.put("huge", torch.ones(300_000), "host"))
         thread.join(timeout=5)
         assert not thread.is_alive()
         assert "larger than the whole host budget" in str(outcome["error"])
@@ -96,7 +82,7 @@ def test_a_request_larger_than_the_tier_is_an_error_without_waiting():
 
 
 @pytest.mark.parametrize("nvme", [False, True])
-def test_a_fetch_waits_for_the_release_of_a_copy_held_by_another_thread(tmp_path, nvme):
+def test_a_fetch_waits_for_the_release_of_a_copy_held_by_another_thread(tmp_path, nvme, in_thread):
     """The overlapped optimizer's case: a worker holds a copy in the way; the other thread's
     request waits for its release instead of failing (the store before issue 7 raised
     BudgetError at once). With NVMe below, the copies not in use are evicted first."""
@@ -115,12 +101,12 @@ def test_a_fetch_waits_for_the_release_of_a_copy_held_by_another_thread(tmp_path
             tile.add_(1.0)
             s.release("s5", "host", dirty=nvme)
 
-        w, w_out = _in_thread(worker)
+        w, w_out = in_thread(worker)
         worker_has.wait(10)
         if nvme:
-            thread, outcome = _in_thread(lambda: s.fetch("wide", "host").result(timeout=30))
+            thread, outcome = in_thread(lambda: s.fetch("wide", "host").result(timeout=30))
         else:
-            thread, outcome = _in_thread(lambda: s.put("wide", torch.arange(WIDE, dtype=torch.float32), "host"))
+            thread, outcome = in_thread(lambda: s.put("wide", torch.arange(WIDE, dtype=torch.float32), "host"))
         _until(lambda: s._waiting_for_room)  # it waits for room, without the lock
         assert thread.is_alive()
         assert torch.all(s.fetch("s1", "host").result() == 1.0)  # the store is not blocked
@@ -140,7 +126,7 @@ def test_a_fetch_waits_for_the_release_of_a_copy_held_by_another_thread(tmp_path
         assert room["waits"] >= 1 and room["wait_s"] > 0 and room["compactions"]["host"] >= 1
 
 
-def test_two_threads_each_waiting_for_the_others_copy_do_not_deadlock():
+def test_two_threads_each_waiting_for_the_others_copy_do_not_deadlock(in_thread):
     """A waits for B's copy; B then needs A's: waiting would deadlock, so B's request fails at
     once naming A's bytes as held by a waiting thread; B releases and A gets its room."""
     with TensorStore({"host": MiB}, room_wait_s=30) as s:
@@ -166,7 +152,7 @@ def test_two_threads_each_waiting_for_the_others_copy_do_not_deadlock():
                 s.release("s5", "host")
 
         start = time.monotonic()
-        (ta, out_a), (tb, out_b) = _in_thread(a), _in_thread(b)
+        (ta, out_a), (tb, out_b) = in_thread(a), in_thread(b)
         ta.join(20)
         tb.join(20)
         assert not ta.is_alive() and not tb.is_alive()
@@ -177,7 +163,7 @@ def test_two_threads_each_waiting_for_the_others_copy_do_not_deadlock():
         assert "wide-a" in s and "wide-b" not in s
 
 
-def test_a_wait_for_a_release_that_never_comes_ends_after_room_wait_s():
+def test_a_wait_for_a_release_that_never_comes_ends_after_room_wait_s(in_thread):
     with TensorStore({"host": MiB}, room_wait_s=0.5) as s:
         _slots(s)
         s.fetch("s3", "host").result()
@@ -190,7 +176,7 @@ def test_a_wait_for_a_release_that_never_comes_ends_after_room_wait_s():
             done.wait(30)
             s.release("s5", "host")
 
-        h, _ = _in_thread(hold)
+        h, _ = in_thread(hold)
         held.wait(10)
         start = time.monotonic()
         with pytest.raises(BudgetError, match=r"122880 by this thread.*waited \d+\.\d s for releases"):
@@ -207,12 +193,12 @@ def test_room_wait_s_must_be_a_non_negative_number():
         TensorStore({"host": MiB}, room_wait_s=-1)
 
 
-def test_on_a_tier_with_nothing_below_a_request_larger_than_the_free_bytes_does_not_wait():
+def test_on_a_tier_with_nothing_below_a_request_larger_than_the_free_bytes_does_not_wait(in_thread):
     """Released copies stay on a bottom tier: another thread's release cannot free bytes."""
     with TensorStore({"host": MiB}, room_wait_s=60) as s:
         _slots(s, keep=range(8))  # 64 KB free
         held = threading.Event()
-        h, _ = _in_thread(lambda: (s.fetch("s5", "host").result(), held.set()))
+        h, _ = in_thread(lambda: (s.fetch("s5", "host").result(), held.set()))
         held.wait(10)
         start = time.monotonic()
         with pytest.raises(BudgetError, match="65536 of 1048576 bytes free"):

@@ -15,23 +15,8 @@ from infinity.store import TensorStore
 MiB = 1 << 20
 
 
-def _in_thread(fn):
-    """Start fn in a daemon thread; returns (thread, outcome dict with 'value' or 'error')."""
-    outcome = {}
-
-    def run():
-        try:
-            outcome["value"] = fn()
-        except BaseException as exc:  # reported to the test
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, outcome
-
-
 @pytest.mark.parametrize("blocker", ["flush", "eviction", "put"])
-def test_a_thread_waiting_for_a_hung_write_does_not_block_another_threads_fetch(tmp_path, blocker):
+def test_a_thread_waiting_for_a_hung_write_does_not_block_another_threads_fetch(tmp_path, blocker, in_thread):
     handle = aio.Handle()
     store = TensorStore({"host": MiB, "nvme": 8 * MiB}, nvme_path=tmp_path, aio_handle=handle)
     try:
@@ -43,14 +28,14 @@ def test_a_thread_waiting_for_a_hung_write_does_not_block_another_threads_fetch(
         handle.inject(aio.Fault(op="write", nth=0, kind="hang"))
         if blocker == "put":
             store.release("w", "host")
-            thread, outcome = _in_thread(lambda: store.put("p", torch.ones(1000), "nvme"))
+            thread, outcome = in_thread(lambda: store.put("p", torch.ones(1000), "nvme"))
         else:
             store.release("w", "host", dirty=True)  # its write-back hangs
             if blocker == "flush":
-                thread, outcome = _in_thread(store.flush)
+                thread, outcome = in_thread(store.flush)
             else:  # 600 KB more on the host: only w can make room, once its write-back is done
                 store.put("big", torch.ones(150_000), "nvme")
-                thread, outcome = _in_thread(lambda: store.fetch("big", "host").result(timeout=60))
+                thread, outcome = in_thread(lambda: store.fetch("big", "host").result(timeout=60))
         time.sleep(0.3)
         assert thread.is_alive(), outcome  # it is waiting for the hung write
 
@@ -60,7 +45,7 @@ def test_a_thread_waiting_for_a_hung_write_does_not_block_another_threads_fetch(
             store.release("r", "host")
             return store.tiers_of("w"), store.stats()["tiers"]["host"].copies
 
-        reader, read = _in_thread(fetch_resident)
+        reader, read = in_thread(fetch_resident)
         reader.join(timeout=10)
         stalled = reader.is_alive()
         handle.close()  # cancels the hung write: the blocked thread gets ECANCELED
@@ -109,7 +94,7 @@ def test_close_with_a_failed_read_in_flight_raises_it(tmp_path):
 
 
 @pytest.mark.parametrize("checksum", [False, True])
-def test_close_racing_fetches_and_write_backs_never_crashes_nor_hangs(tmp_path, checksum):
+def test_close_racing_fetches_and_write_backs_never_crashes_nor_hangs(tmp_path, checksum, in_thread):
     store = TensorStore({"device": MiB, "host": 2 * MiB, "nvme": 32 * MiB}, nvme_path=tmp_path, device="cpu",
                         aio_options={"block_size": 64 << 10}, checksum=checksum)
     keys = [f"k{i}" for i in range(16)]
@@ -145,10 +130,10 @@ def test_close_racing_fetches_and_write_backs_never_crashes_nor_hangs(tmp_path, 
                 if "in use" not in str(exc):  # two threads modifying one key: refused clearly
                     raise
 
-    threads = [_in_thread(lambda s=s: worker(s)) for s in range(4)]
+    threads = [in_thread(lambda s=s: worker(s)) for s in range(4)]
     started.wait()
     time.sleep(0.5)
-    closer, closed = _in_thread(store.close)
+    closer, closed = in_thread(store.close)
     closer.join(timeout=60)
     for thread, _ in threads:
         thread.join(timeout=60)
