@@ -3,10 +3,28 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import sys
 import time
 from collections.abc import Callable
 
 SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults on every option; the module docstring (with its examples) kept as written."""
+
+
+def log_to_stderr(verbose: bool) -> None:
+    """The library's log lines on stderr: INFO and up with --verbose, else warnings only."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+
+
+def fail(prog: str, message: str) -> int:
+    """One line on stderr for bad input; the exit code 2 (argparse's for usage errors)."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return 2
 
 
 def parse_size(text: str) -> int:

@@ -19,7 +19,6 @@ Without an install: `python -m tools.convert ...` from the repository root.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 import torch
@@ -28,18 +27,14 @@ from tqdm import tqdm
 from infinity.checkpoint import FORMATS, Conversion
 from infinity.errors import CheckpointError
 from infinity.memory import set_mmap_threshold
-from tools.cli import parse_size
+from tools.cli import HelpFormatter, fail, log_to_stderr, parse_size
 
 PROG = "infinity-convert"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults on every option; the module docstring (with its examples) kept as written."""
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=_Formatter)
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("src", metavar="SRC", help="Infinity or DeepSpeed checkpoint directory")
     p.add_argument("dst", metavar="DST", help="output directory (must not exist)")
     p.add_argument("--to", required=True, choices=FORMATS, help="output format (required)%(default).0s")
@@ -69,8 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # argparse: usage errors and --help
         return int(exc.code or 0)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    log_to_stderr(args.verbose)
     set_mmap_threshold(1 << 20)  # freed tensors go back to the OS: infinity/memory/malloc.py
     try:
         conversion = Conversion(args.src, to=args.to, tag=args.tag, dtype=DTYPES.get(args.dtype),
@@ -79,8 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                   disable=None) as bar:
             result = conversion.run(args.dst, on_progress=bar.update)
     except (CheckpointError, OSError) as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
+        return fail(PROG, str(exc))
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted; no output left", file=sys.stderr)
         return 130

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import logging
 import os
 import sys
 
@@ -25,18 +24,14 @@ import torch
 
 from infinity.models import write_random_model
 from infinity.models._random import BYTE_TOKENS
-from tools.cli import parse_size
+from tools.cli import HelpFormatter, fail, log_to_stderr, parse_size
 
 PROG = "infinity-make-model"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults on every option; the module docstring (with its examples) kept as written."""
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=_Formatter)
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("directory", metavar="DIR", help="the model directory to write (must not exist)")
     p.add_argument("--layers", type=int, default=4, help="decoder layers (num_hidden_layers)")
     p.add_argument("--hidden", type=int, default=256, help="hidden_size")
@@ -74,25 +69,19 @@ def llama_config(args: argparse.Namespace):
         bos_token_id=BYTE_TOKENS, eos_token_id=BYTE_TOKENS + 1)
 
 
-def _fail(message: str) -> int:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
-    return 2
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    log_to_stderr(args.verbose)
     try:
         config = llama_config(args)
         count = write_random_model(args.directory, config, dtype=DTYPES[args.dtype], seed=args.seed,
                                    max_shard_bytes=args.max_shard_size)
     except ValueError as e:
-        return _fail(str(e))
+        return fail(PROG, str(e))
     except OSError as e:
         if e.errno not in (errno.EEXIST, errno.ENOSPC, errno.EACCES, errno.EROFS, errno.ENOENT):
             raise
-        return _fail(f"{args.directory}: {e.strerror or e}")
+        return fail(PROG, f"{args.directory}: {e.strerror or e}")
     size = sum(os.path.getsize(os.path.join(args.directory, f)) for f in os.listdir(args.directory))
     print(f"{args.directory}: Llama of {count / 1e9:.3f} B parameters ({count}), {size / 1e9:.2f} GB on disk")
     return 0

@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import itertools
 import json
-import logging
 import os
 import platform
 import shutil
@@ -32,7 +31,7 @@ from tqdm import tqdm
 import aio
 from tools import _layer_io as layer_io
 from tools import _nvme_bench_lib as bench
-from tools.cli import parse_size
+from tools.cli import HelpFormatter, log_to_stderr, parse_size
 
 PROG = "infinity-nvme-bench"
 SWEEP = {"block_size": [256 << 10, 1 << 20, 4 << 20], "queue_depth": [4, 16, 64], "threads": [1, 2]}
@@ -46,10 +45,6 @@ def _listed(convert):
     return parse
 
 
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults on every option; the module docstring (with its examples) kept as written."""
-
-
 class _Given(argparse.Action):
     """Store the value and remember the option was given (--sweep fills in the others)."""
 
@@ -59,7 +54,7 @@ class _Given(argparse.Action):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=_Formatter)
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=HelpFormatter)
     p.set_defaults(given=())
     p.add_argument("--path", required=True, help="directory on the disk to measure (a temporary "
                    "directory is made inside it and removed at the end)")
@@ -319,8 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # argparse: usage errors and --help
         return int(exc.code or 0)
     args.argv = sys.argv[1:] if argv is None else list(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    log_to_stderr(args.verbose)
     fio = bench.find_fio() if args.fio else None
     if args.fio and fio is None:
         print("fio not found: apt-get install fio", file=sys.stderr)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import logging
 import sys
 
 from tqdm import tqdm
@@ -38,12 +37,12 @@ from infinity.errors import InputError
 from infinity.train import TrainOptions, run
 from infinity.train.job import DEFAULT_BATCH_SIZE, LORA_EXPORTS
 from infinity.train.loop import StepRecord
-from tools.cli import parse_size
+from tools.cli import HelpFormatter, fail, log_to_stderr, parse_size
 
 PROG = "infinity-train"
 
 
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+class _Formatter(HelpFormatter):
     """Defaults on every option that has a value (the others say theirs in words); the module
     docstring (with its examples) kept as written."""
 
@@ -117,15 +116,9 @@ class _Progress:
             self.bar.close()
 
 
-def _fail(message: str) -> int:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
-    return 2
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    log_to_stderr(args.verbose)
     options = TrainOptions(model=args.model, data=args.data, config=args.config, nvme_path=args.nvme_path,
                            output=args.output, steps=args.steps, seq_len=args.seq_len,
                            batch_size=args.batch_size, lr=args.lr, lora=args.lora,
@@ -137,12 +130,12 @@ def main(argv: list[str] | None = None) -> int:
         result = run(options, on_step=progress)
     except InputError as e:
         progress.close()
-        return _fail(str(e))
+        return fail(PROG, str(e))
     except OSError as e:
         progress.close()
         if e.errno != errno.ENOSPC:
             raise
-        return _fail(f"disk full: {e}")
+        return fail(PROG, f"disk full: {e}")
     except KeyboardInterrupt:
         progress.close()
         print(f"{PROG}: aborted", file=sys.stderr)
