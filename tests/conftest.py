@@ -98,6 +98,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _train_lm(engine, batches) -> list[float]:
+    losses = []
+    for ids in batches:
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.fixture
+def train_lm():
+    """train_lm(engine, batches) -> losses: one forward (labels = the input ids), backward and
+    step per batch of token ids, as a causal LM trains."""
+    return _train_lm
+
+
 @pytest.fixture
 def read_only_dir():
     """A directory nobody may write into, under a parent everyone may traverse."""

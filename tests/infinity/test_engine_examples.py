@@ -39,20 +39,15 @@ def _example(name: str, tmp_path) -> dict:
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.json")))
-def test_every_example_trains(name, tmp_path):
+def test_every_example_trains(name, tmp_path, train_lm):
     model = _tiny_llama()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     engine = infinity.initialize(model, _example(name, tmp_path))
     micro = engine.config.train_micro_batch_size_per_gpu or 2  # "auto": the first batch decides
     g = torch.Generator().manual_seed(1)
-    losses = []
-    while engine.global_steps < STEPS:
-        ids = torch.randint(0, 64, (micro, 8), generator=g)
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    assert engine.micro_steps == STEPS * engine.config.gradient_accumulation_steps
+    micro_steps = STEPS * engine.config.gradient_accumulation_steps
+    losses = train_lm(engine, [torch.randint(0, 64, (micro, 8), generator=g) for _ in range(micro_steps)])
+    assert engine.global_steps == STEPS
     applied = engine.global_steps - engine.skipped_steps
     engine.close()
     assert all(torch.isfinite(torch.tensor(losses))), losses

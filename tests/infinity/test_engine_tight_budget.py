@@ -29,33 +29,28 @@ def min_budget(tmp_path_factory):
         return engine.plan.min_host_budget
 
 
-def _train(tmp_path, budget, *, overlap, steps=3):
+def _train(train_lm, tmp_path, budget, *, overlap, steps=3):
     model, _ = default_model()
     ids = torch.randint(0, 256, (8, 128), generator=torch.Generator().manual_seed(0))  # the CLI's shape
     with infinity.initialize(model, _config(tmp_path, budget)) as engine:
         engine.overlap = overlap
-        losses = []
-        for _ in range(steps):
-            loss = engine(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        losses = train_lm(engine, [ids] * steps)
         return losses, engine.units_stepped_in_backward, dict(engine.named_parameters())
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("above", [0, 572_064, 1_272_064])  # 2.73 MB (the minimum), 3.3 MB, 4.0 MB
-def test_the_plans_smallest_budgets_train_with_the_optimizer_overlapped(tmp_path, min_budget, above):
+def test_the_plans_smallest_budgets_train_with_the_optimizer_overlapped(tmp_path, min_budget, above, train_lm):
     """3.3 MB failed before issue 7's fix: BudgetError for 'grad/param/lm_head' at step 1."""
-    losses, stepped, _ = _train(tmp_path, min_budget + above, overlap=True)
+    losses, stepped, _ = _train(train_lm, tmp_path, min_budget + above, overlap=True)
     assert stepped > 0  # units were stepped on the worker during backward
     assert all(map(lambda x: x == x, losses)) and losses[-1] < losses[0]
 
 
 @pytest.mark.timeout(120)
-def test_at_the_minimum_budget_the_overlapped_step_equals_the_step_after_backward(tmp_path, min_budget):
-    overlapped = _train(tmp_path, min_budget, overlap=True, steps=2)
-    after = _train(tmp_path, min_budget, overlap=False, steps=2)
+def test_at_the_minimum_budget_the_overlapped_step_equals_the_step_after_backward(tmp_path, min_budget, train_lm):
+    overlapped = _train(train_lm, tmp_path, min_budget, overlap=True, steps=2)
+    after = _train(train_lm, tmp_path, min_budget, overlap=False, steps=2)
     assert overlapped[0] == after[0]
     for name, value in after[2].items():
         assert torch.equal(overlapped[2][name], value), name

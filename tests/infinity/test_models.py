@@ -67,7 +67,7 @@ def test_logits_equal_the_original(tmp_path, shard, tie):
         assert torch.equal(engine(ids).logits, original(ids).logits)
 
 
-def test_trains_as_the_original_through_initialize(tmp_path):
+def test_trains_as_the_original_through_initialize(tmp_path, train_lm):
     original = tiny_llama()
     directory = saved(tmp_path, original)
     cfg = config(tmp_path)
@@ -76,12 +76,7 @@ def test_trains_as_the_original_through_initialize(tmp_path):
     for label, model in (("original", copy.deepcopy(original)),
                          ("loaded", infinity.models.load(directory, cfg, window=WINDOW))):
         with infinity.initialize(model, cfg) as engine:
-            losses[label] = []
-            for ids in batches(1) * 4:  # one batch again: the loss must fall
-                loss = engine(input_ids=ids, labels=ids).loss
-                engine.backward(loss)
-                engine.step()
-                losses[label].append(loss.item())
+            losses[label] = train_lm(engine, batches(1) * 4)  # one batch again: the loss must fall
             params[label] = dict(engine.named_parameters())
     assert losses["loaded"] == losses["original"]
     assert losses["loaded"][-1] < losses["loaded"][0]

@@ -93,7 +93,7 @@ def test_a_module_without_an_initialiser_is_named(tmp_path):
         infinity.initialize(model, config(tmp_path))
 
 
-def test_trains_as_an_eager_model_with_the_same_values(tmp_path):
+def test_trains_as_an_eager_model_with_the_same_values(tmp_path, train_lm):
     torch.manual_seed(0)
     with Init():
         deferred = transformers.LlamaForCausalLM(tiny_llama_config())
@@ -103,24 +103,14 @@ def test_trains_as_an_eager_model_with_the_same_values(tmp_path):
     losses = {}
     with infinity.initialize(deferred, config(tmp_path)) as engine:
         eager.load_state_dict(dict(engine.named_parameters()), strict=False)
-        losses["deferred"] = _train(engine, batch)
+        losses["deferred"] = train_lm(engine, [batch] * 3)
         trained = dict(engine.named_parameters())
     with infinity.initialize(copy.deepcopy(eager), config(tmp_path)) as engine:
-        losses["eager"] = _train(engine, batch)
+        losses["eager"] = train_lm(engine, [batch] * 3)
         for name, v in engine.named_parameters():
             assert torch.equal(v, trained[name]), name
     assert losses["deferred"] == losses["eager"]
     assert losses["deferred"][-1] < losses["deferred"][0]
-
-
-def _train(engine, ids, steps=3):
-    losses = []
-    for _ in range(steps):
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
 
 
 # -- memory ----------------------------------------------------------------------------------------
