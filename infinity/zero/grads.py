@@ -133,17 +133,15 @@ class StoredGrad(GradBuffer):
         store.put(key, torch.zeros(numel, dtype=dtype), home)
 
     @contextlib.contextmanager
-    def _writable(self) -> Iterator[torch.Tensor]:
+    def _fetched(self, *, dirty: bool) -> Iterator[torch.Tensor]:
         flat = self.store.fetch(self.key, Tier.HOST).result()
         try:
             yield flat
         finally:
-            self.store.release(self.key, Tier.HOST, dirty=True)
+            self.store.release(self.key, Tier.HOST, dirty=dirty)
 
-    @contextlib.contextmanager
-    def _readable(self) -> Iterator[torch.Tensor]:
-        flat = self.store.fetch(self.key, Tier.HOST).result()
-        try:
-            yield flat
-        finally:
-            self.store.release(self.key, Tier.HOST)
+    def _writable(self) -> contextlib.AbstractContextManager[torch.Tensor]:
+        return self._fetched(dirty=True)
+
+    def _readable(self) -> contextlib.AbstractContextManager[torch.Tensor]:
+        return self._fetched(dirty=False)
