@@ -22,8 +22,7 @@ import sys
 
 import torch
 
-from infinity.models import write_random_model
-from infinity.models._random import BYTE_TOKENS
+from infinity.models import BYTE_TOKENS, write_random_model
 from tools.cli import HelpFormatter, fail, log_to_stderr, parse_size
 
 PROG = "infinity-make-model"

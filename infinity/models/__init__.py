@@ -3,7 +3,7 @@
 size for benchmarks (`write_random_model`); see docs/scale.md."""
 
 from infinity.models._load import DEFAULT_WINDOW, load
-from infinity.models._random import byte_tokenizer, write_random_model
+from infinity.models._random import BYTE_TOKENS, byte_tokenizer, write_random_model
 from infinity.models._writer import plan_shards, write_shards
 
-__all__ = ["DEFAULT_WINDOW", "byte_tokenizer", "load", "plan_shards", "write_random_model", "write_shards"]
+__all__ = ["BYTE_TOKENS", "DEFAULT_WINDOW", "byte_tokenizer", "load", "plan_shards", "write_random_model", "write_shards"]
