@@ -75,10 +75,9 @@ def save_checkpoint(engine: Engine, directory: str | Path, tag: str | None = Non
     rng_states = ranks.all_gather_object(rng_state(), "RNG states")
     sink = _RankZeroSink(ranks.world > 1)
     if ranks.rank == 0:
-        sink.open(lambda: CheckpointWriter(directory, tag, metadata=_metadata(engine, client_state))
-                  if async_budget_nbytes is None else
-                  AsyncCheckpointWriter(directory, tag, metadata=_metadata(engine, client_state),
-                                        budget_nbytes=async_budget_nbytes))
+        metadata = _metadata(engine, client_state)
+        sink.open(lambda: CheckpointWriter(directory, tag, metadata=metadata) if async_budget_nbytes is None
+                  else AsyncCheckpointWriter(directory, tag, metadata=metadata, budget_nbytes=async_budget_nbytes))
     try:
         _write_state(engine, sink)
         for rank, state in enumerate(rng_states):
