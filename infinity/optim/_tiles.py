@@ -7,8 +7,11 @@ the streaming itself is in `infinity.optim.swapped`.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
-from collections.abc import Sequence
+import math
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -75,6 +78,32 @@ def spans(seg: Segment) -> tuple[slice, slice]:
             slice(seg.tile_offset, seg.tile_offset + seg.numel))
 
 
+def check_grad_pieces(name: str, grad: object, numel: int) -> GradPieces:
+    """`check_grad` for a gradient given whole (a 1-D tensor) or as 1-D tensors laid end to
+    end; returns it as GradPieces."""
+    if isinstance(grad, torch.Tensor):
+        check_grad(name, grad, numel)
+        if grad.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(grad.shape)}")
+        return GradPieces([grad])
+    if not isinstance(grad, (list, tuple)) or not grad:
+        raise TypeError(f"{name} must be a 1-D tensor or a non-empty list of them, got {type(grad).__name__}")
+    for k, piece in enumerate(grad):
+        check_grad(f"{name} (piece {k})", piece, piece.numel() if isinstance(piece, torch.Tensor) else -1)
+        if piece.dim() != 1:
+            raise ValueError(f"{name} (piece {k}) must be 1-D, got shape {tuple(piece.shape)}")
+    pieces = GradPieces(grad)
+    if pieces.numel != numel:
+        raise ValueError(f"{name}: the pieces must lay {numel} elements end to end, got {pieces.numel}")
+    return pieces
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """No inf/nan in `t`: one pass (a sum, which any inf/nan makes non-finite; float16 is
+    summed in float32 not to overflow)."""
+    return math.isfinite(float(t.sum(dtype=torch.float32 if t.dtype == torch.float16 else None)))
+
+
 def check_grad(name: str, grad: object, numel: int) -> torch.Tensor:
     """Refuse, before any state is touched, a gradient the kernel would reject part-way through
     a step (which would leave some tiles updated and others not)."""
@@ -88,6 +117,29 @@ def check_grad(name: str, grad: object, numel: int) -> torch.Tensor:
         raise ValueError(f"{name} must be contiguous with {numel} elements, got shape "
                          f"{tuple(grad.shape)}, contiguous={grad.is_contiguous()}")
     return grad
+
+
+class GradPieces:
+    """A group's gradient as 1-D tensors laid end to end (an engine unit's parameters' own
+    gradients), read by element range without being joined into one buffer."""
+
+    def __init__(self, pieces: Sequence[torch.Tensor]) -> None:
+        self.pieces = list(pieces)
+        self.starts = [0, *itertools.accumulate(p.numel() for p in self.pieces)]
+
+    @property
+    def numel(self) -> int:
+        return self.starts[-1]
+
+    def ranges(self, start: int, stop: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """(first element, the gradient of elements [first, ...)) covering [start, stop)."""
+        k = bisect.bisect_right(self.starts, start) - 1
+        while start < stop:
+            base, piece = self.starts[k], self.pieces[k]
+            end = min(stop, base + piece.numel())
+            if end > start:
+                yield start, piece[start - base:end - base]
+            start, k = end, k + 1
 
 
 class GroupValues:

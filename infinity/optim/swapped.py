@@ -39,10 +39,13 @@ from infinity.optim._native import adam_step, check_hyperparameters, check_threa
 from infinity.optim._state import StreamedState
 from infinity.optim._tiles import (
     GRAD_DTYPES,
+    GradPieces,
     GroupValues,
     Segment,
     UnitSpec,
+    all_finite,
     check_grad,
+    check_grad_pieces,
     cut_per_group,
     cut_tiles,
     spans,
@@ -290,7 +293,7 @@ class SwappedOptimizer(StreamedState):
         target = self._completed + 1
         steps = [s + 1 if g is not None else s for s, g in zip(self.steps, grads)]
         self._stream(range(len(self.tiles)), target, grads.__getitem__, steps.__getitem__,
-                     clip / loss_scale)
+                     clip / loss_scale, self.lr)
         self.steps, self._completed = steps, target
         return StepResult(True, norm, clip)
 
@@ -307,30 +310,33 @@ class SwappedOptimizer(StreamedState):
         return self._completed + 1
 
     @torch.no_grad()
-    def step_unit(self, u: int, grad: torch.Tensor, *, grad_scale: float = 1.0,
-                  check_finite: bool = True) -> None:
+    def step_unit(self, u: int, grad: torch.Tensor | Sequence[torch.Tensor], *, grad_scale: float = 1.0,
+                  check_finite: bool = True, lr: float | None = None) -> None:
         """Update unit u's tiles for the step being built.
 
-        `grad`: 1-D contiguous CPU tensor of the unit's numel (float32/bfloat16/float16),
-        multiplied by `grad_scale` (clip factor / loss scale, decided by the caller) inside the
-        kernel. Non-finite gradients raise ValueError before anything is updated: overflow and
-        skipped steps are decided by the caller over all units. The check is one pass over the
-        gradient (a sum); `check_finite=False` skips it for a caller that has checked already
-        (e.g. from the gradient norm it computes for clipping). Retry-safe (see
-        [Note: retry-safe steps]); safe for different units from different threads at once.
+        `grad`: the unit's gradient, a 1-D contiguous CPU tensor of its numel
+        (float32/bfloat16/float16), or a list of such tensors laid end to end (its parameters'
+        own gradients: the kernel reads each where it lies, nothing is joined); multiplied by
+        `grad_scale` (clip factor / loss scale, decided by the caller) inside the kernel.
+        Non-finite gradients raise ValueError before anything is updated: overflow and skipped
+        steps are decided by the caller over all units. The check is one pass over the gradient
+        (a sum); `check_finite=False` skips it for a caller that has checked already (e.g. from
+        the gradient norm it computes for clipping). `lr`: this step's learning rate (default
+        `self.lr`), for a caller whose schedule moves on while units of a step are still being
+        stepped. Retry-safe (see [Note: retry-safe steps]); safe for different units from
+        different threads at once.
         """
         self._unit(u, "step_unit")
         grad_scale = _check_scale("grad_scale", grad_scale)
-        check_grad(f"unit {u}'s gradient", grad, self._numels[u])
-        if grad.dim() != 1:
-            raise ValueError(f"unit {u}'s gradient must be 1-D, got shape {tuple(grad.shape)}")
-        # Any inf/nan makes the sum non-finite; float16 is summed in float32 not to overflow.
-        if check_finite and not math.isfinite(
-                float(grad.sum(dtype=torch.float32 if grad.dtype == torch.float16 else None))):
+        pieces = check_grad_pieces(f"unit {u}'s gradient", grad, self._numels[u])
+        if check_finite and not all(all_finite(g) for g in pieces.pieces):
             raise ValueError(f"unit {u}'s gradient has non-finite values (inf/nan); check for "
                              f"overflow before stepping and skip the whole step")
         target = self._completed + 1
-        self._stream(self._group_tiles[u], target, lambda _: grad, lambda _: target, grad_scale)
+        lr = self.lr if lr is None else lr
+        check_hyperparameters(lr=lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
+                              weight_decay=self.weight_decay)
+        self._stream(self._group_tiles[u], target, lambda _: pieces, lambda _: target, grad_scale, lr)
 
     def prefetch_unit(self, u: int) -> list[str]:
         """Start reading unit u's first tile not yet at the step being built (and the values
@@ -365,8 +371,9 @@ class SwappedOptimizer(StreamedState):
 
     # -- streaming ------------------------------------------------------------------------------
 
-    def _stream(self, tiles: Iterable[int], target: int, grad_of: Callable[[int], torch.Tensor | None],
-                step_of: Callable[[int], int], grad_scale: float) -> None:
+    def _stream(self, tiles: Iterable[int], target: int,
+                grad_of: Callable[[int], torch.Tensor | GradPieces | None],
+                step_of: Callable[[int], int], grad_scale: float, lr: float) -> None:
         """Bring every tile in `tiles` to step `target`. See [Note: retry-safe steps]."""
         tiles = list(tiles)
         todo = [t for t in tiles if self._tile_steps[t] < target]
@@ -386,7 +393,7 @@ class SwappedOptimizer(StreamedState):
                     self.store.prefetch(keys[i + 1:i + 2])
                 future = self.store.fetch(key, Tier.HOST)
                 held = key
-                self._update_tile(t, future.result(), grad_of, step_of, grad_scale, values)
+                self._update_tile(t, future.result(), grad_of, step_of, grad_scale, lr, values)
                 self._tile_steps[t] = target
                 # Done for this step: needed again at the next one, after every other tile.
                 self.store.set_next_use({key: len(self.tiles)})
@@ -404,10 +411,12 @@ class SwappedOptimizer(StreamedState):
             finally:
                 values.release_all()
 
-    def _update_tile(self, t: int, tile: torch.Tensor, grad_of: Callable[[int], torch.Tensor | None],
-                     step_of: Callable[[int], int], grad_scale: float, values: GroupValues) -> None:
-        """Run the kernel over tile t's segments; every input is fetched first, so a tile is
-        updated whole or not at all."""
+    def _update_tile(self, t: int, tile: torch.Tensor,
+                     grad_of: Callable[[int], torch.Tensor | GradPieces | None],
+                     step_of: Callable[[int], int], grad_scale: float, lr: float,
+                     values: GroupValues) -> None:
+        """Run the kernel over tile t's segments (one call per gradient piece in a segment);
+        every input is fetched first, so a tile is updated whole or not at all."""
         work = [(seg, grad_of(seg.param)) for seg in self.tiles[t]]
         work = [(seg, grad, values.get(seg.param)) for seg, grad in work if grad is not None]
         master_row = self._tile_master[t]
@@ -419,10 +428,13 @@ class SwappedOptimizer(StreamedState):
             else:  # a float32 unit: its values are the master
                 master, exp_avg, exp_avg_sq = out, tile[0, cols], tile[1, cols]
             lowp = out if out.dtype != torch.float32 else None
-            adam_step(master, grad.view(-1)[part], exp_avg, exp_avg_sq, step=step_of(seg.param),
-                      lr=self.lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
-                      weight_decay=self.weight_decay, adamw=self.adamw_mode, grad_scale=grad_scale,
-                      out_lowp=lowp, pool=self._pool)
+            pieces = grad if isinstance(grad, GradPieces) else GradPieces([grad.view(-1)])
+            for first, g in pieces.ranges(part.start, part.stop):
+                at = slice(first - part.start, first - part.start + g.numel())
+                adam_step(master[at], g, exp_avg[at], exp_avg_sq[at], step=step_of(seg.param),
+                          lr=lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
+                          weight_decay=self.weight_decay, adamw=self.adamw_mode, grad_scale=grad_scale,
+                          out_lowp=None if lowp is None else lowp[at], pool=self._pool)
             if master_row and lowp is None:
                 out.copy_(master)
             values.modified(seg.param)

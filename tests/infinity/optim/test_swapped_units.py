@@ -324,3 +324,50 @@ def test_prefetch_unit_reads_ahead_and_holds_nothing(tmp_path, put_units, values
             assert torch.equal(values_of(store, f"unit{u}"), master)
         with pytest.raises(ValueError, match=r"unit must be an int in \[0, 2\)"):
             opt.prefetch_unit(2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_gradient_in_pieces_steps_as_the_same_gradient_whole(tmp_path, dtype, put_units, values_of):
+    """The engine hands a unit's gradient as its parameters' own tensors laid end to end;
+    pieces that cross tile boundaries (TILE 1000) and tiny ones give the whole-gradient result
+    bit for bit, and the pieces are only read."""
+    cuts = {2500: [1, 998, 2, 1499], 1234: [1234], 3000: [1000, 1000, 1000]}
+    with _store(tmp_path / "whole") as whole_store, _store(tmp_path / "pieces") as pieces_store:
+        specs_by_store = []
+        for store in (whole_store, pieces_store):
+            _, specs = put_units(store, [dtype] * 3, list(cuts), seed=3)
+            specs_by_store.append(specs)
+        whole = SwappedOptimizer.from_units(specs_by_store[0], whole_store, lr=1e-2, tile_numel=TILE, **HYPER)
+        pieces = SwappedOptimizer.from_units(specs_by_store[1], pieces_store, lr=1e-2, tile_numel=TILE, **HYPER)
+        for step in range(2):
+            grads = _grads(specs_by_store[0], step)
+            for u, (grad, sizes) in enumerate(zip(grads, cuts.values())):
+                whole.step_unit(u, grad)
+                split = [p.clone() for p in grad.split(sizes)]
+                pieces.step_unit(u, split)
+                assert torch.equal(torch.cat(split), grad)
+            whole.finish_step()
+            pieces.finish_step()
+        for a, b in zip(specs_by_store[0], specs_by_store[1]):
+            assert torch.equal(values_of(whole_store, a.values_key), values_of(pieces_store, b.values_key))
+        for (_, a), (_, b) in zip(whole.iter_state(), pieces.iter_state()):
+            assert all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq"))
+
+
+def test_bad_gradient_pieces(tmp_path, put_units):
+    with _store(tmp_path) as store:
+        _, specs = put_units(store, [torch.float32], [100])
+        opt = SwappedOptimizer.from_units(specs, store, tile_numel=TILE)
+        for bad, error, match in (([torch.ones(60), torch.ones(39)], ValueError, "lay 100 elements end to end, got 99"),
+                                  ([], TypeError, "non-empty list"),
+                                  ((torch.ones(100) for _ in ()), TypeError, "generator"),
+                                  ([torch.ones(50), "x"], TypeError, r"piece 1\) must be a torch.Tensor"),
+                                  ([torch.ones(50), torch.ones(5, 10)], ValueError, r"piece 1\) must be 1-D"),
+                                  ([torch.ones(50), torch.ones(100)[::2]], ValueError, "contiguous")):
+            with pytest.raises(error, match=match):
+                opt.step_unit(0, bad)
+        nan = torch.ones(50)
+        nan[7] = float("nan")
+        with pytest.raises(ValueError, match="unit 0's gradient has non-finite values"):
+            opt.step_unit(0, [torch.ones(50), nan])
+        assert opt._tile_steps == [0]  # nothing was updated
