@@ -66,6 +66,9 @@ class ParamCoordinator:
         gather: with several ranks at stage 3, the store holds this rank's shard of each unit:
             a fetched shard is all-gathered into the whole unit before it is bound, and units
             are not kept for reuse (see [Note: gathers in step on every rank]).
+        ready: asked before a unit's values are fetched, `ready(unit, wait)`: whether they may
+            be now (the engine's optimizer may still be updating them); with wait=True it
+            returns once they may. Prefetch stops at a unit not ready.
 
     Thread-safe (autograd may run hooks from its own threads).
     """
@@ -74,10 +77,12 @@ class ParamCoordinator:
                  device: torch.device, prefetch_numel: int, max_live_numel: int,
                  max_reuse_numel: int, max_traces: int = 4,
                  on_grads_final: Callable[[FetchUnit], None] | None = None,
-                 gather: Ranks | None = None) -> None:
+                 gather: Ranks | None = None,
+                 ready: Callable[[FetchUnit, bool], bool] | None = None) -> None:
         self.units = list(units)
         self.gather = gather
         self.on_grads_final = on_grads_final
+        self.ready = ready
         self.store = store
         self.fetch_tier = fetch_tier
         self.prefetch_numel = int(prefetch_numel)
@@ -93,6 +98,7 @@ class ParamCoordinator:
         self._resident = [u for u in self.units if u.persistent]
         self._resident_ready = False
         self._gathers: dict[FetchUnit, PendingGather] = {}  # see [Note: gathers in step on every rank]
+        self._not_ready: set[FetchUnit] = set()  # prefetch stopped at them: `ready` said no
         self.in_backward = False  # between the first backward acquire of a pass and its end
         self._lock = threading.RLock()
 
@@ -258,9 +264,12 @@ class ParamCoordinator:
         elif u.state is UnitState.FETCHING:
             self.stats.prefetch_hits += 1
         else:
-            self.stats.on_demand += 1
-            if self.store.tiers_of(u.key) == [Tier.NVME.label]:
-                self.stats.on_demand_nvme += 1
+            if u in self._not_ready or (self.ready is not None and not self.ready(u, False)):
+                self.stats.after_optimizer += 1  # not prefetched: its values were changing
+            else:
+                self.stats.on_demand += 1
+                if self.store.tiers_of(u.key) == [Tier.NVME.label]:
+                    self.stats.on_demand_nvme += 1
             self._start(u, next_use=0, make_room=True)
         if u.state is UnitState.FETCHING:
             self._wait(u)
@@ -268,6 +277,14 @@ class ParamCoordinator:
 
     def _start(self, u: FetchUnit, *, next_use: float, make_room: bool) -> None:
         u.expect(UnitState.RELEASED)
+        self._not_ready.discard(u)
+        if self.ready is not None and not self.ready(u, False):
+            self._drop_unused(UnitState.READY)  # kept for reuse: the optimizer updating u may need the room
+            try:
+                self.ready(u, True)
+            except BudgetError:  # stepping u again here found no room: our read-ahead gives way too
+                self._drop_unused()
+                self.ready(u, True)
         try:
             u.future = self.store.fetch(u.key, self.fetch_tier, next_use=next_use)
         except BudgetError:
@@ -356,6 +373,9 @@ class ParamCoordinator:
                 continue
             if not first and self._live_numel + u.numel > self.max_live_numel:
                 return
+            if self.ready is not None and not self.ready(u, False):
+                self._not_ready.add(u)
+                return  # its values are still being updated (and what follows, most likely)
             try:
                 self._start(u, next_use=float(j - pos), make_room=False)
             except BudgetError:
@@ -385,8 +405,9 @@ class ParamCoordinator:
             if u.state is UnitState.FETCHING and u.users == 0:
                 self._release_unit(u)
 
-    def _drop_unused(self) -> None:
+    def _drop_unused(self, *states: UnitState) -> None:
+        """Release the units no module uses (those in `states` if given)."""
         for u in self.units:
             if not u.persistent and u.users == 0 and u.state is not UnitState.RELEASED \
-                    and u not in self._gathers:
+                    and u not in self._gathers and (not states or u.state in states):
                 self._release_unit(u)

@@ -33,14 +33,19 @@ class _ModuleState:
     def __init__(self, module: torch.nn.Module, units: Sequence[FetchUnit], coordinator: ParamCoordinator) -> None:
         self.units = list(units)
         self.coordinator = coordinator
+        self._acquired: list[bool] = []  # per call in progress: whether its acquire succeeded
         self.handles = [module.register_forward_pre_hook(self._pre_forward),
                         module.register_forward_hook(self._post_forward, always_call=True)]
 
     def _pre_forward(self, module: torch.nn.Module, args: Any) -> None:
+        self._acquired.append(False)
         self.coordinator.acquire(self.units)
+        self._acquired[-1] = True
 
     def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         failed = sys.exc_info()[0] is not None  # torch calls us from its except block
+        if self._acquired and not self._acquired.pop():
+            return  # its acquire raised (the pass is aborted at the root)
         if not failed and torch.is_grad_enabled() and self.coordinator.in_backward:
             # A forward recomputed inside backward (activation checkpointing): its saved tensors
             # are used right away and are not saved by position, so keep the values until the

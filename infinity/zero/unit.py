@@ -18,7 +18,7 @@ import torch
 
 from infinity.store import TensorFuture, TensorStore, Tier
 from infinity.zero._common import UnitState
-from infinity.zero.grads import GradBuffer, RamGrad
+from infinity.zero.grads import GradBuffer, HeldGrad
 from infinity.zero.ranks import Partition
 
 logger = logging.getLogger(__name__)
@@ -95,9 +95,10 @@ class FetchUnit:
             s.param.data = placeholder
 
     def take_grads(self) -> None:
-        """Add the parameters' gradients into the flat buffer and drop them (bounded memory)."""
+        """Take the parameters' gradients into the unit's gradient (by default the tensors
+        themselves, see HeldGrad) and set their `.grad` to None."""
         if self.grad is None:
-            self.grad = RamGrad(self.numel, self.compute_dtype)
+            self.grad = HeldGrad([s.shape.numel() for s in self.slots], self.compute_dtype, name=self.key)
         self.grad.accumulate(self.slots)
 
 

@@ -1,10 +1,10 @@
-"""Gradient buffers in RAM and in the store behave alike."""
+"""Gradient buffers in RAM and in the store behave alike; HeldGrad keeps autograd's own tensors."""
 
 import pytest
 import torch
 
 from infinity.store import TensorStore, Tier
-from infinity.zero import RamGrad, Ranks, StoredGrad, plan_units
+from infinity.zero import HeldGrad, RamGrad, Ranks, StoredGrad, plan_units
 
 
 class LoneRank(Ranks):
@@ -87,3 +87,70 @@ def test_averaging_counts_zeros_where_no_gradient_arrived(make_buffer):
     assert buffer.has_grad and ranks.calls == ["gradient param/u"]
     with buffer.read() as flat:
         assert torch.equal(flat, torch.zeros(8))
+
+
+def _held(layer):
+    (unit,), _ = plan_units(layer, persistence_numel=0)
+    return unit, HeldGrad([s.shape.numel() for s in unit.slots], torch.float32, name="param/u")
+
+
+def test_held_gradients_are_autograds_tensors_summed_in_place():
+    """No copy: the pieces are the tensors `.grad` held (same memory), later micro-batches are
+    added into them, a parameter without a gradient reads as zeros, zero() lets them go."""
+    layer = torch.nn.Linear(3, 2)
+    unit, buffer = _held(layer)
+    with buffer.read_pieces() as pieces:
+        assert not buffer.has_grad and [p.tolist() for p in pieces] == [[0.0] * 6, [0.0] * 2]
+    weight_grad = torch.full((2, 3), 1.0)
+    layer.weight.grad = weight_grad
+    buffer.accumulate(unit.slots)
+    assert layer.weight.grad is None and buffer.finite
+    layer.weight.grad, layer.bias.grad = torch.full((2, 3), 2.0), torch.full((2,), -2.0)
+    buffer.accumulate(unit.slots)
+    with buffer.read_pieces() as (weight, bias):
+        assert weight.data_ptr() == weight_grad.data_ptr() and weight.tolist() == [3.0] * 6
+        assert bias.tolist() == [-2.0] * 2
+    with buffer.read() as flat:
+        assert flat.tolist() == [3.0] * 6 + [-2.0] * 2
+    buffer.zero()
+    assert not buffer.has_grad and buffer.finite is None
+    layer.bias.grad = torch.full((2,), 5.0)  # the weight got none this step: zeros, not last step's
+    buffer.accumulate(unit.slots)
+    with buffer.read_pieces() as (weight, bias):
+        assert weight.tolist() == [0.0] * 6 and bias.tolist() == [5.0] * 2
+
+
+def test_a_held_gradient_not_contiguous_is_copied():
+    layer = torch.nn.Linear(3, 2)
+    unit, buffer = _held(layer)
+    layer.weight.grad = torch.arange(6.0).view(3, 2).t()
+    buffer.accumulate(unit.slots)
+    with buffer.read_pieces() as (weight, bias):
+        assert weight.is_contiguous() and weight.tolist() == [0.0, 2.0, 4.0, 1.0, 3.0, 5.0]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_held_gradients_know_whether_they_are_finite(value):
+    """Checked where accumulated (autograd's output is still in cache), so the optimizer step
+    needs no pass of its own; an overflow in a sum over micro-batches counts too."""
+    layer = torch.nn.Linear(3, 2)
+    unit, buffer = _held(layer)
+    layer.weight.grad = torch.ones(2, 3)
+    buffer.accumulate(unit.slots)
+    assert buffer.finite is True
+    bad = torch.ones(2)
+    bad[1] = value
+    layer.bias.grad = bad
+    buffer.accumulate(unit.slots)
+    assert buffer.finite is False
+    layer.weight.grad = torch.ones(2, 3)
+    buffer.accumulate(unit.slots)
+    assert buffer.finite is False  # stays so until the next step
+    buffer.zero()
+    layer.weight.grad = torch.full((2, 3), 3e38)
+    buffer.accumulate(unit.slots)
+    layer.weight.grad = torch.full((2, 3), 3e38)
+    buffer.accumulate(unit.slots)  # 6e38 overflows float32
+    assert buffer.finite is False
+    with pytest.raises(TypeError, match="one process"):
+        buffer.average_over(LoneRank())
