@@ -363,16 +363,25 @@ class InfinityConfig(Section):
     """Seconds a collective across data-parallel ranks may take before every rank stops with
     a RankError (a dead or stuck peer). Used when the engine starts the process group itself.
     Default 300."""
-    mmap_threshold: ByteSize | None = 1 << 20
+    mmap_threshold: ByteSize | Literal["auto"] | None = "auto"
     """glibc malloc: allocations of at least this many bytes get their own mapping, returned
     to the OS when freed, so peak RSS follows what training holds (infinity/memory/malloc.py);
     at most "32MiB". null leaves malloc as it is. Set for the whole process by initialize.
-    Default "1MiB"."""
+    Default "auto": "1MiB" when parameters or optimizer state live on NVMe (host memory is
+    what the offload saves), else null (every freed large block would come back as fresh
+    pages to fault in: measured ~0.3 s of a 2.3 s step with everything in RAM)."""
+
+    overlap_optimizer: bool | Literal["auto"] = "auto"
+    """Step each unit's optimizer on a worker as soon as its gradients are final, while
+    backward goes on (needs gradient_clipping 0 and fp16 off: those need every gradient
+    first). Default "auto": where the step waits on something other than the cores backward
+    computes on (NVMe, an accelerator); with CPU compute and everything in RAM the two would
+    only take turns on the same cores (measured slower, docs/performance.md)."""
 
     def __post_init__(self) -> None:
         budget = self.host_memory_budget
         check(budget is None or budget > 0, "host_memory_budget", budget, "a byte count > 0")
         check(self.collective_timeout > 0, "collective_timeout", self.collective_timeout, "seconds > 0")
         threshold = self.mmap_threshold
-        check(threshold is None or 0 < threshold <= 32 << 20, "mmap_threshold", threshold,
-              'a byte count in (0, "32MiB"], or null')
+        check(threshold in (None, "auto") or 0 < threshold <= 32 << 20, "mmap_threshold", threshold,
+              'a byte count in (0, "32MiB"], "auto" or null')

@@ -142,7 +142,8 @@ _SCALARS = {int: _to_int, float: _to_float, bool: _to_bool, str: _to_str, ByteSi
 
 
 def convert(value: Any, annotation: Any, key: str) -> Any:
-    """`value` as `annotation` (int, float, bool, str, ByteSize, Literal, X | None, a pair).
+    """`value` as `annotation` (int, float, bool, str, ByteSize, Literal, unions of them with
+    None, a pair).
 
     Raises FieldError naming `key`, the value and what is allowed.
     """
@@ -160,4 +161,11 @@ def convert(value: Any, annotation: Any, key: str) -> Any:
             return None
         if len(args) == 1:
             return convert(value, args[0], key)
+        allowed = []
+        for arg in args:  # the first that takes it
+            try:
+                return convert(value, arg, key)
+            except FieldError as exc:
+                allowed.append(exc.allowed)
+        raise FieldError(key, value, ", or ".join(allowed) + ", or null")
     raise TypeError(f"config field {key} has an annotation the parser does not know: {annotation}")

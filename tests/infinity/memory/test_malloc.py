@@ -1,7 +1,8 @@
 """The engine's fixed mmap threshold returns freed tensors to the OS where glibc's dynamic one
-keeps them in a fragmented heap (infinity/memory/malloc.py). Each case runs in a fresh child:
-malloc settings are per process."""
+keeps them in a fragmented heap (infinity/memory/malloc.py); "auto" fixes it when something
+lives on NVMe. Each case runs in a fresh child: malloc settings are per process."""
 
+import json
 import subprocess
 import sys
 
@@ -10,11 +11,9 @@ import pytest
 from infinity.memory import set_mmap_threshold
 
 CHILD = """
-import sys, torch, infinity
+import json, sys, torch, infinity
 from infinity.memory import rss_bytes
-config = {"train_micro_batch_size_per_gpu": 1}
-if sys.argv[1] == "null":
-    config["infinity"] = {"mmap_threshold": None}
+config = {"train_micro_batch_size_per_gpu": 1, **json.loads(sys.argv[1])}
 engine = infinity.initialize(torch.nn.Linear(4, 4), config)
 big = torch.ones(30 << 18)  # 30 MiB, mapped; freeing it raises glibc's dynamic threshold to 30 MiB
 del big
@@ -28,15 +27,21 @@ engine.close()
 """
 
 
-def _released_mib(how: str) -> float:
-    out = subprocess.run([sys.executable, "-c", CHILD, how], capture_output=True, text=True, timeout=120)
+def _released_mib(config: dict) -> float:
+    out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(config)], capture_output=True, text=True,
+                         timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     return int(out.stdout.split()[-1]) / (1 << 20)
 
 
-def test_freed_tensors_go_back_to_the_os_under_the_engine():
-    assert _released_mib("default") >= 120  # 32 x 4 MiB freed
-    assert _released_mib("null") <= 16  # glibc's own threshold: they stay resident (test can fail)
+def test_freed_tensors_go_back_to_the_os_under_the_engine(tmp_path):
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
+    for offload in ({"offload_param": nvme}, {"offload_optimizer": nvme}):  # "auto" with NVMe: 1 MiB
+        assert _released_mib({"zero_optimization": {"stage": 3, **offload}}) >= 120  # 32 x 4 MiB freed
+    assert _released_mib({"infinity": {"mmap_threshold": "1MiB"}}) >= 120
+    # glibc's own threshold: they stay resident (the test can fail)
+    assert _released_mib({"infinity": {"mmap_threshold": None}}) <= 16
+    assert _released_mib({}) <= 16  # "auto", everything in RAM: malloc is left alone
 
 
 def test_thresholds_out_of_range_are_refused():
