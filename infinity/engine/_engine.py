@@ -18,9 +18,28 @@ The unit was released first, so nothing computes from its values while they chan
 gets the same kernel call with the same gradient and grad_scale as after backward, so the
 result is the same. Resident units (held until the step) are stepped after backward. With
 clipping or fp16 the whole step runs after backward (the norm / overflow needs every gradient).
-With several ranks, the collectives that make a unit's gradient final (all-reduce, or
-reduce-scatter) run in the backward hook before the unit is handed to the worker; the worker
-runs only the Adam step, never a collective.
+It pays where the step waits on something other than the cores backward computes on (NVMe,
+an accelerator); with CPU compute and everything in RAM the worker and backward only take turns
+on the same cores (interleaved A/B on a 294M GPT: 1.11x plain PyTorch overlapped, see
+docs/performance.md), so `infinity.overlap_optimizer` "auto" leaves it off there. With several
+ranks, the collectives that make a unit's gradient final (all-reduce, or reduce-scatter) run in
+the backward hook before the unit is handed to the worker; the worker runs only the Adam step,
+never a collective.
+
+[Note: the step's tail in the next forward] Backward finishes units last layer first, so when it
+ends the worker still has the first layers to step (with NVMe: read state, update, write back),
+and those are what the next forward needs first. On one process `step()` does not wait for
+them: the units not started yet are re-sorted into forward order (resident units first) and
+`step()` returns; the next forward waits for each unit's step before fetching its values (the
+coordinator's `ready` callback) and prefetches only units already stepped, so the forward's
+reads and the tail's reads and write-backs share the disk (issue 7: the forward alone read at
+~1.2 GB/s against the ~2 GB/s of reads and writes together). Each unit still gets the kernel call
+it got before, with the step's learning rate (taken when backward started; the schedule moves
+on at `step()` as before), so the result is the same. What needs the whole step done waits for
+it: the next backward (gradients accumulate again only after every unit was stepped), and
+named_parameters, checkpoints, close and `synchronize()`. A unit whose step failed on the worker
+is stepped again on the waiting thread (retry-safe) and its error raised there if it fails again.
+With several ranks `step()` waits as before (stages 1-2 gather the values after the step).
 """
 
 from __future__ import annotations
@@ -30,9 +49,8 @@ import logging
 import math
 import os
 import time
-from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -41,8 +59,10 @@ import torch
 
 from infinity.config import AdamParams, Config, OptimizerConfig, build_lr_schedule
 from infinity.engine import _checkpoint
+from infinity.engine._overlap import UnitStepper
 from infinity.engine._partition import RankedUnits
 from infinity.engine._placement import choose_model_precision, lay_out, open_store, take_placed
+from infinity.engine._plan import MemoryPlan
 from infinity.engine._timeline import Timeline
 from infinity.errors import ConfigError
 from infinity.memory import peak_rss_bytes, set_mmap_threshold
@@ -94,8 +114,9 @@ class Engine:
                               f"{self.ranks.world} ranks: load it with load_config(..., world_size="
                               f"{self.ranks.world}) or use infinity.initialize")
         self.partition = Partition(self.ranks, zero.stage)
-        if config.infinity.mmap_threshold is not None:
-            set_mmap_threshold(config.infinity.mmap_threshold)
+        threshold = _mmap_threshold(config)
+        if threshold is not None:
+            set_mmap_threshold(threshold)
         self.precision, self.device = choose_model_precision(config)
         placed = take_placed(model, config, self.precision, self.device,  # see [Note: placed models]
                              sharded_params=self.partition.params)
@@ -108,13 +129,17 @@ class Engine:
         else:
             layout = placed.layout
         self.units, uses, self.plan = layout.units, layout.uses, layout.plan
+        self.overlap = _overlaps(config, self.plan, self.device)  # its errors before anything is opened
         self.ranks.check_same(_fingerprint(config, self.units), "the config or the model's layout")
         self.timeline = Timeline(time.perf_counter())
         self.store = open_store(layout, config, rank=self.ranks.rank) if placed is None else placed.store
         self.coordinator: ParamCoordinator | None = None
         self._hooks: ModelHooks | None = None
-        self._worker: ThreadPoolExecutor | None = None
-        self._stepping: dict[int, Future] | None = None  # units stepped during this backward
+        self._stepper: UnitStepper | None = None
+        self._stepping = False  # units are stepped during this backward
+        self._tail_open = False  # see [Note: the step's tail in the next forward]
+        self._defer_tail = self.overlap and self.ranks.world == 1
+        self._step_lr = 0.0  # the learning rate of the step being built on the worker
         self._trained = [u for u in self.units if u.requires_grad]
         self._index = {u: i for i, u in enumerate(self._trained)}
         self._ranked = RankedUnits(self.partition, self._trained)
@@ -132,7 +157,7 @@ class Engine:
                 self.units, self.store, fetch_tier=self.plan.fetch_tier, device=self.device,
                 prefetch_numel=self.plan.prefetch_numel, max_live_numel=zero.stage3_max_live_parameters,
                 max_reuse_numel=zero.stage3_max_reuse_distance, on_grads_final=self._grads_final,
-                gather=self.ranks if self.partition.params else None)
+                gather=self.ranks if self.partition.params else None, ready=self._unit_ready)
             self._hooks = ModelHooks(model, self.units, uses, self.coordinator)
             self.optimizer = self._make_optimizer()
         except BaseException:
@@ -149,11 +174,12 @@ class Engine:
         if self._schedule is not None:
             self.optimizer.lr = self._schedule.lr_at(-1)
         self.last_grad_norm: float | None = None
-        # See [Note: optimizer overlapped with backward].
-        self.overlap = config.gradient_clipping == 0 and not fp16.enabled
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="infinity-optim") if self.overlap else None
+        if self.overlap:
+            self._stepper = UnitStepper(
+                lambda i: self._step_unit(i, self._trained[i], 1.0, lr=self._step_lr), self._prefetch_state)
         self.units_stepped_in_backward = 0
-        self._queued: deque[int] = deque()  # units submitted to the worker, the running one first
+        self.units_left_to_forward = 0  # units of a step not yet stepped when step() returned
+        self.optimizer_wait_s = 0.0  # forward waiting for units of the last step's tail
         self._pending_save: Future[Path] | None = None  # a background checkpoint save
 
     def _make_optimizer(self) -> SwappedOptimizer:
@@ -194,8 +220,9 @@ class Engine:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError("backward() needs a scalar loss tensor that requires grad, got "
                              f"{type(loss).__name__}{tuple(getattr(loss, 'shape', ()))}")
-        if self._stepping is not None:
+        if self._stepping:
             raise RuntimeError("backward() twice in one accumulation boundary: call step() first")
+        self.synchronize()  # gradients accumulate again only once every unit was stepped
         scaled = loss
         if self.config.gradient_accumulation_steps > 1:
             scaled = scaled / self.config.gradient_accumulation_steps
@@ -203,7 +230,8 @@ class Engine:
             scaled = scaled * self._loss_scale()
         if self.overlap and self.is_gradient_accumulation_boundary():
             self.optimizer.begin_step()
-            self._stepping = {}
+            self._step_lr = self.optimizer.lr
+            self._stepping = True
         try:
             with self.timeline.region("backward", "compute"):
                 scaled.backward()
@@ -217,41 +245,55 @@ class Engine:
         self.timeline.record(unit.key, "grads final", time.perf_counter())
         if unit.requires_grad and self.is_gradient_accumulation_boundary():
             self._ranked.average(self._index[unit])
-        if self._stepping is not None and unit.requires_grad and not unit.persistent \
+        if self._stepping and unit.requires_grad and not unit.persistent \
                 and unit.state is UnitState.RELEASED:
-            i = self._index[unit]
-            self._queued.append(i)
-            if len(self._queued) == 2:  # the worker is on the one before: read this one's state
-                self._prefetch_state(i)
-            self._stepping[i] = self._worker.submit(self._step_queued, i, unit)
+            self._stepper.submit(self._index[unit])
             self.units_stepped_in_backward += 1
 
-    def _step_queued(self, i: int, unit: FetchUnit) -> None:
-        """The worker's step of a unit final in backward; the unit queued after it (if any) has
-        its state read meanwhile (a hint: an error there shows when that unit is stepped)."""
+    def _unit_ready(self, unit: FetchUnit, wait: bool) -> bool:
+        """Coordinator callback before it fetches a unit's values: False while the last step's
+        tail is still stepping the unit; with `wait`, wait for that (stepping it here if it
+        failed on the worker) and return True. See [Note: the step's tail in the next forward]."""
+        i = self._index.get(unit)
+        future = self._stepper.future(i) if self._tail_open and i is not None else None
+        if future is None:
+            return True
+        if not wait:
+            return future.done() and future.exception() is None
+        start = time.perf_counter()
         try:
-            if len(self._queued) > 1:
-                self._prefetch_state(self._queued[1])
-            self._step_unit(i, unit, 1.0)
+            if future.exception() is not None:
+                logger.warning("optimizer step of %s on the worker failed (%s); retrying", unit.key,
+                               future.exception())
+                self._step_unit(i, unit, 1.0, lr=self._step_lr)
+                self._stepper.mark_done(i)
         finally:
-            self._queued.popleft()
+            self.optimizer_wait_s += time.perf_counter() - start
+        return True
 
     def _prefetch_state(self, i: int) -> None:
         j = self._opt_index.get(i)
         if j is not None:  # this rank steps part of the unit
             self.optimizer.prefetch_unit(j)
 
-    def _step_unit(self, i: int, unit: FetchUnit, grad_scale: float) -> None:
+    def _step_unit(self, i: int, unit: FetchUnit, grad_scale: float, *, finite: bool = False,
+                   lr: float | None = None) -> None:
+        """Step unit i; `finite`: its gradient is known to be free of inf/nan (a finite norm);
+        `lr`: the step's learning rate (default: the optimizer's)."""
         j = self._opt_index.get(i)
         if j is None:  # this rank owns no element of the unit
             return
         with self.timeline.region(unit.key, "optimizer"):
             if unit.grad is None:
                 self.optimizer.step_unit(j, torch.zeros(unit.numel, dtype=unit.compute_dtype),
-                                         grad_scale=grad_scale)
+                                         grad_scale=grad_scale, lr=lr)
                 return
-            with unit.grad.read() as grad:
-                self.optimizer.step_unit(j, self._ranked.grad_part(i, grad), grad_scale=grad_scale)
+            if unit.grad.finite is False:
+                raise ValueError(f"the gradient of {unit.key} has non-finite values (inf/nan): no "
+                                 f"parameter of it was updated")
+            with unit.grad.read_pieces() as pieces:  # checked already where accumulated
+                self.optimizer.step_unit(j, self._ranked.grad_part(i, pieces), grad_scale=grad_scale,
+                                         check_finite=not finite and unit.grad.finite is None, lr=lr)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
@@ -271,12 +313,15 @@ class Engine:
         self.global_steps += 1
         self.coordinator.release_all()
         self._ranked.average_rest()
-        stepping, self._stepping = self._stepping, None
-        if stepping is not None:
-            self._finish_overlapped(stepping)
+        if self._stepping:
+            self._stepping = False
+            self._queue_the_rest()
             return
+        self.synchronize()  # step() twice without a backward between: the last step comes first
         scale = self._loss_scale()
-        norm = self._grad_norm() / scale
+        # The norm is a pass over every gradient: taken when clipping or the fp16 overflow check
+        # needs it (as in the overlapped step, last_grad_norm is None otherwise).
+        norm = self._grad_norm() / scale if self.config.gradient_clipping > 0 or self.config.fp16.enabled else None
         self.last_grad_norm = norm
         if self.config.fp16.enabled:
             overflow = not math.isfinite(norm)
@@ -289,29 +334,63 @@ class Engine:
                 self._zero_grads()
                 return
         clip = 1.0
-        if self.config.gradient_clipping > 0 and norm > 0:
+        if norm is not None and self.config.gradient_clipping > 0 and norm > 0:
             clip = min(1.0, self.config.gradient_clipping / (norm + 1e-6))
         self.optimizer.begin_step()
         for i, unit in enumerate(self._trained):
-            self._step_unit(i, unit, clip / scale)
+            self._step_unit(i, unit, clip / scale, finite=norm is not None and math.isfinite(norm))
         self._end_step()
 
-    def _finish_overlapped(self, stepping: dict[int, Future]) -> None:
-        """Wait for the units stepped during backward, step the others here."""
+    def _queue_the_rest(self) -> None:
+        """After an overlapped backward: queue the units backward did not hand over (resident
+        ones, units that got no gradient), then wait for them all, or on one process let the
+        next forward wait unit by unit (see [Note: the step's tail in the next forward])."""
         self.last_grad_norm = None
+        for i in range(len(self._trained)):
+            if self._stepper.future(i) is None:
+                self._stepper.submit(i)
+        if not self._defer_tail or any(u.grad is not None and u.grad.finite is False for u in self._trained):
+            self._tail_open = True
+            self.synchronize()  # (a non-finite gradient fails the step here, not at the next call)
+            return
+        order = sorted(range(len(self._trained)),
+                       key=lambda i: (not self._trained[i].persistent, self._trained[i].index))
+        self._stepper.reorder(key=order.index)
+        self._tail_open = True
+        left = [i for i in order if not self._stepper.future(i).done()]
+        self.units_left_to_forward += len(left)
+        # The next forward reads these values right after they are updated: keep them in RAM
+        # (a few store fetches per unit between: its values, its tiles).
+        self.store.set_next_use({self._trained[i].key: 4.0 * n for n, i in enumerate(left)})
+        self._log_and_schedule()
+
+    def synchronize(self) -> None:
+        """Wait for the optimizer work the last `step()` left running (see [Note: the step's
+        tail in the next forward]); raises a unit's error if stepping it again fails too."""
+        if not self._tail_open:
+            return
+        futures = self._stepper.take()
+        self._tail_open = False  # if a retry raises, the step stays unfinished, as step() left it before
         for i, unit in enumerate(self._trained):
-            future = stepping.get(i)
-            error = future.exception() if future is not None else None
+            error = futures[i].exception()
             if error is not None:
                 logger.warning("optimizer step of %s on the worker failed (%s); retrying", unit.key, error)
-            if future is None or error is not None:
-                self._step_unit(i, unit, 1.0)  # retry-safe: tiles already stepped are skipped
-        self._end_step()
+                self._step_unit(i, unit, 1.0, lr=self._step_lr)  # retry-safe: tiles already stepped are skipped
+        self._close_step()
+        if not self._defer_tail:
+            self._log_and_schedule()
 
     def _end_step(self) -> None:
+        self._close_step()
+        self._log_and_schedule()
+
+    def _close_step(self) -> None:
+        """Every unit is stepped: the optimizer's step is complete, the gradients start over."""
         self.optimizer.finish_step()
         self._ranked.gather_values(self.store)
         self._zero_grads()
+
+    def _log_and_schedule(self) -> None:
         if self.global_steps % self.config.steps_per_print == 0:
             p = self.coordinator.stats
             logger.info("step %d: lr %.3g, grad norm %s, prefetch hits %d, on demand %d, stall %.2f s",
@@ -328,8 +407,8 @@ class Engine:
         total = 0.0
         for u in self._trained:
             if u.grad is not None and u.grad.has_grad:
-                with u.grad.read() as grad:
-                    total += float(torch.linalg.vector_norm(grad, dtype=torch.float32)) ** 2
+                with u.grad.read_pieces() as pieces:
+                    total += sum(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in pieces)
         return math.sqrt(self._ranked.global_sum_of_squares(total))
 
     def _zero_grads(self) -> None:
@@ -353,6 +432,7 @@ class Engine:
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (name, a copy of its current values) one unit at a time (bounded memory)."""
         self._check_open()
+        self.synchronize()
         self.coordinator.release_all()
         for unit in self.units:
             yield from _unit_values(self.store, unit, self._ranked)
@@ -362,7 +442,9 @@ class Engine:
         return {"store": self.store.stats(), "prefetch": asdict(self.coordinator.stats),
                 "global_steps": self.global_steps, "skipped_steps": self.skipped_steps,
                 "optimizer": {"overlap": self.overlap,
-                              "units_stepped_in_backward": self.units_stepped_in_backward},
+                              "units_stepped_in_backward": self.units_stepped_in_backward,
+                              "units_left_to_forward": self.units_left_to_forward,
+                              "forward_wait_s": self.optimizer_wait_s},
                 "loss_scale": self._loss_scale() if self.config.fp16.enabled else None,
                 "peak_rss_bytes": peak_rss_bytes()}
 
@@ -382,6 +464,7 @@ class Engine:
         goes on; the next save, load or close() waits for it. Returns the tag's path."""
         self._check_open()
         self.wait_for_checkpoint()
+        self.synchronize()
         self._pending_save = _checkpoint.save_checkpoint(
             self, save_dir, tag, client_state, async_budget_nbytes=async_budget_nbytes if async_save else None)
         return Path(save_dir) / (tag or f"step{self.global_steps}")
@@ -397,6 +480,7 @@ class Engine:
         """Restore a checkpoint (tag None: `load_dir/latest`); returns its client_state."""
         self._check_open()
         self.wait_for_checkpoint()
+        self.synchronize()
         return _checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states)
 
     # -- end -------------------------------------------------------------------------------------
@@ -409,15 +493,16 @@ class Engine:
         self._closed = True
         try:
             self.wait_for_checkpoint()
+            self.synchronize()
         finally:
             self._teardown(restore_params=restore_params)
 
     def _teardown(self, *, restore_params: bool) -> None:
         """Undo what __init__ did, as far as it got."""
         try:
-            if self._worker is not None:
-                self._worker.shutdown(wait=True)
-            self._stepping = None
+            if self._stepper is not None:
+                self._stepper.shutdown()
+            self._stepping = self._tail_open = False
             if self.coordinator is not None:
                 self.coordinator.abort_pass()  # a failed forward may have left modules in use
                 self.coordinator.release_all()
@@ -441,6 +526,29 @@ class Engine:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("the engine is closed")
+
+
+def _overlaps(config: Config, plan: MemoryPlan, device: torch.device) -> bool:
+    """Whether units are stepped during backward: see [Note: optimizer overlapped with
+    backward] and `infinity.overlap_optimizer`."""
+    asked = config.infinity.overlap_optimizer
+    if config.gradient_clipping > 0 or config.fp16.enabled:
+        if asked is True:
+            raise ConfigError("infinity.overlap_optimizer = true needs gradient_clipping 0 and fp16 off: "
+                              "clipping and the fp16 overflow check need every gradient before any step")
+        return False
+    if asked != "auto":
+        return asked
+    return device.type != "cpu" or Tier.NVME in (plan.param_home, plan.state_tier, plan.grads_tier)
+
+
+def _mmap_threshold(config: Config) -> int | None:
+    """`infinity.mmap_threshold` with "auto" decided: 1 MiB when anything lives on NVMe."""
+    threshold = config.infinity.mmap_threshold
+    if threshold != "auto":
+        return threshold
+    zero = config.zero_optimization
+    return 1 << 20 if "nvme" in (zero.offload_param.device, zero.offload_optimizer.device) else None
 
 
 def _fingerprint(config: Config, units: list[FetchUnit]) -> str:

@@ -40,6 +40,7 @@ def iter_parameters(engine: Engine, select: Callable[[str], bool] | None = None
     accepts (all without it), one unit at a time: at most one unit's values are held here, and a
     unit with no selected parameter is not read. Call between steps (units are released first)."""
     engine._check_open()
+    engine.synchronize()
     engine.coordinator.release_all()
     for unit in engine.units:
         if select is None or any(select(s.name) for s in unit.slots):

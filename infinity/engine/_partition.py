@@ -50,11 +50,13 @@ class RankedUnits:
                 specs[i] = UnitSpec(u.numel, u.dtype, u.key)
         return specs
 
-    def grad_part(self, i: int, grad: torch.Tensor) -> torch.Tensor:
-        """The part of unit i's gradient buffer that its optimizer spec steps."""
+    def grad_part(self, i: int, pieces: list[torch.Tensor]) -> list[torch.Tensor] | torch.Tensor:
+        """The part of unit i's gradient (`GradBuffer.read_pieces()`) that its optimizer spec
+        steps. With several ranks the buffer is one flat tensor."""
+        if self.ranks.world == 1 or self.partition.params:
+            return pieces
+        grad, = pieces
         shard = self.ranks.shard(self.trained[i].numel)
-        if self.partition.params:
-            return grad
         if self.partition.grads:
             return grad[:shard.real_numel]
         if self.partition.state:

@@ -1,8 +1,8 @@
 """The memory plan: where parameters live and the byte budget of each store tier, decided and
 checked at initialize (never mid-step).
 
-[Note: memory plan] Host RAM holds, beside the store's host tier, one flat gradient buffer per
-trained unit (compute dtype). The host tier holds the parameters whose home is the host, else a
+[Note: memory plan] Host RAM holds, beside the store's host tier, one gradient per trained
+unit (compute dtype: autograd's tensors held, or a flat buffer; infinity/zero/grads.py). The host tier holds the parameters whose home is the host, else a
 working set of parameters (resident units, three of the largest unit, the prefetch bucket),
 plus the Adam state (8 B/element, 12 with the fp32 master of a low-precision unit) for
 offload_optimizer "cpu" or "none" (the optimizer runs on the CPU either way), else a few

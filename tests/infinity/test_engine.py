@@ -190,6 +190,22 @@ def test_fp16_overflow_skips_the_step_and_lowers_the_scale(tmp_path):
     engine.close()
 
 
+@pytest.mark.parametrize("clipping", [0.0, 1.0])
+@pytest.mark.parametrize("offload", ["none", "nvme"])
+def test_a_non_finite_gradient_fails_the_step_and_updates_nothing(tmp_path, offload, clipping):
+    """fp32 (no loss scale to lower): the step raises naming a unit, whether the units are
+    stepped during backward (NVMe, no clipping) or after it, and no parameter changes."""
+    engine = infinity.initialize(mlp(), config(tmp_path, offload, offload, gradient_clipping=clipping))
+    assert engine.overlap == (clipping == 0.0 and offload == "nvme")
+    (x,), _ = mlp_batches(1)[0]
+    before = {n: v.clone() for n, v in engine.named_parameters()}
+    engine.backward(engine(x).square().mean() * float("nan"))
+    with pytest.raises(ValueError, match=r"gradient (of param/\S+ )?has non-finite values"):
+        engine.step()
+    assert all(torch.equal(before[n], v) for n, v in engine.named_parameters())
+    engine.close()
+
+
 def test_lr_schedule_follows_deepspeed_warmup(tmp_path):
     engine = infinity.initialize(mlp(), config(tmp_path, scheduler={
         "type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
@@ -332,6 +348,112 @@ def test_the_worker_reads_the_next_units_state_while_it_steps_one(tmp_path):
     assert_parity(model, reference, losses, train_reference(reference, data))
     # Backward makes units 2, 1, 0 final in that order; 1 and 0 wait behind the running one.
     assert sorted(set(asked)) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+@pytest.mark.parametrize("asked", ["auto", True, False])
+def test_overlap_optimizer_auto_steps_after_backward_when_everything_is_in_ram(tmp_path, asked):
+    """On the CPU with nothing on NVMe, "auto" steps after backward; asked for, the units are
+    stepped during backward; the result is the same either way."""
+    model, reference, data = mlp(), mlp(), mlp_batches(2)
+    engine = infinity.initialize(model, config(tmp_path, "cpu", "cpu", infinity={
+        "host_memory_budget": "1GB", "overlap_optimizer": asked}))
+    assert engine.overlap is (asked is True)
+    losses = train_engine(engine, data)
+    assert engine.units_stepped_in_backward == (6 if asked is True else 0)
+    engine.close()
+    assert_parity(model, reference, losses, train_reference(reference, data))
+
+
+def test_overlap_optimizer_true_with_clipping_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="overlap_optimizer = true needs gradient_clipping 0"):
+        infinity.initialize(mlp(), config(tmp_path, gradient_clipping=1.0,
+                                          infinity={"overlap_optimizer": True}))
+
+
+def _slow_steps(engine, seconds=0.05, fail=()):
+    """Make every optimizer unit step take `seconds` (so backward ends before the worker does);
+    the units in `fail` raise OSError on their first step."""
+    step_unit, failing = engine.optimizer.step_unit, set(fail)
+
+    def slow_step_unit(u, grad, **kw):
+        time.sleep(seconds)
+        if u in failing:
+            failing.discard(u)
+            raise OSError(f"injected failure stepping unit {u}")
+        return step_unit(u, grad, **kw)
+
+    engine.optimizer.step_unit = slow_step_unit
+
+
+def test_the_steps_tail_runs_into_the_next_forward(tmp_path):
+    """[Note: the step's tail in the next forward]: step() returns with the first layers still
+    to step; the next forward waits for each before using it; a WarmupLR schedule moves on at
+    step() while the tail still steps with the step's own lr; the result is plain PyTorch's."""
+    model, reference, data = mlp(), mlp(), mlp_batches(4)
+    schedule = {"type": "WarmupLR", "params": {"warmup_min_lr": LR / 10, "warmup_max_lr": LR,
+                                               "warmup_num_steps": 3, "warmup_type": "linear"}}
+    engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme", scheduler=schedule))
+    _slow_steps(engine)
+    losses, lrs = [], []
+    for args, kwargs in data:
+        lrs.append(engine.get_lr()[0])
+        losses += train_engine(engine, [(args, kwargs)])
+    stats = engine.stats()
+    regions = engine.timeline.regions
+    engine.close()
+    assert stats["optimizer"]["units_left_to_forward"] > 0 and stats["prefetch"]["after_optimizer"] > 0
+    forwards = [r.start for r in regions if r.name == "forward"]
+    assert any(r.end > forwards[1] for r in regions if r.lane == "optimizer" and r.start < forwards[1])
+    opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WD)
+    ref_losses = []
+    for lr, (args, kwargs) in zip(lrs, data):
+        opt.param_groups[0]["lr"] = lr
+        loss = loss_of(reference(*args, **kwargs))
+        loss.backward()
+        ref_losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    assert lrs[1] < lrs[2] < lrs[3]  # the schedule moved on while the tails ran
+    assert_parity(model, reference, losses, ref_losses)
+
+
+def test_a_tail_unit_that_failed_on_the_worker_is_stepped_again_before_its_use(tmp_path):
+    """Unit 0 is stepped last (backward makes it final last) and fails once on the worker: the
+    next forward steps it again before using it; nothing is lost or stepped twice."""
+    model, reference, data = mlp(), mlp(), mlp_batches(3)
+    engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme"))
+    _slow_steps(engine, fail={0})
+    losses = train_engine(engine, data)
+    engine.close()
+    assert_parity(model, reference, losses, train_reference(reference, data))
+
+
+def test_a_tail_unit_that_keeps_failing_fails_the_next_forward_until_it_steps(tmp_path):
+    """The forward raises the unit's error; once the disk is back, the next call steps it and
+    training goes on as if nothing happened."""
+    model, reference, data = mlp(), mlp(), mlp_batches(2)
+    engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme"))
+    (x,), _ = data[0]
+    real, calls = engine.optimizer.step_unit, []
+
+    def disk_gone_for_unit_0(u, grad, **kw):
+        time.sleep(0.05)  # backward ends before the worker reaches unit 0
+        if u == 0:
+            calls.append(u)
+            raise OSError("disk gone")
+        return real(u, grad, **kw)
+
+    engine.optimizer.step_unit = disk_gone_for_unit_0
+    loss = engine(x).square().mean()
+    engine.backward(loss)
+    engine.step()
+    with pytest.raises(OSError, match="disk gone"):
+        engine(x)
+    assert len(calls) == 2  # on the worker, then again before the forward used it
+    engine.optimizer.step_unit = real
+    losses = [loss.item(), *train_engine(engine, data[1:])]
+    engine.close()
+    assert_parity(model, reference, losses, train_reference(reference, data))
 
 
 def test_with_clipping_the_optimizer_runs_after_backward(tmp_path):

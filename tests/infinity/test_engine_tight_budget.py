@@ -32,8 +32,10 @@ def min_budget(tmp_path_factory):
 def _train(train_lm, tmp_path, budget, *, overlap, steps=3):
     model, _ = default_model()
     ids = torch.randint(0, 256, (8, 128), generator=torch.Generator().manual_seed(0))  # the CLI's shape
-    with infinity.initialize(model, _config(tmp_path, budget)) as engine:
-        engine.overlap = overlap
+    config = _config(tmp_path, budget)
+    config["infinity"]["overlap_optimizer"] = overlap
+    with infinity.initialize(model, config) as engine:
+        assert engine.overlap is overlap
         losses = train_lm(engine, [ids] * steps)
         return losses, engine.units_stepped_in_backward, dict(engine.named_parameters())
 
