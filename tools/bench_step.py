@@ -19,7 +19,11 @@ without a fixed policy the plain-PyTorch child spins and the engine child does n
 2026-12-01 on the shared 2-core machine, plain PyTorch's step (6 blocks) took 2.3-5.4 CPU
 seconds spinning and 1.2-1.6 passive, the same math.
 
+"pair" runs the engine with offload none and plain PyTorch in one process, a step of each in
+turn (--steps pairs), for the "none over torch" ratio without the spread between processes.
+
     python -m tools.bench_step --path /nvme                      # ~300M parameters, fp32
+    python -m tools.bench_step --path /tmp --configs pair --steps 20 --rounds 2
     python -m tools.bench_step --path /tmp --layers 2 --d-model 64 --vocab 256 --seq 16
 """
 
@@ -38,7 +42,7 @@ import time
 
 from infinity.memory import peak_rss_bytes
 
-CONFIGS = ("nvme", "none", "torch", "torch-default")
+CONFIGS = ("nvme", "none", "torch", "torch-default", "pair")
 DEFAULT_CONFIGS = ("nvme", "none", "torch")
 GB = 1e9
 
@@ -80,46 +84,102 @@ def raw_stream_gbps(directory: str, options: dict, nbytes: int = 32 << 20, count
 
 
 def run_child(args: argparse.Namespace, config: str, directory: str) -> dict:
-    """Train --steps steps of one configuration in this process; the figures as a dict."""
+    """Train --steps steps of one configuration in this process; the figures as a dict.
+
+    A step's time runs from its forward to the next step's forward: what training sees, since
+    the engine leaves the end of a step's optimizer work and its write-back running into the
+    next forward. Timed steps start with nothing left from the untimed ones, and the last one
+    also waits for what is left (synchronize, write-back; its seconds are `drain_s`), so it is
+    the slowest; the figure is the median over timed steps."""
     import torch
     model, batch = build(args)
     result: dict = {"config": config, "params": sum(p.numel() for p in model.parameters())}
-    times, cpu_times = [], []
+    marks: list[tuple[float, float, int, int]] = []  # at each step's start: wall, cpu, NVMe bytes, on demand
     if config.startswith("torch"):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=config == "torch" or None)
         for _ in range(args.steps):
-            start, cpu = time.perf_counter(), time.process_time()
+            marks.append((time.perf_counter(), time.process_time(), 0, 0))
             model(**batch).loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            times.append(time.perf_counter() - start)
-            cpu_times.append(time.process_time() - cpu)
+        marks.append((time.perf_counter(), time.process_time(), 0, 0))
     else:
         import infinity
         engine = infinity.initialize(model, engine_config(args, config, directory))
-        moved, on_demand = [], []
-        for _ in range(args.steps):
-            start, cpu = time.perf_counter(), time.process_time()
+
+        def mark() -> None:
+            stats = engine.stats()
+            marks.append((time.perf_counter(), time.process_time(), _nvme_bytes(stats),
+                          stats["prefetch"]["on_demand_nvme"]))
+
+        for step in range(args.steps):
+            if step == args.warmup:  # timed steps start with nothing left from untimed ones
+                engine.synchronize()
+                engine.store.flush()
+            mark()
             engine.backward(engine(**batch).loss)
             engine.step()
-            engine.store.flush()  # the step's write-back belongs to the step
-            times.append(time.perf_counter() - start)
-            cpu_times.append(time.process_time() - cpu)
-            stats = engine.stats()
-            moved.append(_nvme_bytes(stats))
-            on_demand.append(stats["prefetch"]["on_demand_nvme"])
+        drain = time.perf_counter()
+        engine.synchronize()
+        engine.store.flush()
+        result["drain_s"] = time.perf_counter() - drain
+        mark()
+        result["optimizer"] = engine.stats()["optimizer"]
         if args.trace:
             engine.write_trace(f"{args.trace}.{config}.json")
         options = {**engine.config.aio.handle_options(), "backend": engine.config.infinity.aio_backend}
         engine.close(restore_params=False)
         if config == "nvme":
-            result["bytes_per_step"] = (moved[-1] - moved[0]) / (args.steps - 1)
-            result["on_demand_nvme_after_step_1"] = on_demand[-1] - on_demand[0]
+            timed = args.steps - args.warmup
+            result["bytes_per_step"] = (marks[-1][2] - marks[args.warmup][2]) / timed
+            result["on_demand_nvme_after_step_1"] = marks[-1][3] - marks[1][3]
             result["raw_gbps"] = raw_stream_gbps(directory, options)
-    result["step_s"] = statistics.median(times[args.warmup:])
-    result["cpu_s"] = statistics.median(cpu_times[args.warmup:])
+    times = [b[0] - a[0] for a, b in zip(marks, marks[1:])][args.warmup:]
+    cpu_times = [b[1] - a[1] for a, b in zip(marks, marks[1:])][args.warmup:]
+    result["step_s"] = statistics.median(times)
+    result["cpu_s"] = statistics.median(cpu_times)
     result["peak_rss"] = peak_rss_bytes()
     return result
+
+
+def run_pair(args: argparse.Namespace, directory: str) -> dict:
+    """"pair": the engine with offload none and plain PyTorch (fused AdamW), two copies of the
+    same model in this one process, taking steps in turn (the order swapped every pair), so
+    both see the same moment of a shared machine; ratios are taken per pair."""
+    import torch
+
+    import infinity
+    model, batch = build(args)
+    params = sum(p.numel() for p in model.parameters())
+    engine = infinity.initialize(model, engine_config(args, "none", directory))
+    twin, _ = build(args)
+    opt = torch.optim.AdamW(twin.parameters(), lr=1e-4, fused=True)
+
+    def torch_step() -> None:
+        twin(**batch).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def engine_step() -> None:
+        engine.backward(engine(**batch).loss)
+        engine.step()
+
+    times: dict[str, list[tuple[float, float]]] = {"none": [], "torch": []}
+    for i in range(args.steps):
+        order = [("torch", torch_step), ("none", engine_step)]
+        for name, step in order if i % 2 == 0 else order[::-1]:
+            start, cpu = time.perf_counter(), time.process_time()
+            step()
+            if i >= args.warmup:
+                times[name].append((time.perf_counter() - start, time.process_time() - cpu))
+    engine.close(restore_params=False)
+    ratios = [e[0] / t[0] for e, t in zip(times["none"], times["torch"])]
+    cpu_ratios = [e[1] / t[1] for e, t in zip(times["none"], times["torch"])]
+    return {"config": "pair", "params": params,
+            "none_step_s": statistics.median(e[0] for e in times["none"]),
+            "torch_step_s": statistics.median(t[0] for t in times["torch"]),
+            "ratio": statistics.median(ratios), "cpu_ratio": statistics.median(cpu_ratios),
+            "ratio_range": f"{min(ratios):.3g}-{max(ratios):.3g}", "peak_rss": peak_rss_bytes()}
 
 
 def report(runs: dict[str, list[dict]]) -> dict:
@@ -132,7 +192,12 @@ def report(runs: dict[str, list[dict]]) -> dict:
         return f"{min(values):.3g}-{max(values):.3g}"
 
     out = {c: {"step_s": med(c, "step_s"), "step_range": rng(c, "step_s"), "cpu_s": med(c, "cpu_s"),
-               "cpu_range": rng(c, "cpu_s"), "peak_rss_gb": med(c, "peak_rss") / GB} for c in runs}
+               "cpu_range": rng(c, "cpu_s"), "peak_rss_gb": med(c, "peak_rss") / GB} for c in runs if c != "pair"}
+    if "pair" in runs:
+        out["none over torch, interleaved"] = {
+            "ratio": med("pair", "ratio"), "cpu_ratio": med("pair", "cpu_ratio"),
+            "none_step_s": med("pair", "none_step_s"), "torch_step_s": med("pair", "torch_step_s"),
+            "pair_ratio_range": ",".join(r["ratio_range"] for r in runs["pair"])}
     if "nvme" in runs:
         nvme = out["nvme"]
         nvme.update(bytes_per_step_gb=med("nvme", "bytes_per_step") / GB, raw_gbps=med("nvme", "raw_gbps"),
@@ -200,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     configs = args.configs.split(",")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.child:
-        print(json.dumps(run_child(args, args.child, args.path)))
+        run = run_pair if args.child == "pair" else lambda a, path: run_child(a, args.child, path)
+        print(json.dumps(run(args, args.path)))
         return 0
     try:
         directory = tempfile.mkdtemp(prefix="infinity-bench-step-", dir=args.path)

@@ -29,6 +29,15 @@ def test_main_runs_each_config_in_a_child(tmp_path):
     assert not list(tmp_path.glob("infinity-bench-step-*"))  # its directory is removed
 
 
+def test_pair_runs_the_engine_and_pytorch_in_turn_in_one_child(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "out.json"
+    assert bench_step.main(["--path", str(tmp_path), *TINY, "--steps", "4", "--warmup", "1", "--configs", "pair",
+                            "--json", str(out)]) == 0
+    pair = json.loads(out.read_text())["results"]["none over torch, interleaved"]
+    assert pair["ratio"] > 0 and pair["cpu_ratio"] > 0 and pair["none_step_s"] > 0 and pair["torch_step_s"] > 0
+
+
 def test_floor_is_the_slower_of_compute_and_io():
     def run(config, step_s, **extra):
         return [{"config": config, "step_s": step_s, "cpu_s": step_s, "peak_rss": 1e9, **extra}]
