@@ -417,6 +417,18 @@ def test_the_steps_tail_runs_into_the_next_forward(tmp_path):
     assert_parity(model, reference, losses, ref_losses)
 
 
+def test_the_tail_with_gradient_accumulation_matches_pytorch(tmp_path):
+    """The first micro-batch of the next step waits for the tail before its gradients are
+    taken (they accumulate into autograd's tensors, HeldGrad, only after the step let them go)."""
+    model, reference, data = mlp(), mlp(), mlp_batches(6)
+    engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme", gradient_accumulation_steps=2))
+    _slow_steps(engine)
+    losses = train_engine(engine, data)
+    assert engine.global_steps == 3 and engine.stats()["optimizer"]["units_left_to_forward"] > 0
+    engine.close()
+    assert_parity(model, reference, losses, train_reference(reference, data, gas=2))
+
+
 def test_a_tail_unit_that_failed_on_the_worker_is_stepped_again_before_its_use(tmp_path):
     """Unit 0 is stepped last (backward makes it final last) and fails once on the worker: the
     next forward steps it again before using it; nothing is lost or stepped twice."""
