@@ -262,13 +262,20 @@ class Engine:
             return future.done() and future.exception() is None
         start = time.perf_counter()
         try:
-            if future.exception() is not None:
-                logger.warning("optimizer step of %s on the worker failed (%s); retrying", unit.key,
-                               future.exception())
-                self._step_unit(i, unit, 1.0, lr=self._step_lr)
+            if self._settle_unit(i, unit, future):
                 self._stepper.mark_done(i)
         finally:
             self.optimizer_wait_s += time.perf_counter() - start
+        return True
+
+    def _settle_unit(self, i: int, unit: FetchUnit, future: Future[None]) -> bool:
+        """Wait for unit i's step on the worker; if it failed, step it here (retry-safe: tiles
+        already stepped are skipped), raising if that fails too. True if it was stepped here."""
+        error = future.exception()
+        if error is None:
+            return False
+        logger.warning("optimizer step of %s on the worker failed (%s); retrying", unit.key, error)
+        self._step_unit(i, unit, 1.0, lr=self._step_lr)
         return True
 
     def _prefetch_state(self, i: int) -> None:
@@ -349,19 +356,20 @@ class Engine:
         for i in range(len(self._trained)):
             if self._stepper.future(i) is None:
                 self._stepper.submit(i)
-        if not self._defer_tail or any(u.grad is not None and u.grad.finite is False for u in self._trained):
-            self._tail_open = True
-            self.synchronize()  # (a non-finite gradient fails the step here, not at the next call)
-            return
-        order = sorted(range(len(self._trained)),
-                       key=lambda i: (not self._trained[i].persistent, self._trained[i].index))
-        self._stepper.reorder(key=order.index)
         self._tail_open = True
-        left = [i for i in order if not self._stepper.future(i).done()]
-        self.units_left_to_forward += len(left)
-        # The next forward reads these values right after they are updated: keep them in RAM
-        # (a few store fetches per unit between: its values, its tiles).
-        self.store.set_next_use({self._trained[i].key: 4.0 * n for n, i in enumerate(left)})
+        if not self._defer_tail or any(u.grad is not None and u.grad.finite is False for u in self._trained):
+            self.synchronize()  # (a non-finite gradient fails the step here, not at the next call)
+        else:
+            def forward_order(i: int) -> tuple[bool, int]:
+                return not self._trained[i].persistent, self._trained[i].index
+
+            self._stepper.reorder(key=forward_order)
+            left = sorted((i for i in range(len(self._trained)) if not self._stepper.future(i).done()),
+                          key=forward_order)
+            self.units_left_to_forward += len(left)
+            # The next forward reads these values right after they are updated: keep them in RAM
+            # (a few store fetches per unit between: its values, its tiles).
+            self.store.set_next_use({self._trained[i].key: 4.0 * n for n, i in enumerate(left)})
         self._log_and_schedule()
 
     def synchronize(self) -> None:
@@ -372,13 +380,8 @@ class Engine:
         futures = self._stepper.take()
         self._tail_open = False  # if a retry raises, the step stays unfinished, as step() left it before
         for i, unit in enumerate(self._trained):
-            error = futures[i].exception()
-            if error is not None:
-                logger.warning("optimizer step of %s on the worker failed (%s); retrying", unit.key, error)
-                self._step_unit(i, unit, 1.0, lr=self._step_lr)  # retry-safe: tiles already stepped are skipped
+            self._settle_unit(i, unit, futures[i])
         self._close_step()
-        if not self._defer_tail:
-            self._log_and_schedule()
 
     def _end_step(self) -> None:
         self._close_step()
