@@ -83,6 +83,26 @@ def raw_stream_gbps(directory: str, options: dict, nbytes: int = 32 << 20, count
         return max(window_stream(handle, swap, extents, nbytes, 2, True) for _ in range(2))
 
 
+def torch_step(model, batch: dict, *, fused: bool):
+    """One plain-PyTorch training step of `model` on `batch` (AdamW, fused or torch's default)."""
+    import torch
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused or None)
+
+    def step() -> None:
+        model(**batch).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def engine_step(engine, batch: dict):
+    """One engine training step on `batch`."""
+    def step() -> None:
+        engine.backward(engine(**batch).loss)
+        engine.step()
+    return step
+
+
 def run_child(args: argparse.Namespace, config: str, directory: str) -> dict:
     """Train --steps steps of one configuration in this process; the figures as a dict.
 
@@ -91,17 +111,14 @@ def run_child(args: argparse.Namespace, config: str, directory: str) -> dict:
     next forward. Timed steps start with nothing left from the untimed ones, and the last one
     also waits for what is left (synchronize, write-back; its seconds are `drain_s`), so it is
     the slowest; the figure is the median over timed steps."""
-    import torch
     model, batch = build(args)
     result: dict = {"config": config, "params": sum(p.numel() for p in model.parameters())}
     marks: list[tuple[float, float, int, int]] = []  # at each step's start: wall, cpu, NVMe bytes, on demand
     if config.startswith("torch"):
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=config == "torch" or None)
+        step = torch_step(model, batch, fused=config == "torch")
         for _ in range(args.steps):
             marks.append((time.perf_counter(), time.process_time(), 0, 0))
-            model(**batch).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            step()
         marks.append((time.perf_counter(), time.process_time(), 0, 0))
     else:
         import infinity
@@ -112,13 +129,13 @@ def run_child(args: argparse.Namespace, config: str, directory: str) -> dict:
             marks.append((time.perf_counter(), time.process_time(), _nvme_bytes(stats),
                           stats["prefetch"]["on_demand_nvme"]))
 
-        for step in range(args.steps):
-            if step == args.warmup:  # timed steps start with nothing left from untimed ones
+        step = engine_step(engine, batch)
+        for i in range(args.steps):
+            if i == args.warmup:  # timed steps start with nothing left from untimed ones
                 engine.synchronize()
                 engine.store.flush()
             mark()
-            engine.backward(engine(**batch).loss)
-            engine.step()
+            step()
         drain = time.perf_counter()
         engine.synchronize()
         engine.store.flush()
@@ -146,27 +163,15 @@ def run_pair(args: argparse.Namespace, directory: str) -> dict:
     """"pair": the engine with offload none and plain PyTorch (fused AdamW), two copies of the
     same model in this one process, taking steps in turn (the order swapped every pair), so
     both see the same moment of a shared machine; ratios are taken per pair."""
-    import torch
 
     import infinity
     model, batch = build(args)
     params = sum(p.numel() for p in model.parameters())
     engine = infinity.initialize(model, engine_config(args, "none", directory))
     twin, _ = build(args)
-    opt = torch.optim.AdamW(twin.parameters(), lr=1e-4, fused=True)
-
-    def torch_step() -> None:
-        twin(**batch).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    def engine_step() -> None:
-        engine.backward(engine(**batch).loss)
-        engine.step()
-
     times: dict[str, list[tuple[float, float]]] = {"none": [], "torch": []}
+    order = [("torch", torch_step(twin, batch, fused=True)), ("none", engine_step(engine, batch))]
     for i in range(args.steps):
-        order = [("torch", torch_step), ("none", engine_step)]
         for name, step in order if i % 2 == 0 else order[::-1]:
             start, cpu = time.perf_counter(), time.process_time()
             step()
