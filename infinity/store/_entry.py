@@ -73,11 +73,15 @@ class Copy:
     valid: bool = False  # holds the current value (once `filling` lands)
     filling: PendingMove | None = None  # bytes on their way into this copy
     draining: PendingMove | None = None  # a move out of it: it must stay unchanged
-    uses: int = 0  # fetches not yet released: neither evicted nor moved meanwhile
     holders: list[int] = field(default_factory=list)  # thread of each use (threading.get_ident)
     pins: int = 0  # pin() calls not yet unpinned: never evicted
     last_use: int = 0  # store's touch counter at the last fetch, prefetch or pin: for LRU
     prefetched: bool = False  # brought in by prefetch() and not fetched since: needed soon
+
+    @property
+    def uses(self) -> int:
+        """Fetches not yet released (one holder each): neither evicted nor moved meanwhile."""
+        return len(self.holders)
     crc: int | None = None  # NVME with checksums on: crc32c of the bytes last written into it
 
     @property

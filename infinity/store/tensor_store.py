@@ -259,7 +259,6 @@ class TensorStore(StoreCore):
             copy = self._start_fetch(entry, tier)
             self._clock += 1
             self._touch(copy)
-            copy.uses += 1
             copy.holders.append(threading.get_ident())
             copy.prefetched = False
             if next_use is not None:
@@ -315,7 +314,6 @@ class TensorStore(StoreCore):
                         raise ValueError(f"{key!r} was modified on {tier.label} while in use on {t.label}")
                 for other in list(entry.copies.values()):
                     self._need_idle(other)
-            copy.uses -= 1
             me = threading.get_ident()
             copy.holders.remove(me if me in copy.holders else copy.holders[0])  # handed to this thread
             if dirty:

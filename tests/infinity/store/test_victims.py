@@ -47,7 +47,7 @@ def test_heap_choice_matches_a_full_scan_under_random_changes():
         copy = entry.copies[Tier.HOST]
         change = rng.randrange(7)
         if change == 0:
-            copy.uses = rng.choice([0, 0, 1])
+            copy.holders = [0] * rng.choice([0, 0, 1])  # uses: one per holder
         elif change == 1:
             copy.pins = rng.choice([0, 0, 0, 1])
         elif change == 2:
@@ -78,7 +78,7 @@ def test_ties_go_to_the_oldest_entry_and_unevictable_copies_never_come_out():
         entry.copies[Tier.HOST] = Copy(Tier.HOST, valid=True)
         queue.update(entry, entry.copies[Tier.HOST])
     assert queue.pick() is entries[0]
-    entries[0].copies[Tier.HOST].uses = 1
+    entries[0].copies[Tier.HOST].holders = [0]  # one use
     queue.update(entries[0], entries[0].copies[Tier.HOST])
     entries[1].copies[Tier.HOST].pins = 1
     queue.update(entries[1], entries[1].copies[Tier.HOST])
