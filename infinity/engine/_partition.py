@@ -114,9 +114,7 @@ class RankedUnits:
             flat = store.fetch(u.key, Tier.HOST).result()
             changed = False
             try:
-                mine = torch.zeros(shard.numel, dtype=flat.dtype)
-                mine[:shard.real_numel] = flat[shard.start:shard.stop]
-                flat.copy_(self.ranks.all_gather(mine, u.numel, f"values {u.key}"))
+                flat.copy_(self.ranks.all_gather(shard.padded(flat), u.numel, f"values {u.key}"))
                 changed = True
             finally:
                 store.release(u.key, Tier.HOST, dirty=changed)
@@ -157,7 +155,5 @@ class RankedUnits:
         shard = self.ranks.shard(unit.numel)
         if not padded:
             return whole[shard.start:shard.stop]
-        part = torch.zeros(shard.numel, dtype=whole.dtype)
-        part[:shard.real_numel] = whole[shard.start:shard.stop]
-        return part
+        return shard.padded(whole)
 

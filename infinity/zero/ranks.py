@@ -55,6 +55,12 @@ class Shard:
     def real_numel(self) -> int:
         return self.stop - self.start
 
+    def padded(self, whole: torch.Tensor) -> torch.Tensor:
+        """This shard of the flat `whole` in a new tensor of `numel` elements, zero padded."""
+        part = torch.zeros(self.numel, dtype=whole.dtype)
+        part[:self.real_numel] = whole[self.start:self.stop]
+        return part
+
 
 @dataclass(frozen=True, slots=True)
 class Partition:

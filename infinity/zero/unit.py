@@ -181,10 +181,7 @@ def put_unit(store: TensorStore, unit: FetchUnit, flat: torch.Tensor, home: Tier
     if partition is not None:
         partition.ranks.broadcast_(flat, f"values {unit.key}")
         if partition.params:
-            shard = partition.ranks.shard(unit.numel)
-            part = torch.zeros(shard.numel, dtype=flat.dtype)
-            part[:shard.real_numel] = flat[shard.start:shard.stop]
-            flat = part
+            flat = partition.ranks.shard(unit.numel).padded(flat)
     store.put(unit.key, flat, home)
 
 
