@@ -23,8 +23,6 @@ from infinity.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
-TORCH_KEY = "rng/torch"
-
 
 def _prefix(rank: int) -> str:
     """Rank 0's states keep the one-process names; data-parallel rank r > 0 adds "rank<r>/"."""

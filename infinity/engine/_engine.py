@@ -138,7 +138,6 @@ class Engine:
         self._stepper: UnitStepper | None = None
         self._stepping = False  # units are stepped during this backward
         self._tail_open = False  # see [Note: the step's tail in the next forward]
-        self._defer_tail = self.overlap and self.ranks.world == 1
         self._step_lr = 0.0  # the learning rate of the step being built on the worker
         self._trained = [u for u in self.units if u.requires_grad]
         self._index = {u: i for i, u in enumerate(self._trained)}
@@ -357,15 +356,14 @@ class Engine:
             if self._stepper.future(i) is None:
                 self._stepper.submit(i)
         self._tail_open = True
-        if not self._defer_tail or any(u.grad is not None and u.grad.finite is False for u in self._trained):
+        # Several ranks wait (stages 1-2 gather the values after the step); so does a bad gradient.
+        if self.ranks.world > 1 or any(u.grad is not None and u.grad.finite is False for u in self._trained):
             self.synchronize()  # (a non-finite gradient fails the step here, not at the next call)
         else:
             def forward_order(i: int) -> tuple[bool, int]:
                 return not self._trained[i].persistent, self._trained[i].index
 
-            self._stepper.reorder(key=forward_order)
-            left = sorted((i for i in range(len(self._trained)) if not self._stepper.future(i).done()),
-                          key=forward_order)
+            left = self._stepper.reorder(key=forward_order)
             self.units_left_to_forward += len(left)
             # The next forward reads these values right after they are updated: keep them in RAM
             # (a few store fetches per unit between: its values, its tiles).

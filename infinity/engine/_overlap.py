@@ -39,14 +39,17 @@ class UnitStepper:
             self._read_ahead(i)
         self._executor.submit(self._run_next)
 
-    def reorder(self, key: Callable[[int], Hashable]) -> None:
+    def reorder(self, key: Callable[[int], Hashable]) -> list[int]:
         """Units not started yet run in `key` order from now on (the new first one has its
-        state read now if a unit is running)."""
+        state read now if a unit is running). Returns the units not stepped yet, in the order
+        they will be done: the running one, then the queue."""
         with self._lock:
             self._waiting.sort(key=lambda queued: key(queued[0]))
+            left = ([] if self._running is None else [self._running]) + [i for i, _ in self._waiting]
             first = self._waiting[0][0] if self._waiting and self._running is not None else None
         if first is not None:
             self._read_ahead(first)
+        return left
 
     def future(self, i: int) -> Future[None] | None:
         """Unit i's future in this step (None: not queued)."""
