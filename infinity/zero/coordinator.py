@@ -227,11 +227,7 @@ class ParamCoordinator:
     # -- internals (lock held) -------------------------------------------------------------------
 
     def _finish_grads(self, unit: FetchUnit) -> None:
-        try:
-            unit.take_grads()
-        except BudgetError:  # a gradient in the store needs the room of the read-ahead
-            self._drop_unused()
-            unit.take_grads()
+        self._with_room(unit.take_grads)  # a gradient in the store may need the read-ahead's room
         unit.grads_seen = 0
         if unit.held_for_backward:
             unit.held_for_backward = False
@@ -280,18 +276,14 @@ class ParamCoordinator:
         self._not_ready.discard(u)
         if self.ready is not None and not self.ready(u, False):
             self._drop_unused(UnitState.READY)  # kept for reuse: the optimizer updating u may need the room
-            try:
-                self.ready(u, True)
-            except BudgetError:  # stepping u again here found no room: our read-ahead gives way too
-                self._drop_unused()
-                self.ready(u, True)
-        try:
+            self._with_room(lambda: self.ready(u, True))  # (stepping u here if the worker failed)
+
+        def fetch() -> None:
             u.future = self.store.fetch(u.key, self.fetch_tier, next_use=next_use)
-        except BudgetError:
-            if not make_room:
-                raise
-            self._drop_unused()  # units kept for reuse or prefetched give way to one needed now
-            u.future = self.store.fetch(u.key, self.fetch_tier, next_use=next_use)
+        if make_room:  # units kept for reuse or read ahead give way to one needed now
+            self._with_room(fetch)
+        else:
+            fetch()
         u.state = UnitState.FETCHING
         if not u.persistent:
             self._live_numel += u.numel
@@ -404,6 +396,15 @@ class ParamCoordinator:
         for u in self.units:
             if u.state is UnitState.FETCHING and u.users == 0:
                 self._release_unit(u)
+
+    def _with_room(self, call: Callable[[], Any]) -> None:
+        """call(); if the host tier had no room, release the units no module uses (kept for
+        reuse, read ahead) and call again."""
+        try:
+            call()
+        except BudgetError:
+            self._drop_unused()
+            call()
 
     def _drop_unused(self, *states: UnitState) -> None:
         """Release the units no module uses (those in `states` if given)."""
