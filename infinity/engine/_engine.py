@@ -16,7 +16,11 @@ clip factor, one optimizer step over the units, zero the gradient buffers, LR sc
 a worker thread as soon as its gradients are final, while backward goes on with earlier layers.
 The unit was released first, so nothing computes from its values while they change. Each unit
 gets the same kernel call with the same gradient and grad_scale as after backward, so the
-result is the same. Resident units (held until the step) are stepped after backward. With
+result is the same. The store is told the unit's values are needed again soon (the worker reads
+them; the trace alone says "at the next forward", so they went first and were read from NVMe
+again), and once stepped, that they are needed last. A unit's gradient is let go as soon as it
+is stepped, so the gradients held at once are those of the units backward is ahead of the
+worker by, not the whole model's. Resident units (held until the step) are stepped after backward. With
 clipping or fp16 the whole step runs after backward (the norm / overflow needs every gradient).
 It pays where the step waits on something other than the cores backward computes on (NVMe,
 an accelerator); with CPU compute and everything in RAM the worker and backward only take turns
@@ -174,8 +178,7 @@ class Engine:
             self.optimizer.lr = self._schedule.lr_at(-1)
         self.last_grad_norm: float | None = None
         if self.overlap:
-            self._stepper = UnitStepper(
-                lambda i: self._step_unit(i, self._trained[i], 1.0, lr=self._step_lr), self._prefetch_state)
+            self._stepper = UnitStepper(self._step_on_worker, self._prefetch_state)
         self.units_stepped_in_backward = 0
         self.units_left_to_forward = 0  # units of a step not yet stepped when step() returned
         self.optimizer_wait_s = 0.0  # forward waiting for units of the last step's tail
@@ -246,6 +249,9 @@ class Engine:
             self._ranked.average(self._index[unit])
         if self._stepping and unit.requires_grad and not unit.persistent \
                 and unit.state is UnitState.RELEASED:
+            # The worker reads these values again soon (not the next forward, as the trace says):
+            # keep the copy backward used in RAM; about 4 store fetches per unit ahead of it.
+            self.store.set_next_use({unit.key: 4.0 * (self._stepper.pending() + 1)})
             self._stepper.submit(self._index[unit])
             self.units_stepped_in_backward += 1
 
@@ -277,6 +283,12 @@ class Engine:
         self._step_unit(i, unit, 1.0, lr=self._step_lr)
         return True
 
+    def _step_on_worker(self, i: int) -> None:
+        unit = self._trained[i]
+        self._step_unit(i, unit, 1.0, lr=self._step_lr)
+        if not self._tail_open:  # stepped during backward: next used at the far end of the next forward
+            self.store.set_next_use({unit.key: math.inf})
+
     def _prefetch_state(self, i: int) -> None:
         j = self._opt_index.get(i)
         if j is not None:  # this rank steps part of the unit
@@ -300,6 +312,7 @@ class Engine:
             with unit.grad.read_pieces() as pieces:  # checked already where accumulated
                 self.optimizer.step_unit(j, self._ranked.grad_part(i, pieces), grad_scale=grad_scale,
                                          check_finite=not finite and unit.grad.finite is None, lr=lr)
+            unit.grad.zero()  # used up: a gradient held in RAM is freed while the other units step
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0

@@ -39,6 +39,11 @@ class UnitStepper:
             self._read_ahead(i)
         self._executor.submit(self._run_next)
 
+    def pending(self) -> int:
+        """Units queued or running: how many a unit submitted now waits for."""
+        with self._lock:
+            return len(self._waiting) + (self._running is not None)
+
     def reorder(self, key: Callable[[int], Hashable]) -> list[int]:
         """Units not started yet run in `key` order from now on (the new first one has its
         state read now if a unit is running). Returns the units not stepped yet, in the order
