@@ -126,8 +126,10 @@ def run_child(args: argparse.Namespace, config: str, directory: str) -> dict:
 
         def mark() -> None:
             stats = engine.stats()
+            room = stats["store"]["room"]
             marks.append((time.perf_counter(), time.process_time(), _nvme_bytes(stats),
-                          stats["prefetch"]["on_demand_nvme"]))
+                          stats["prefetch"]["on_demand_nvme"], sum(room["compactions"].values()),
+                          sum(room["compaction_s"].values())))
 
         step = engine_step(engine, batch)
         for i in range(args.steps):
@@ -150,6 +152,9 @@ def run_child(args: argparse.Namespace, config: str, directory: str) -> dict:
             timed = args.steps - args.warmup
             result["bytes_per_step"] = (marks[-1][2] - marks[args.warmup][2]) / timed
             result["on_demand_nvme_after_step_1"] = marks[-1][3] - marks[1][3]
+            # host-tier compactions (each moves the blocks not in use): memmove on the cores
+            result["compactions_per_step"] = (marks[-1][4] - marks[args.warmup][4]) / timed
+            result["compaction_s_per_step"] = (marks[-1][5] - marks[args.warmup][5]) / timed
             result["raw_gbps"] = raw_stream_gbps(directory, options)
     times = [b[0] - a[0] for a, b in zip(marks, marks[1:])][args.warmup:]
     cpu_times = [b[1] - a[1] for a, b in zip(marks, marks[1:])][args.warmup:]
@@ -206,7 +211,9 @@ def report(runs: dict[str, list[dict]]) -> dict:
     if "nvme" in runs:
         nvme = out["nvme"]
         nvme.update(bytes_per_step_gb=med("nvme", "bytes_per_step") / GB, raw_gbps=med("nvme", "raw_gbps"),
-                    on_demand_nvme_after_step_1=max(r["on_demand_nvme_after_step_1"] for r in runs["nvme"]))
+                    on_demand_nvme_after_step_1=max(r["on_demand_nvme_after_step_1"] for r in runs["nvme"]),
+                    compactions_per_step=med("nvme", "compactions_per_step"),
+                    compaction_s_per_step=med("nvme", "compaction_s_per_step"))
         io_s = nvme["bytes_per_step_gb"] / nvme["raw_gbps"]
         for base in ("none", "torch"):
             if base in out:

@@ -18,6 +18,7 @@ def test_a_child_reports_its_figures(tmp_path, config):
     if config == "nvme":
         assert result["bytes_per_step"] > 0 and result["raw_gbps"] > 0
         assert result["on_demand_nvme_after_step_1"] == 0  # the trace prefetches every unit
+        assert result["compactions_per_step"] >= 0 and result["compaction_s_per_step"] >= 0
 
 
 def test_main_runs_each_config_in_a_child(tmp_path):
@@ -41,8 +42,10 @@ def test_pair_runs_the_engine_and_pytorch_in_turn_in_one_child(tmp_path):
 def test_floor_is_the_slower_of_compute_and_io():
     def run(config, step_s, **extra):
         return [{"config": config, "step_s": step_s, "cpu_s": step_s, "peak_rss": 1e9, **extra}]
-    nvme = run("nvme", 3.0, bytes_per_step=8e9, raw_gbps=4.0, on_demand_nvme_after_step_1=0)
+    nvme = run("nvme", 3.0, bytes_per_step=8e9, raw_gbps=4.0, on_demand_nvme_after_step_1=0,
+               compactions_per_step=2.0, compaction_s_per_step=0.01)
     results = bench_step.report({"nvme": nvme, "none": run("none", 1.5), "torch": run("torch", 1.0)})
+    assert results["nvme"]["compactions_per_step"] == 2.0
     assert results["nvme over floor (none compute)"] == {"floor_s": 2.0, "io_s": 2.0, "ratio": 1.5}
     assert results["nvme over floor (torch compute)"]["floor_s"] == 2.0
     assert results["none over torch"]["ratio"] == results["none over torch"]["cpu_ratio"] == 1.5
