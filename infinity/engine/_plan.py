@@ -33,7 +33,7 @@ import torch
 
 from infinity.errors import BudgetError
 from infinity.store import Tier
-from infinity.zero import FetchUnit
+from infinity.zero import FetchUnit, Partition, Ranks
 
 _PAGE = 4096
 _TILE_SLACK = 64 << 10  # per optimizer tile: alignment and row padding
@@ -51,34 +51,35 @@ def _state_nbytes(unit: FetchUnit, numel: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class _Share:
-    """Elements of a unit one rank keeps, per kind; see [Note: memory plan of a rank]."""
+    """Bytes of a unit one rank keeps, per kind, by the partition's rules (what each ZeRO stage
+    partitions, and the shard sizes); see [Note: memory plan of a rank]."""
 
-    world: int
-    stage: int
+    partition: Partition
 
-    def _shard(self, unit: FetchUnit, from_stage: int) -> int:
-        return -(-unit.numel // self.world) if self.world > 1 and self.stage >= from_stage else unit.numel
+    def _numel(self, unit: FetchUnit, partitioned: bool) -> int:
+        return self.partition.ranks.shard(unit.numel).numel if partitioned else unit.numel
 
     def values_nbytes(self, unit: FetchUnit) -> int:
-        return self._shard(unit, 3) * unit.dtype.itemsize
+        return self._numel(unit, self.partition.params) * unit.dtype.itemsize
 
     def state_numel(self, unit: FetchUnit) -> int:
-        return self._shard(unit, 1)
+        return self._numel(unit, self.partition.state)
 
     def grad_nbytes(self, unit: FetchUnit) -> int:
-        return self._shard(unit, 2) * unit.compute_dtype.itemsize
+        return self._numel(unit, self.partition.grads) * unit.compute_dtype.itemsize
 
     def collective_nbytes(self, units: Sequence[FetchUnit]) -> int:
         """Whole-unit buffers the collectives need outside the store."""
-        if self.world == 1 or not units:
+        if self.partition.ranks.world == 1 or not units:
             return 0
+        stage = self.partition.stage
         largest = max(u.numel * u.compute_dtype.itemsize for u in units)
         nbytes = 0
-        if self.stage == 3:
+        if stage == 3:
             nbytes += sum(u.numel * u.compute_dtype.itemsize for u in units if u.persistent) + 2 * largest
-        if self.stage >= 2:
+        if stage >= 2:
             nbytes += largest
-        if self.stage in (1, 2):
+        if stage in (1, 2):
             nbytes += 2 * largest
         return nbytes
 
@@ -109,7 +110,7 @@ def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optim
     param_home = {"none": fetch_tier, "cpu": Tier.HOST, "nvme": Tier.NVME}[offload_param]
     state_tier = {"none": Tier.HOST, "cpu": Tier.HOST, "nvme": Tier.NVME}[offload_optimizer]
     trained = [u for u in units if u.requires_grad]
-    share = _Share(world, stage)
+    share = _Share(Partition(Ranks(0, world), stage))  # every rank's shard is as large as rank 0's
     everything = sum(_aligned(share.values_nbytes(u)) for u in units)
     resident = sum(_aligned(share.values_nbytes(u)) for u in units if u.persistent)
     largest = max((_aligned(share.values_nbytes(u)) for u in units if not u.persistent), default=0)
