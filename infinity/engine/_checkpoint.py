@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -86,12 +86,8 @@ def save_checkpoint(engine: Engine, directory: str | Path, tag: str | None = Non
         sink.abort()
         raise
     done = sink.commit()
-    failures = ranks.all_gather_object(None if sink.error is None else f"{type(sink.error).__name__}: {sink.error}",
-                                       "checkpoint committed")
-    if sink.error is not None:
-        raise sink.error
-    if failures[0] is not None:
-        raise CheckpointError(f"rank 0 could not write checkpoint {tag!r} under {directory}: {failures[0]}")
+    _agree(engine, sink.error, "checkpoint committed",  # only rank 0 writes
+           lambda rank, message: f"rank {rank} could not write checkpoint {tag!r} under {directory}: {message}")
     if ranks.rank != 0:
         done.set_result(Path(directory) / tag)
     return done
@@ -175,15 +171,20 @@ def load_checkpoint(engine: Engine, directory: str | Path, tag: str | None = Non
         client_state = _load(engine, directory, tag, load_optimizer_states)
     except Exception as exc:
         error = exc
-    failures = engine.ranks.all_gather_object(None if error is None else f"{type(error).__name__}: {error}",
-                                              "checkpoint loaded")
+    _agree(engine, error, "checkpoint loaded",
+           lambda rank, message: f"rank {rank} could not load the checkpoint from {directory}: {message}")
+    return client_state
+
+
+def _agree(engine: Engine, error: BaseException | None, what: str, failure: Callable[[int, str], str]) -> None:
+    """Every rank learns whether every rank succeeded at `what`: this rank's own error is raised
+    as it is, else a CheckpointError (`failure(rank, message)`) for the first rank that failed."""
+    failures = engine.ranks.all_gather_object(None if error is None else f"{type(error).__name__}: {error}", what)
     if error is not None:
         raise error
     failed = [(rank, message) for rank, message in enumerate(failures) if message is not None]
     if failed:
-        rank, message = failed[0]
-        raise CheckpointError(f"rank {rank} could not load the checkpoint from {directory}: {message}")
-    return client_state
+        raise CheckpointError(failure(*failed[0]))
 
 
 def _load(engine: Engine, directory: str | Path, tag: str | None, load_optimizer_states: bool) -> dict[str, Any]:
