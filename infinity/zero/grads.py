@@ -3,10 +3,11 @@ the store, at home on NVMe, when the host memory budget cannot hold every gradie
 
 On one process computing on the CPU, `HeldGrad` keeps the tensors autograd made for the
 parameters (summed over micro-batches in place, as `param.grad` is) and hands them to the
-optimizer as they are, laid end to end: no copy, and each is freed when the step is done
+optimizer as they are, laid end to end: no copy, and they are freed once the unit is stepped
 (measured: copying them into one flat buffer cost ~0.2 s of a 4 s step of a 294M GPT).
-`RamGrad` and `StoredGrad` take the parameters' gradients into one flat buffer (summed over
-micro-batches, in the unit's compute dtype): what collectives over ranks and the store need.
+`RamGrad` and `StoredGrad` (`FlatGrad`s) take the parameters' gradients into one flat buffer
+(summed over micro-batches, in the unit's compute dtype): what collectives over ranks and the
+store need.
 All hand the gradient to the optimizer through `read_pieces()`.
 
 With several ranks the buffer holds either the whole unit's gradient, averaged over the ranks
@@ -33,19 +34,46 @@ if TYPE_CHECKING:
 
 
 class GradBuffer(ABC):
-    """A unit's flat gradient. `has_grad` is False until the first gradient of a step.
+    """A unit's gradient between optimizer steps. `has_grad` is False until the first gradient
+    of a step; `numel` is the unit's elements (with a FlatGrad's `scatter`: this rank's padded
+    shard's); `name` names the unit in errors."""
 
-    `numel` is the unit's elements, or with `scatter` the elements of this rank's (padded)
-    shard; `name` names the unit in collective errors."""
-
-    def __init__(self, numel: int, dtype: torch.dtype, *, scatter: Ranks | None = None,
-                 name: str = "") -> None:
-        self.numel, self.dtype = numel, dtype
-        self.scatter, self.name = scatter, name
+    def __init__(self, numel: int, dtype: torch.dtype, *, name: str = "") -> None:
+        self.numel, self.dtype, self.name = numel, dtype, name
         self.has_grad = False
         # Whether this step's gradient is free of inf/nan, where accumulate checked it (while
         # autograd's output is still in cache: far cheaper than a pass at the optimizer step).
         self.finite: bool | None = None
+
+    @abstractmethod
+    def accumulate(self, slots: Sequence[ParamSlot]) -> None:
+        """Add each parameter's `.grad` into the unit's gradient and set `.grad` to None."""
+
+    @abstractmethod
+    def read_pieces(self) -> contextlib.AbstractContextManager[list[torch.Tensor]]:
+        """The gradient as 1-D tensors laid end to end (zeros when nothing arrived this step),
+        valid inside the block."""
+
+    @contextlib.contextmanager
+    def read(self) -> Iterator[torch.Tensor]:
+        """The gradient as one flat tensor, valid inside the block."""
+        with self.read_pieces() as pieces:
+            yield pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def zero(self) -> None:
+        """Start a new step (the contents are cleared by the next accumulate)."""
+        self.has_grad = False
+        self.finite = None
+
+
+class FlatGrad(GradBuffer):
+    """The gradient summed into one flat buffer (the unit's compute dtype): what collectives
+    over ranks and the store need."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, *, scatter: Ranks | None = None,
+                 name: str = "") -> None:
+        super().__init__(numel, dtype, name=name)
+        self.scatter = scatter
 
     def accumulate(self, slots: Sequence[ParamSlot]) -> None:
         """Add each parameter's `.grad` into its slice (with `scatter`: the averaged shard of
@@ -97,24 +125,12 @@ class GradBuffer(ABC):
         self.has_grad = True
 
     @contextlib.contextmanager
-    def read(self) -> Iterator[torch.Tensor]:
-        """The flat gradient (zeros when nothing arrived this step), valid inside the block."""
+    def read_pieces(self) -> Iterator[list[torch.Tensor]]:
         if not self.has_grad:
-            yield torch.zeros(self.numel, dtype=self.dtype)
+            yield [torch.zeros(self.numel, dtype=self.dtype)]
             return
         with self._readable() as flat:
-            yield flat
-
-    @contextlib.contextmanager
-    def read_pieces(self) -> Iterator[list[torch.Tensor]]:
-        """The gradient as 1-D tensors laid end to end (here one), valid inside the block."""
-        with self.read() as flat:
             yield [flat]
-
-    def zero(self) -> None:
-        """Start a new step (the contents are cleared by the next accumulate)."""
-        self.has_grad = False
-        self.finite = None
 
     @abstractmethod
     def _writable(self) -> contextlib.AbstractContextManager[torch.Tensor]: ...
@@ -123,7 +139,7 @@ class GradBuffer(ABC):
     def _readable(self) -> contextlib.AbstractContextManager[torch.Tensor]: ...
 
 
-class RamGrad(GradBuffer):
+class RamGrad(FlatGrad):
     """The gradient in an ordinary host tensor."""
 
     def __init__(self, numel: int, dtype: torch.dtype, *, scatter: Ranks | None = None,
@@ -138,7 +154,7 @@ class RamGrad(GradBuffer):
     _readable = _writable
 
 
-class StoredGrad(GradBuffer):
+class StoredGrad(FlatGrad):
     """The gradient as a store entry at home on `home` (NVMe), fetched to the host to add to or
     read, written back after each add."""
 
@@ -192,21 +208,10 @@ class HeldGrad(GradBuffer):
             self.finite = math.isfinite(float(held.sum(dtype=torch.float32))) and self.finite is not False
         self.has_grad = True
 
-    def average_over(self, ranks: Ranks) -> None:
-        raise TypeError("HeldGrad is for one process; gradients averaged over ranks use RamGrad")
-
     @contextlib.contextmanager
     def read_pieces(self) -> Iterator[list[torch.Tensor]]:
         held = self._pieces if self.has_grad else [None] * len(self._numels)
         yield [torch.zeros(n, dtype=self.dtype) if g is None else g for g, n in zip(held, self._numels)]
-
-    @contextlib.contextmanager
-    def _readable(self) -> Iterator[torch.Tensor]:
-        with self.read_pieces() as pieces:
-            yield torch.cat(pieces)
-
-    def _writable(self) -> contextlib.AbstractContextManager[torch.Tensor]:
-        raise TypeError("HeldGrad keeps the parameters' tensors; it has no flat buffer to write")
 
     def zero(self) -> None:
         super().zero()
