@@ -118,9 +118,6 @@ class Engine:
                               f"{self.ranks.world} ranks: load it with load_config(..., world_size="
                               f"{self.ranks.world}) or use infinity.initialize")
         self.partition = Partition(self.ranks, zero.stage)
-        threshold = _mmap_threshold(config)
-        if threshold is not None:
-            set_mmap_threshold(threshold)
         self.precision, self.device = choose_model_precision(config)
         placed = take_placed(model, config, self.precision, self.device,  # see [Note: placed models]
                              sharded_params=self.partition.params)
@@ -133,6 +130,9 @@ class Engine:
         else:
             layout = placed.layout
         self.units, uses, self.plan = layout.units, layout.uses, layout.plan
+        threshold = _mmap_threshold(config, self.plan)
+        if threshold is not None:
+            set_mmap_threshold(threshold)
         self.overlap = _overlaps(config, self.plan, self.device)  # its errors before anything is opened
         self.ranks.check_same(_fingerprint(config, self.units), "the config or the model's layout")
         self.timeline = Timeline(time.perf_counter())
@@ -553,16 +553,15 @@ def _overlaps(config: Config, plan: MemoryPlan, device: torch.device) -> bool:
         return False
     if asked != "auto":
         return asked
-    return device.type != "cpu" or Tier.NVME in (plan.param_home, plan.state_tier, plan.grads_tier)
+    return device.type != "cpu" or plan.uses_nvme
 
 
-def _mmap_threshold(config: Config) -> int | None:
+def _mmap_threshold(config: Config, plan: MemoryPlan) -> int | None:
     """`infinity.mmap_threshold` with "auto" decided: 1 MiB when anything lives on NVMe."""
     threshold = config.infinity.mmap_threshold
     if threshold != "auto":
         return threshold
-    zero = config.zero_optimization
-    return 1 << 20 if "nvme" in (zero.offload_param.device, zero.offload_optimizer.device) else None
+    return 1 << 20 if plan.uses_nvme else None
 
 
 def _fingerprint(config: Config, units: list[FetchUnit]) -> str:

@@ -95,6 +95,11 @@ class MemoryPlan:
     prefetch_numel: int = 0  # elements the coordinator may prefetch (the config's, or less)
     min_host_budget: int = 0  # the smallest host_memory_budget this model and offload accept
 
+    @property
+    def uses_nvme(self) -> bool:
+        """Parameters or optimizer state (and so possibly gradients) live on NVMe."""
+        return Tier.NVME in (self.param_home, self.state_tier)
+
 
 def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optimizer: str,
                 accelerator: bool, prefetch_numel: int, tile_numel: int,
