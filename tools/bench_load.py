@@ -30,7 +30,7 @@ TINYLLAMA = {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632
 _CHILD = """
 import json, sys, time
 import torch, infinity, infinity.memory
-from infinity.models._meta import build_on_meta
+from infinity.models import build_on_meta
 directory, nvme, what, window, budget, sub_group = sys.argv[1:7]
 config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": what == "load-bf16"},
           "zero_optimization": {"stage": 3, "sub_group_size": int(sub_group),
