@@ -53,7 +53,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import asdict
 from pathlib import Path
@@ -443,13 +443,18 @@ class Engine:
     def get_lr(self) -> list[float]:
         return [float(self.optimizer.lr)]
 
-    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (name, a copy of its current values) one unit at a time (bounded memory)."""
+    def named_parameters(self, select: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (name, a copy of its current values in the stored dtype) for the parameters
+        `select` accepts (all without it), one unit at a time: at most one unit's values are
+        held here, and a unit with no selected parameter is not read."""
         self._check_open()
         self.synchronize()
         self.coordinator.release_all()
         for unit in self.units:
-            yield from _unit_values(self.store, unit, self._ranked)
+            if select is None or any(select(s.name) for s in unit.slots):
+                for name, values in _unit_values(self.store, unit, self._ranked):
+                    if select is None or select(name):
+                        yield name, values
 
     def stats(self) -> dict[str, Any]:
         """Store tiers and moves, prefetch counters, steps, and peak host memory (VmHWM)."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infinity.engine._engine import Engine, _unit_values
+from infinity.engine._engine import Engine
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,14 +36,6 @@ def parameter_specs(engine: Engine) -> list[ParamSpec]:
 
 def iter_parameters(engine: Engine, select: Callable[[str], bool] | None = None
                     ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, copy of its current values in the stored dtype) for the parameters `select`
-    accepts (all without it), one unit at a time: at most one unit's values are held here, and a
-    unit with no selected parameter is not read. Call between steps (units are released first)."""
-    engine._check_open()
-    engine.synchronize()
-    engine.coordinator.release_all()
-    for unit in engine.units:
-        if select is None or any(select(s.name) for s in unit.slots):
-            for name, values in _unit_values(engine.store, unit, engine._ranked):
-                if select is None or select(name):
-                    yield name, values
+    """`engine.named_parameters(select)`: (name, copy of its current values in the stored dtype)
+    one unit at a time, only the units holding a selected name read. Call between steps."""
+    return engine.named_parameters(select)
