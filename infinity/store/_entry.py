@@ -77,12 +77,12 @@ class Copy:
     pins: int = 0  # pin() calls not yet unpinned: never evicted
     last_use: int = 0  # store's touch counter at the last fetch, prefetch or pin: for LRU
     prefetched: bool = False  # brought in by prefetch() and not fetched since: needed soon
+    crc: int | None = None  # NVME with checksums on: crc32c of the bytes last written into it
 
     @property
     def uses(self) -> int:
         """Fetches not yet released (one holder each): neither evicted nor moved meanwhile."""
         return len(self.holders)
-    crc: int | None = None  # NVME with checksums on: crc32c of the bytes last written into it
 
     @property
     def busy(self) -> bool:
