@@ -89,6 +89,8 @@ logger = logging.getLogger(__name__)
 
 ASYNC_SAVE_BUDGET_NBYTES = 256 << 20  # host copies a background checkpoint save may queue
 
+_FETCHES_PER_UNIT_STEP = 4.0  # store fetches one unit's step makes (values, tiles): next-use hints
+
 _DEFAULT_OPTIMIZER = OptimizerConfig(type="AdamW", params=AdamParams())  # no "optimizer" section
 
 
@@ -250,8 +252,8 @@ class Engine:
         if self._stepping and unit.requires_grad and not unit.persistent \
                 and unit.state is UnitState.RELEASED:
             # The worker reads these values again soon (not the next forward, as the trace says):
-            # keep the copy backward used in RAM; about 4 store fetches per unit ahead of it.
-            self.store.set_next_use({unit.key: 4.0 * (self._stepper.pending() + 1)})
+            # keep the copy backward used in RAM.
+            self._keep_for_worker({self._index[unit]: self._stepper.pending()})
             self._stepper.submit(self._index[unit])
             self.units_stepped_in_backward += 1
 
@@ -282,6 +284,11 @@ class Engine:
         logger.warning("optimizer step of %s on the worker failed (%s); retrying", unit.key, error)
         self._step_unit(i, unit, 1.0, lr=self._step_lr)
         return True
+
+    def _keep_for_worker(self, ahead: dict[int, int]) -> None:
+        """Tell the store that unit i's values are read by the worker after `ahead[i]` other
+        units (a few store fetches each: their values and tiles)."""
+        self.store.set_next_use({self._trained[i].key: _FETCHES_PER_UNIT_STEP * (n + 1) for i, n in ahead.items()})
 
     def _step_on_worker(self, i: int) -> None:
         unit = self._trained[i]
@@ -358,7 +365,8 @@ class Engine:
         self.optimizer.begin_step()
         for i, unit in enumerate(self._trained):
             self._step_unit(i, unit, clip / scale, finite=norm is not None and math.isfinite(norm))
-        self._end_step()
+        self._close_step()
+        self._log_and_schedule()
 
     def _queue_the_rest(self) -> None:
         """After an overlapped backward: queue the units backward did not hand over (resident
@@ -378,9 +386,8 @@ class Engine:
 
             left = self._stepper.reorder(key=forward_order)
             self.units_left_to_forward += len(left)
-            # The next forward reads these values right after they are updated: keep them in RAM
-            # (a few store fetches per unit between: its values, its tiles).
-            self.store.set_next_use({self._trained[i].key: 4.0 * n for n, i in enumerate(left)})
+            # The next forward reads these values right after they are updated: keep them in RAM.
+            self._keep_for_worker({i: n for n, i in enumerate(left)})
         self._log_and_schedule()
 
     def synchronize(self) -> None:
@@ -393,10 +400,6 @@ class Engine:
         for i, unit in enumerate(self._trained):
             self._settle_unit(i, unit, futures[i])
         self._close_step()
-
-    def _end_step(self) -> None:
-        self._close_step()
-        self._log_and_schedule()
 
     def _close_step(self) -> None:
         """Every unit is stepped: the optimizer's step is complete, the gradients start over."""
