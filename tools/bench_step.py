@@ -113,23 +113,25 @@ def run_child(args: argparse.Namespace, config: str, directory: str) -> dict:
     the slowest; the figure is the median over timed steps."""
     model, batch = build(args)
     result: dict = {"config": config, "params": sum(p.numel() for p in model.parameters())}
-    marks: list[tuple[float, float, int, int]] = []  # at each step's start: wall, cpu, NVMe bytes, on demand
+    marks: list[tuple[float, float]] = []  # at each step's start and after the last: wall, CPU
+    counts: list[dict[str, float]] = []  # the engine's counters at the same moments
     if config.startswith("torch"):
         step = torch_step(model, batch, fused=config == "torch")
         for _ in range(args.steps):
-            marks.append((time.perf_counter(), time.process_time(), 0, 0))
+            marks.append((time.perf_counter(), time.process_time()))
             step()
-        marks.append((time.perf_counter(), time.process_time(), 0, 0))
+        marks.append((time.perf_counter(), time.process_time()))
     else:
         import infinity
         engine = infinity.initialize(model, engine_config(args, config, directory))
 
         def mark() -> None:
+            marks.append((time.perf_counter(), time.process_time()))
             stats = engine.stats()
             room = stats["store"]["room"]
-            marks.append((time.perf_counter(), time.process_time(), _nvme_bytes(stats),
-                          stats["prefetch"]["on_demand_nvme"], sum(room["compactions"].values()),
-                          sum(room["compaction_s"].values())))
+            counts.append({"bytes": _nvme_bytes(stats), "on_demand": stats["prefetch"]["on_demand_nvme"],
+                           "compactions": sum(room["compactions"].values()),
+                           "compaction_s": sum(room["compaction_s"].values())})
 
         step = engine_step(engine, batch)
         for i in range(args.steps):
@@ -149,12 +151,13 @@ def run_child(args: argparse.Namespace, config: str, directory: str) -> dict:
         options = {**engine.config.aio.handle_options(), "backend": engine.config.infinity.aio_backend}
         engine.close(restore_params=False)
         if config == "nvme":
-            timed = args.steps - args.warmup
-            result["bytes_per_step"] = (marks[-1][2] - marks[args.warmup][2]) / timed
-            result["on_demand_nvme_after_step_1"] = marks[-1][3] - marks[1][3]
+            def per_timed_step(key: str) -> float:
+                return (counts[-1][key] - counts[args.warmup][key]) / (args.steps - args.warmup)
+            result["bytes_per_step"] = per_timed_step("bytes")
+            result["on_demand_nvme_after_step_1"] = counts[-1]["on_demand"] - counts[1]["on_demand"]
             # host-tier compactions (each moves the blocks not in use): memmove on the cores
-            result["compactions_per_step"] = (marks[-1][4] - marks[args.warmup][4]) / timed
-            result["compaction_s_per_step"] = (marks[-1][5] - marks[args.warmup][5]) / timed
+            result["compactions_per_step"] = per_timed_step("compactions")
+            result["compaction_s_per_step"] = per_timed_step("compaction_s")
             result["raw_gbps"] = raw_stream_gbps(directory, options)
     times = [b[0] - a[0] for a, b in zip(marks, marks[1:])][args.warmup:]
     cpu_times = [b[1] - a[1] for a, b in zip(marks, marks[1:])][args.warmup:]
