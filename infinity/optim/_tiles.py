@@ -81,18 +81,18 @@ def spans(seg: Segment) -> tuple[slice, slice]:
 def check_grad_pieces(name: str, grad: object, numel: int) -> GradPieces:
     """`check_grad` for a gradient given whole (a 1-D tensor) or as 1-D tensors laid end to
     end; returns it as GradPieces."""
+    def one_d(label: str, piece: object, expected: int) -> torch.Tensor:
+        check_grad(label, piece, expected)
+        if piece.dim() != 1:
+            raise ValueError(f"{label} must be 1-D, got shape {tuple(piece.shape)}")
+        return piece
+
     if isinstance(grad, torch.Tensor):
-        check_grad(name, grad, numel)
-        if grad.dim() != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {tuple(grad.shape)}")
-        return GradPieces([grad])
+        return GradPieces([one_d(name, grad, numel)])
     if not isinstance(grad, (list, tuple)) or not grad:
         raise TypeError(f"{name} must be a 1-D tensor or a non-empty list of them, got {type(grad).__name__}")
-    for k, piece in enumerate(grad):
-        check_grad(f"{name} (piece {k})", piece, piece.numel() if isinstance(piece, torch.Tensor) else -1)
-        if piece.dim() != 1:
-            raise ValueError(f"{name} (piece {k}) must be 1-D, got shape {tuple(piece.shape)}")
-    pieces = GradPieces(grad)
+    pieces = GradPieces([one_d(f"{name} (piece {k})", piece, piece.numel() if isinstance(piece, torch.Tensor) else -1)
+                         for k, piece in enumerate(grad)])
     if pieces.numel != numel:
         raise ValueError(f"{name}: the pieces must lay {numel} elements end to end, got {pieces.numel}")
     return pieces
