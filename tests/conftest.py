@@ -212,14 +212,14 @@ def sigkilled_child_frees(small_tmpfs, tmp_path):
 @pytest.fixture(scope="session")
 def tiny_hf_model(tmp_path_factory):
     """A local Hugging Face directory as `save_pretrained` writes it: a tiny random Llama (fp32,
-    untied head) and a byte-level tokenizer (256 bytes + <s>, </s>), nothing downloaded."""
+    untied head) and the byte-level tokenizer (256 bytes + <s>, </s>, <pad>), nothing downloaded."""
     transformers = pytest.importorskip("transformers")
     from infinity.models import byte_tokenizer
 
     directory = tmp_path_factory.mktemp("tiny-llama")
     byte_tokenizer().save_pretrained(directory)
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=258, hidden_size=32, intermediate_size=64,
+    config = transformers.LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64,
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                       max_position_embeddings=64, tie_word_embeddings=False,
                                       bos_token_id=256, eos_token_id=257)

@@ -27,20 +27,6 @@ class Tokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 
 
-class ByteTokenizer:
-    """UTF-8 bytes as tokens 0..255, plus bos (256), eos (257) and pad (258)."""
-
-    vocab_size = 259
-    bos_token_id, eos_token_id, pad_token_id = 256, 257, 258
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        ids = list(text.encode("utf-8"))
-        return [self.bos_token_id, *ids, self.eos_token_id] if add_special_tokens else ids
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-
-
 def data_files(path: str | pathlib.Path) -> list[pathlib.Path]:
     """The .txt and .jsonl files `path` names: itself, or those under it (sorted, recursive)."""
     path = pathlib.Path(path)

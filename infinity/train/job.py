@@ -169,14 +169,13 @@ def staged_output(output: str | None, *, resume: bool = False) -> Iterator[Outpu
 
 
 def _tokenizer_and_data(options: TrainOptions):
-    """(the default model or None for --model, the --model tokenizer or None, the packed rows),
-    all checked before the (possibly long) model load."""
+    """(the default model or None for --model, its tokenizer, the packed rows), all checked
+    before the (possibly long) model load."""
     if options.model is None:
         model, tokenizer = models.default_model(options.seed)
-        hf_tokenizer = None
     else:
         model = None
-        tokenizer = hf_tokenizer = models.load_tokenizer(options.model)
+        tokenizer = models.load_tokenizer(options.model)
     positions = models.max_positions(model) if model is not None else _config_positions(options.model)
     if options.seq_len < 2 or (positions is not None and options.seq_len > positions):
         raise InputError(f"--seq-len {options.seq_len}: must be between 2 and the model's "
@@ -186,7 +185,7 @@ def _tokenizer_and_data(options: TrainOptions):
         rows = pack(iter([text]), tokenizer, options.seq_len, source="<built-in corpus>")
     else:
         rows = load_rows(options.data, tokenizer, options.seq_len)
-    return model, hf_tokenizer, rows
+    return model, tokenizer, rows
 
 
 def _placed_model(options: TrainOptions, model, config: dict[str, Any]):

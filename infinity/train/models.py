@@ -12,8 +12,7 @@ from typing import Any
 import torch
 
 from infinity.errors import CheckpointError, InputError
-from infinity.models import DEFAULT_WINDOW, load
-from infinity.train.data import ByteTokenizer
+from infinity.models import DEFAULT_WINDOW, byte_tokenizer, load
 
 logger = logging.getLogger(__name__)
 
@@ -21,14 +20,15 @@ DEFAULTS = resources.files("infinity.train") / "default"
 LORA_TARGETS = "all-linear"  # peft: every Linear but the output head (attention and MLP projections)
 
 
-def default_model(seed: int = 0) -> tuple[torch.nn.Module, ByteTokenizer]:
-    """A freshly initialised Llama from `default/model_config.json` (seeded) and byte tokens."""
+def default_model(seed: int = 0) -> tuple[torch.nn.Module, Any]:
+    """A freshly initialised Llama from `default/model_config.json` (seeded) and its tokenizer,
+    `infinity.models.byte_tokenizer()` (exported with the model)."""
     import transformers
 
     fields = json.loads((DEFAULTS / "model_config.json").read_text())
     config = transformers.LlamaConfig(**{k: v for k, v in fields.items() if k not in ("architectures", "model_type")})
     torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(config), ByteTokenizer()
+    return transformers.LlamaForCausalLM(config), byte_tokenizer()
 
 
 def load_model(directory: str | pathlib.Path, config: dict[str, Any], *, lora: int | None = None,

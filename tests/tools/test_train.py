@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file
 
 from infinity.checkpoint import CheckpointWriter
@@ -40,6 +41,8 @@ def test_default_run_learns_and_reports(tmp_path, capsys):
     assert (out_dir / "report.png").read_bytes()[:4] == b"\x89PNG"
     assert (out_dir / "config.json").exists() and (out_dir / "model.safetensors.index.json").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["run"]  # no staging directory left
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out_dir, local_files_only=True)
+    assert tokenizer.encode("hé", add_special_tokens=False) == list("hé".encode())  # the ids it learned
 
 
 def test_model_data_and_lora_runs_export_loadable_models(tmp_path, capsys, tiny_hf_model):
@@ -169,7 +172,8 @@ def test_read_only_nvme_path_is_refused(read_only_dir, run_unprivileged):
     out = run_unprivileged(textwrap.dedent(f"""
         from tools import train
         sys.exit(train.main(["--steps", "1", "--nvme-path", {read_only_dir!r}]))
-    """), preload=("tools.train", "transformers.models.llama.modeling_llama"))
+    """), preload=("tools.train", "transformers.models.llama.modeling_llama", "tokenizers",
+                   "transformers.tokenization_utils_tokenizers"))
     assert out.returncode == 2, out.stderr
     line = out.stderr.strip().splitlines()[-1]
     assert line.startswith(f"infinity-train: error: --nvme-path {read_only_dir}: cannot write there"), out.stderr

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from infinity.errors import InputError
+from infinity.models import byte_tokenizer
 from infinity.train import corpus, models
-from infinity.train.data import Batches, ByteTokenizer, data_files, load_rows, pack, read_documents
+from infinity.train.data import Batches, data_files, load_rows, pack, read_documents
 
 
 def test_txt_jsonl_and_directories_are_read_in_a_stable_order(tmp_path):
@@ -24,11 +25,22 @@ def test_txt_jsonl_and_directories_are_read_in_a_stable_order(tmp_path):
 
 
 def test_packing_wraps_documents_in_bos_eos_and_drops_the_tail():
-    tok = ByteTokenizer()
+    tok = byte_tokenizer()
     rows = pack(iter(["ab", "", "cde"]), tok, 3, source="x")
     assert rows.tolist() == [[256, 97, 98], [257, 256, 99], [100, 101, 257]]
     rows = pack(iter(["abcd"]), tok, 4, source="x")  # 6 tokens: one row, tail of 2 dropped
     assert rows.tolist() == [[256, 97, 98, 99]]
+
+
+def test_byte_tokens_are_the_utf8_bytes_whatever_the_text_holds():
+    """Token i is byte i, so the built-in model's ids mean the same in training and in an
+    exported model; text that looks like a special token stays bytes."""
+    tok = byte_tokenizer()
+    text = "hé wörld\x00\n\t  ~日本 <s></s><pad> \U0001f600"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids == list(text.encode("utf-8"))
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, len(tok)) == (256, 257, 258, 259)
+    assert tok.decode([256, *ids, 257], skip_special_tokens=True) == text
 
 
 @pytest.mark.parametrize("make, message", [
@@ -42,7 +54,7 @@ def test_packing_wraps_documents_in_bos_eos_and_drops_the_tail():
 ])
 def test_bad_data_names_the_culprit(tmp_path, make, message):
     with pytest.raises(InputError, match=message):
-        load_rows(make(tmp_path), ByteTokenizer(), 16)
+        load_rows(make(tmp_path), byte_tokenizer(), 16)
 
 
 def test_shuffle_is_seed_stable_and_covers_every_row_each_epoch():
@@ -61,7 +73,7 @@ def test_the_shipped_corpus_is_the_generators_output():
 
 
 def test_rows_are_compact_and_batches_are_model_inputs():
-    rows = pack(iter(["abcdefgh"] * 4), ByteTokenizer(), 5, source="x")
+    rows = pack(iter(["abcdefgh"] * 4), byte_tokenizer(), 5, source="x")
     assert rows.dtype == torch.int32 and rows.shape == (8, 5)
     batch = next(Batches(rows, 3))
     assert batch.dtype == torch.int64 and batch.shape == (3, 5)
