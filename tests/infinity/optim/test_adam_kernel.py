@@ -134,8 +134,8 @@ def _step_beside_torch(param: torch.Tensor, grads: list[torch.Tensor], *, adamw:
     ref = opt.param_groups[0]["params"][0]
     p, m, v = param.clone(), torch.zeros_like(param), torch.zeros_like(param)
     for step, grad in enumerate(grads, start=1):
-        adam_step(p, grad * feed_scale if feed_scale != 1.0 else grad, m, v, step=step,
-                  adamw=adamw, grad_scale=1.0 / feed_scale, **HYPER)
+        adam_step(p, grad * feed_scale, m, v, step=step, adamw=adamw, grad_scale=1.0 / feed_scale,
+                  **HYPER)
         ref.grad = grad.float()
         opt.step()
         state = opt.state[ref]
