@@ -160,10 +160,13 @@ def test_each_of_a_hundred_steps_matches_a_torch_step(grad_dtype, adamw):
 
 @pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "adam"])
 def test_hundred_steps_stay_as_close_to_float64_adam_as_torch_does(adamw):
-    """Over many steps the kernel drifts from exact Adam no more than torch's float32 Adam does.
+    """Over many steps the kernel drifts from exact Adam about as little as torch's float32 Adam.
 
     The step-by-step test cannot see a bias below one rounding per step; summed over a hundred
-    steps it would show here. Both float32 results are measured against torch's Adam in float64.
+    steps it would show here. Both float32 results are measured against torch's Adam in float64;
+    the factor 2 leaves room for a different but equally exact rounding of a coefficient (CI once
+    saw the two float32 trajectories 3e-6 apart, against 9e-6 from float64), while a bias of
+    1e-4 in the learning rate, a wrong step count or eps comes out 4x to 900x.
     """
     param = torch.randn(4099, generator=torch.Generator().manual_seed(7))
     grads = _random_grads(param.numel(), 100, torch.float32, seed=8)
@@ -182,7 +185,7 @@ def test_hundred_steps_stay_as_close_to_float64_adam_as_torch_does(adamw):
     ours_err = (p.double() - exact).abs().max().item()
     torch_err = (finals[torch.float32].double() - exact).abs().max().item()
     assert 0 < torch_err < 1e-4, f"the float64 reference itself looks wrong: {torch_err}"
-    assert ours_err <= 1.25 * torch_err, (
+    assert ours_err <= 2 * torch_err, (
         f"kernel drifted {ours_err:.3g} from float64 Adam; torch's float32 Adam {torch_err:.3g}")
 
 
