@@ -87,9 +87,7 @@ class CheckpointReader:
         """Tensor `name`, or rows `rows` (a step-1 slice of dim 0) of it, verified."""
         entry = self.entry(name)
         if rows is None:
-            pieces = list(self.iter_chunks(name))
-            flat = torch.cat(pieces) if pieces else torch.empty(0, dtype=self.dtype(name))
-            return flat.reshape(entry.shape)
+            return self.read_flat(name, 0, entry.numel).reshape(entry.shape)
         start, stop, step = rows.indices(entry.stored_shape[0])
         if step != 1:
             raise CheckpointError(f"read({name!r}, rows) takes a step-1 slice, got {rows}")
@@ -99,15 +97,21 @@ class CheckpointReader:
         flat = self.read_flat(name, start * entry.row_numel, stop * entry.row_numel)
         return flat.reshape(stop - start, *entry.shape[1:])
 
-    def read_flat(self, name: str, start: int, stop: int) -> torch.Tensor:
+    def read_flat(self, name: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Elements [start, stop) of tensor `name` flattened, verified, reading only the chunks
         that hold them: a rank's ZeRO-3 partition (elements [r*p, (r+1)*p)) for any number of
-        ranks, whatever partitioning wrote the checkpoint."""
+        ranks, whatever partitioning wrote the checkpoint. They are copied chunk by chunk into
+        `out` (1-D, stop - start elements, any dtype: converted as copied) when given, so a
+        caller with the destination at hand holds one chunk at a time, else into a new tensor."""
         entry = self.entry(name)
         if not 0 <= start <= stop <= entry.numel:
             raise CheckpointError(f"read_flat({name!r}, {start}, {stop}): tensor {name!r} has "
                                   f"{entry.numel} elements")
-        out = torch.empty(stop - start, dtype=self.dtype(name))
+        if out is None:
+            out = torch.empty(stop - start, dtype=self.dtype(name))
+        elif out.dim() != 1 or out.numel() != stop - start:
+            raise ValueError(f"read_flat({name!r}, {start}, {stop}): out must be 1-D with "
+                             f"{stop - start} elements, got shape {tuple(out.shape)}")
         chunk_numel = entry.chunk_rows * entry.row_numel
         for index in range(start // chunk_numel, -(-stop // chunk_numel) if stop > start else 0):
             chunk = self._read_chunk(entry, index)

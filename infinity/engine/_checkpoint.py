@@ -200,12 +200,15 @@ def _load(engine: Engine, directory: str | Path, tag: str | None, load_optimizer
                               f"parameter; load_checkpoint(..., load_optimizer_states=False) "
                               f"starts them from zero")
     for unit in engine.units:
-        whole = torch.empty(unit.numel, dtype=unit.dtype)
-        for s in unit.slots:
-            whole[s.offset:s.offset + s.shape.numel()] = reader.read(s.name).reshape(-1).to(unit.dtype)
         values = engine.store.fetch(unit.key, Tier.HOST).result()
         try:
-            values.copy_(engine._ranked.own_values(unit, whole))
+            # Read chunk by chunk into the values themselves where this rank holds them whole;
+            # a shard is cut from the whole unit, assembled first.
+            whole = values if engine._ranked.holds_whole() else torch.empty(unit.numel, dtype=unit.dtype)
+            for s in unit.slots:
+                reader.read_flat(s.name, 0, s.shape.numel(), out=whole[s.offset:s.offset + s.shape.numel()])
+            if whole is not values:
+                values.copy_(engine._ranked.own_values(unit, whole))
         finally:
             engine.store.release(unit.key, Tier.HOST, dirty=True)
     saved = reader.metadata.get("engine") or {  # a DeepSpeed conversion's counters
@@ -268,7 +271,7 @@ def _optimizer_states(engine: Engine, reader: CheckpointReader, names: set[str],
                 if row != MASTER and not has_moments:
                     flat.zero_()
                     continue
-                flat[s.offset:s.offset + s.shape.numel()] = reader.read(name).reshape(-1).float()
+                reader.read_flat(name, 0, s.shape.numel(), out=flat[s.offset:s.offset + s.shape.numel()])
             state[row] = engine._ranked.own_state(i, flat)
         yield j, state
 

@@ -72,6 +72,22 @@ def test_any_flat_partition_reads_alone(tmp_path, ranks):
         reader.read_flat("embed.weight", 590, 601)
 
 
+def test_read_flat_into_a_given_tensor_converts_chunk_by_chunk(tmp_path):
+    """`out=`: the caller's tensor (a view into a larger one, another dtype) receives the elements
+    across chunk boundaries; nothing else is touched; a wrong size is refused before reading."""
+    _save(tmp_path)
+    reader = CheckpointReader(tmp_path)
+    flat = TENSORS["embed.weight"].reshape(-1)
+    assert reader.entry("embed.weight").chunk_count > 3, "the test needs several chunks"
+    into = torch.full((flat.numel() + 10,), -1.0, dtype=torch.float64)
+    got = reader.read_flat("embed.weight", 5, 590, out=into[7:592])
+    assert got.data_ptr() == into[7:].data_ptr()
+    assert torch.equal(into[7:592], flat[5:590].double())
+    assert (into[:7] == -1).all() and (into[592:] == -1).all()
+    with pytest.raises(ValueError, match="out must be 1-D with 585 elements"):
+        reader.read_flat("embed.weight", 5, 590, out=torch.empty(584))
+
+
 def test_a_slice_reads_only_its_chunks(tmp_path):
     """Damage outside the slice does not matter: only the chunks holding the rows are read."""
     tag = _save(tmp_path)
