@@ -202,9 +202,9 @@ def _load(engine: Engine, directory: str | Path, tag: str | None, load_optimizer
     for unit in engine.units:
         values = engine.store.fetch(unit.key, Tier.HOST).result()
         try:
-            # Read chunk by chunk into the values themselves where this rank holds them whole;
-            # a shard is cut from the whole unit, assembled first.
-            whole = values if engine._ranked.holds_whole() else torch.empty(unit.numel, dtype=unit.dtype)
+            # Read chunk by chunk into the values themselves unless they are partitioned (a
+            # stage-3 shard is cut from the whole unit, assembled first).
+            whole = torch.empty(unit.numel, dtype=unit.dtype) if engine.partition.params else values
             for s in unit.slots:
                 reader.read_flat(s.name, 0, s.shape.numel(), out=whole[s.offset:s.offset + s.shape.numel()])
             if whole is not values:
@@ -263,14 +263,14 @@ def _optimizer_states(engine: Engine, reader: CheckpointReader, names: set[str],
         state: dict[str, Any] = {"step": step}
         rows = [MASTER, *ADAM_STATES]
         for row in rows:
+            if row != MASTER and not has_moments:
+                state[row] = engine._ranked.own_state(i, torch.zeros(unit.numel, dtype=torch.float32))
+                continue
             flat = torch.empty(unit.numel, dtype=torch.float32)
             for s in unit.slots:
                 name = optimizer_state_name(row, s.name)
                 if row == MASTER:  # DeepSpeed conversions and fp32 runs: the weights are the master
                     name = name if name in names else s.name
-                if row != MASTER and not has_moments:
-                    flat.zero_()
-                    continue
                 reader.read_flat(name, 0, s.shape.numel(), out=flat[s.offset:s.offset + s.shape.numel()])
             state[row] = engine._ranked.own_state(i, flat)
         yield j, state

@@ -139,11 +139,6 @@ class RankedUnits:
             mine[:local.numel()] = local.reshape(-1)
         return self.ranks.all_gather(mine, unit.numel, f"optimizer state of {unit.name}")
 
-    def holds_whole(self) -> bool:
-        """Whether this rank's store entries hold whole units (one rank, or parameters not
-        partitioned), so a unit's values can be written where they lie."""
-        return self.ranks.world == 1 or not self.partition.params
-
     def own_values(self, unit: FetchUnit, whole: torch.Tensor) -> torch.Tensor:
         """What this rank's store entry of `unit` holds of its whole values (stage 3: the
         padded shard)."""
