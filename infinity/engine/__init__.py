@@ -2,7 +2,7 @@
 
 from infinity.engine._engine import Engine
 from infinity.engine._initialize import initialize
-from infinity.engine._params import ParamSpec, iter_parameters, parameter_specs
+from infinity.engine._params import ParamSpec, parameter_specs
 from infinity.engine._placement import (
     Layout,
     Placed,
@@ -13,4 +13,4 @@ from infinity.engine._placement import (
 )
 
 __all__ = ["Engine", "Layout", "ParamSpec", "Placed", "attach_placed", "choose_model_precision", "initialize",
-           "iter_parameters", "lay_out", "open_store", "parameter_specs"]
+           "lay_out", "open_store", "parameter_specs"]

@@ -1,13 +1,10 @@
-"""Streaming parameters out of an engine one fetch unit at a time (export, inspection), with
-only the units that hold a wanted name read from the store.
-
-`parameter_specs` lists names, shapes and stored dtypes without reading anything, so a writer can
-plan its files (safetensors shards) before the values arrive.
-"""
+"""What an engine's parameters are, without reading them: `parameter_specs` lists names, shapes
+and stored dtypes, so a writer can plan its files (safetensors shards) before the values arrive
+from `Engine.named_parameters(select)` (one fetch unit at a time, only the units holding a
+selected name read)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -30,12 +27,5 @@ class ParamSpec:
 
 
 def parameter_specs(engine: Engine) -> list[ParamSpec]:
-    """Every parameter in the order `iter_parameters` yields them; no I/O."""
+    """Every parameter in the order `Engine.named_parameters` yields them; no I/O."""
     return [ParamSpec(s.name, s.shape, u.dtype, u.requires_grad) for u in engine.units for s in u.slots]
-
-
-def iter_parameters(engine: Engine, select: Callable[[str], bool] | None = None
-                    ) -> Iterator[tuple[str, torch.Tensor]]:
-    """`engine.named_parameters(select)`: (name, copy of its current values in the stored dtype)
-    one unit at a time, only the units holding a selected name read. Call between steps."""
-    return engine.named_parameters(select)

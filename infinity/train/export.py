@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from infinity.engine import Engine, iter_parameters, parameter_specs
+from infinity.engine import Engine, parameter_specs
 from infinity.models import write_shards
 
 PEFT_PREFIX = "base_model.model."
@@ -52,13 +52,13 @@ def exported_tensors(engine: Engine) -> tuple[list[tuple[str, torch.Size, torch.
     buffers = _persistent_buffers(model)
     if not is_peft(model):
         specs = [(s.name, s.shape, s.dtype) for s in parameter_specs(engine)]
-        return specs + _buffer_specs(buffers), lambda: _chain(iter_parameters(engine), buffers)
+        return specs + _buffer_specs(buffers), lambda: _chain(engine.named_parameters(), buffers)
     specs = [(_base_name(s.name), s.shape, s.dtype) for s in parameter_specs(engine) if not _is_adapter(s.name)]
     scalings = _lora_scalings(model)
 
     def merged() -> Iterator[tuple[str, torch.Tensor]]:
-        adapters = dict(iter_parameters(engine, _is_adapter))  # small: rank x width per layer
-        for name, values in iter_parameters(engine, lambda n: not _is_adapter(n)):
+        adapters = dict(engine.named_parameters(_is_adapter))  # small: rank x width per layer
+        for name, values in engine.named_parameters(lambda n: not _is_adapter(n)):
             stem = name.removesuffix(".base_layer.weight")
             if stem != name:
                 a = adapters[f"{stem}.lora_A.default.weight"].float()
@@ -124,7 +124,7 @@ def write_adapter(engine: Engine, directory: str | pathlib.Path, *, tokenizer: A
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {name.replace(".default.", "."): values.contiguous()
-               for name, values in iter_parameters(engine, _is_adapter)}
+               for name, values in engine.named_parameters(_is_adapter)}
     path = directory / "adapter_model.safetensors"
     save_file(tensors, str(path), metadata={"format": "pt"})
     model.peft_config["default"].save_pretrained(directory)

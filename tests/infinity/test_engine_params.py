@@ -1,9 +1,9 @@
-"""engine.iter_parameters / parameter_specs: stream parameters out one unit at a time, reading
+"""Engine.named_parameters(select) / parameter_specs: stream parameters out one unit at a time, reading
 only the units that hold a selected name."""
 
 import torch
 
-from infinity.engine import initialize, iter_parameters, parameter_specs
+from infinity.engine import initialize, parameter_specs
 
 
 def model() -> torch.nn.Module:
@@ -27,7 +27,7 @@ def test_specs_and_values_match_the_model(tmp_path):
     assert [s.name for s in specs] == list(want)
     assert all(s.shape == want[s.name].shape and s.dtype == torch.float32 and s.requires_grad for s in specs)
     assert sum(s.nbytes for s in specs) == sum(t.numel() * 4 for t in want.values())
-    got = dict(iter_parameters(engine))
+    got = dict(engine.named_parameters())
     assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
     engine.close()
 
@@ -41,7 +41,7 @@ def test_selection_reads_only_the_units_it_needs(tmp_path, monkeypatch):
     fetched = []
     fetch = engine.store.fetch
     monkeypatch.setattr(engine.store, "fetch", lambda key, *a, **k: fetched.append(key) or fetch(key, *a, **k))
-    got = list(iter_parameters(engine, lambda name: name.startswith("2.")))
+    got = list(engine.named_parameters(lambda name: name.startswith("2.")))
     assert [n for n, _ in got] == ["2.weight", "2.bias"]
     assert fetched == ["param/2"]
     monkeypatch.undo()

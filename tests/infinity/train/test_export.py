@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from infinity.engine import initialize, iter_parameters
+from infinity.engine import initialize
 from infinity.train import models
 from infinity.train.export import write_adapter, write_hf
 
@@ -47,14 +47,14 @@ def logits_of(model_or_engine, ids):
 
 def test_export_round_trip_gives_the_engines_logits(tmp_path, tiny_hf_model):
     engine = streamed(tiny_hf_model, nvme_config(tmp_path))
-    before = dict(iter_parameters(engine))
+    before = dict(engine.named_parameters())
     fine_tune(engine)
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(2))
     engine.eval()
     want = logits_of(engine, ids)
     out = tmp_path / "out"
     files = write_hf(engine, out, tokenizer=models.load_tokenizer(tiny_hf_model), max_shard_bytes=40_000)
-    after = dict(iter_parameters(engine))
+    after = dict(engine.named_parameters())
     engine.close()
     assert any(not torch.equal(before[n], after[n]) for n in before)  # it did train
     shards = sorted(out.glob("model-*.safetensors"))
@@ -84,17 +84,17 @@ def test_lora_trains_only_the_adapters_and_exports_merged(tmp_path, tiny_hf_mode
     assert trained and all(".lora_" in k for k in trained)
     optimized = {getattr(u, "values_key", None) or u.key for u in engine.optimizer.units}
     assert optimized == trained  # no optimizer state for any base weight
-    base = dict(iter_parameters(engine, lambda n: ".lora_" not in n))
-    adapters = dict(iter_parameters(engine, lambda n: ".lora_" in n))
+    base = dict(engine.named_parameters(lambda n: ".lora_" not in n))
+    adapters = dict(engine.named_parameters(lambda n: ".lora_" in n))
     written_at_start = _writes_by_key(engine, tmp_path / "t0.json")
     fine_tune(engine)
     written = _writes_by_key(engine, tmp_path / "t1.json")
     frozen_keys = {u.key for u in engine.units if not u.requires_grad}
     assert {k: written.get(k, 0) for k in frozen_keys} == {k: written_at_start.get(k, 0) for k in frozen_keys}
     assert any(written.get(k, 0) > written_at_start.get(k, 0) for k in trained)
-    after_base = dict(iter_parameters(engine, lambda n: ".lora_" not in n))
+    after_base = dict(engine.named_parameters(lambda n: ".lora_" not in n))
     assert all(torch.equal(base[n], after_base[n]) for n in base)
-    after_adapters = dict(iter_parameters(engine, lambda n: ".lora_" in n))
+    after_adapters = dict(engine.named_parameters(lambda n: ".lora_" in n))
     assert any(not torch.equal(adapters[n], after_adapters[n]) for n in adapters)
 
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(2))
@@ -175,7 +175,7 @@ def test_lora_adapters_on_a_streamed_model_start_as_peft_initialises_them(tmp_pa
     base = transformers.AutoModelForCausalLM.from_pretrained(tiny_hf_model, local_files_only=True).eval()
     engine = streamed(tiny_hf_model, nvme_config(tmp_path), lora=4)
     try:
-        adapters = dict(iter_parameters(engine, lambda n: ".lora_" in n))
+        adapters = dict(engine.named_parameters(lambda n: ".lora_" in n))
         assert adapters and all(t.abs().sum() > 0 for n, t in adapters.items() if ".lora_A." in n)
         assert all(not t.any() for n, t in adapters.items() if ".lora_B." in n)
         engine.eval()
