@@ -196,8 +196,7 @@ class Engine:
         specs = self._ranked.optimizer_specs()
         self._opt_index = {i: j for j, i in enumerate(specs)}  # trained unit -> optimizer unit
         return SwappedOptimizer.from_units(list(specs.values()), self.store, state_tier=self.plan.state_tier,
-                                           tile_numel=self.config.zero_optimization.sub_group_size,
-                                           **hyper)
+                                           tile_numel=self.plan.tile_numel, **hyper)
 
     # -- training loop -------------------------------------------------------------------------
 

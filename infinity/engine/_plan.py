@@ -94,6 +94,7 @@ class MemoryPlan:
     grads_tier: Tier | None = None  # home of the gradient buffers in the store (None: in RAM)
     prefetch_numel: int = 0  # elements the coordinator may prefetch (the config's, or less)
     min_host_budget: int = 0  # the smallest host_memory_budget this model and offload accept
+    tile_numel: int = 1 << 30  # elements per optimizer tile (sub_group_size with state on NVMe)
 
     @property
     def uses_nvme(self) -> bool:
@@ -116,6 +117,8 @@ def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optim
     state_tier = {"none": Tier.HOST, "cpu": Tier.HOST, "nvme": Tier.NVME}[offload_optimizer]
     trained = [u for u in units if u.requires_grad]
     share = _Share(Partition(Ranks(0, world), stage))  # every rank's shard is as large as rank 0's
+    if state_tier == Tier.HOST:  # tiles bound what one NVMe read holds; in RAM, a unit is one tile
+        tile_numel = max((share.state_numel(u) for u in trained), default=1)
     everything = sum(_aligned(share.values_nbytes(u)) for u in units)
     resident = sum(_aligned(share.values_nbytes(u)) for u in units if u.persistent)
     largest = max((_aligned(share.values_nbytes(u)) for u in units if not u.persistent), default=0)
@@ -169,4 +172,4 @@ def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optim
     if nvme:
         budgets[Tier.NVME] = nvme + nvme // 8 + (16 << 20)
     return MemoryPlan(fetch_tier, param_home, state_tier, budgets, outside, grads_tier, prefetch_numel,
-                      min_budget)
+                      min_budget, tile_numel)

@@ -33,9 +33,10 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 import torch
+from torch.autograd.graph import increment_version
 
 from infinity.memory import ThreadPool
-from infinity.optim._native import adam_step, check_hyperparameters, check_threads
+from infinity.optim._native import AdamKernel, check_hyperparameters, check_threads
 from infinity.optim._state import StreamedState
 from infinity.optim._tiles import (
     GRAD_DTYPES,
@@ -381,22 +382,34 @@ class SwappedOptimizer(StreamedState):
             if self._tile_steps[t] >= target:
                 self._rewrite_if_unsaved(self._key(t))
         keys = [self._key(t) for t in todo]
-        self.store.set_next_use({key: i for i, key in enumerate(keys)})
+        streamed = self.state_tier == Tier.NVME  # host-homed tiles never move: no hints, no reading ahead
+        if streamed:
+            self.store.set_next_use({key: i for i, key in enumerate(keys)})
         last = _last_tile_of(self.tiles, todo)
+        kernels: dict[int, AdamKernel] = {}  # by step number: one per pass in unit mode
+
+        def kernel_of(group: int) -> AdamKernel:
+            step = step_of(group)
+            if step not in kernels:
+                kernels[step] = AdamKernel(step=step, lr=lr, beta1=self.betas[0], beta2=self.betas[1],
+                                           eps=self.eps, weight_decay=self.weight_decay,
+                                           adamw=self.adamw_mode, grad_scale=grad_scale, pool=self._pool)
+            return kernels[step]
+
         values = self._values()
         held: str | None = None
         try:
             first = self.tiles[todo[0]] if todo else []  # its values entries are read with it
-            self.store.prefetch([k for k in (self._keys[s.param] for s in first) if k] + keys[:1])
+            self.store.prefetch([k for k in (self._keys[s.param] for s in first) if k] + keys[:streamed])
             for i, (t, key) in enumerate(zip(todo, keys)):
-                if i + 1 < len(keys):
+                if streamed and i + 1 < len(keys):
                     self.store.prefetch(keys[i + 1:i + 2])
                 future = self.store.fetch(key, Tier.HOST)
                 held = key
-                self._update_tile(t, future.result(), grad_of, step_of, grad_scale, lr, values)
+                self._update_tile(t, future.result(), grad_of, kernel_of, values)
                 self._tile_steps[t] = target
-                # Done for this step: needed again at the next one, after every other tile.
-                self.store.set_next_use({key: len(self.tiles)})
+                if streamed:  # done for this step: needed again at the next one, after every other tile
+                    self.store.set_next_use({key: len(self.tiles)})
                 held = None
                 self.store.release(key, Tier.HOST, dirty=True)
                 for group in last.get(t, ()):
@@ -413,10 +426,10 @@ class SwappedOptimizer(StreamedState):
 
     def _update_tile(self, t: int, tile: torch.Tensor,
                      grad_of: Callable[[int], torch.Tensor | GradPieces | None],
-                     step_of: Callable[[int], int], grad_scale: float, lr: float,
-                     values: GroupValues) -> None:
+                     kernel_of: Callable[[int], AdamKernel], values: GroupValues) -> None:
         """Run the kernel over tile t's segments (one call per gradient piece in a segment);
-        every input is fetched first, so a tile is updated whole or not at all."""
+        every input is fetched first, so a tile is updated whole or not at all. The tensors are
+        slices of one length of checked gradients, tiles and values (see AdamKernel)."""
         work = [(seg, grad_of(seg.param)) for seg in self.tiles[t]]
         work = [(seg, grad, values.get(seg.param)) for seg, grad in work if grad is not None]
         master_row = self._tile_master[t]
@@ -428,15 +441,14 @@ class SwappedOptimizer(StreamedState):
             else:  # a float32 unit: its values are the master
                 master, exp_avg, exp_avg_sq = out, tile[0, cols], tile[1, cols]
             lowp = out if out.dtype != torch.float32 else None
+            kernel = kernel_of(seg.param)
             pieces = grad if isinstance(grad, GradPieces) else GradPieces([grad.view(-1)])
             for first, g in pieces.ranges(part.start, part.stop):
                 at = slice(first - part.start, first - part.start + g.numel())
-                adam_step(master[at], g, exp_avg[at], exp_avg_sq[at], step=step_of(seg.param),
-                          lr=lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
-                          weight_decay=self.weight_decay, adamw=self.adamw_mode, grad_scale=grad_scale,
-                          out_lowp=None if lowp is None else lowp[at], pool=self._pool)
+                kernel(master[at], g, exp_avg[at], exp_avg_sq[at], None if lowp is None else lowp[at])
             if master_row and lowp is None:
                 out.copy_(master)
+            increment_version(out)  # as an in-place op would: a graph that saved the values fails loudly
             values.modified(seg.param)
 
     def _rewrite_if_unsaved(self, key: str) -> None:

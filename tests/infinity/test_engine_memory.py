@@ -98,6 +98,7 @@ def test_a_budget_too_small_for_the_optimizer_tiles_names_sub_group_size():
         plan_memory(units, host_memory_budget=512 << 20, tile_numel=1_000_000_000, **kwargs)
     small_tiles = plan_memory(units, host_memory_budget=512 << 20, tile_numel=1 << 20, **kwargs)
     assert small_tiles.budgets[Tier.HOST] <= 512 << 20
+    assert small_tiles.tile_numel == 1 << 20  # on NVMe the tiles are sub_group_size's
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -113,9 +114,10 @@ def test_the_plan_of_a_rank_counts_its_shards(stage):
     unit_nbytes, n = 4 << 20, len(units)
     params = n * unit_nbytes // (4 if stage == 3 else 1)
     state = 2 * n * unit_nbytes // (4 if stage >= 1 else 1)
-    slack = 32 * (64 << 10)  # the tiles' slack: 4 tiles of 1 << 18 elements per unit
+    slack = n * (64 << 10)  # the tiles' slack: state in RAM is one tile per unit, whatever tile_numel
+    assert (one.tile_numel, rank.tile_numel) == (1 << 20, (1 << 20) // (4 if stage >= 1 else 1))
     assert one.budgets[Tier.HOST] == n * unit_nbytes + 2 * n * unit_nbytes + slack
-    assert rank.budgets[Tier.HOST] == params + state + slack // (4 if stage >= 1 else 1)
+    assert rank.budgets[Tier.HOST] == params + state + slack
     grads = n * unit_nbytes // (4 if stage >= 2 else 1)
     collectives = {0: 0, 1: 2, 2: 3, 3: 3}[stage] * unit_nbytes
     assert rank.outside_store_nbytes == grads + collectives

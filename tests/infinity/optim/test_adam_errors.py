@@ -155,3 +155,25 @@ def test_c_api_returns_einval_for_bad_arguments():
     assert lib.inf_adam_step(_c_params(), ffi.NULL, ffi.NULL, F32, ffi.NULL, ffi.NULL, ffi.NULL,
                              NONE, 0) == 0
     assert lib.inf_adam_isa_resolve(99) == einval
+
+
+def test_a_graph_that_saved_a_stepped_tensor_fails_loudly():
+    """The kernel writes behind autograd's back; versions are bumped as an in-place op would,
+    so backward through a graph that saved the old param refuses instead of using new values."""
+    w = torch.randn(33, requires_grad=True)
+    loss = (w * w).sum()  # saves w
+    t = _tensors()
+    t["param"] = w.detach()  # shares w's memory and version counter
+    _step(t)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_a_prepared_kernel_refuses_bad_values_when_made_not_at_each_call():
+    from infinity.optim._native import AdamKernel
+    with pytest.raises(ValueError, match="step must be an int >= 1"):
+        AdamKernel(**{**HYPER, "step": 0})
+    with pytest.raises(ValueError, match="Invalid beta parameter at index 1"):
+        AdamKernel(**{**HYPER, "beta2": 1.0})
+    with pytest.raises(ValueError, match="grad_scale must be finite"):
+        AdamKernel(**HYPER, grad_scale=float("inf"))
