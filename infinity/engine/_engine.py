@@ -65,7 +65,13 @@ from infinity.config import AdamParams, Config, OptimizerConfig, build_lr_schedu
 from infinity.engine import _checkpoint
 from infinity.engine._overlap import UnitStepper
 from infinity.engine._partition import RankedUnits
-from infinity.engine._placement import choose_model_precision, lay_out, open_store, take_placed
+from infinity.engine._placement import (
+    choose_model_precision,
+    lay_out,
+    open_store,
+    optimizer_overlaps,
+    take_placed,
+)
 from infinity.engine._plan import MemoryPlan
 from infinity.engine._timeline import Timeline
 from infinity.errors import ConfigError
@@ -135,7 +141,7 @@ class Engine:
         threshold = _mmap_threshold(config, self.plan)
         if threshold is not None:
             set_mmap_threshold(threshold)
-        self.overlap = _overlaps(config, self.plan, self.device)  # its errors before anything is opened
+        self.overlap = optimizer_overlaps(config, self.device)  # its errors before anything is opened
         self.ranks.check_same(_fingerprint(config, self.units), "the config or the model's layout")
         self.timeline = Timeline(time.perf_counter())
         self.store = open_store(layout, config, rank=self.ranks.rank) if placed is None else placed.store
@@ -547,20 +553,6 @@ class Engine:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("the engine is closed")
-
-
-def _overlaps(config: Config, plan: MemoryPlan, device: torch.device) -> bool:
-    """Whether units are stepped during backward: see [Note: optimizer overlapped with
-    backward] and `infinity.overlap_optimizer`."""
-    asked = config.infinity.overlap_optimizer
-    if config.gradient_clipping > 0 or config.fp16.enabled:
-        if asked is True:
-            raise ConfigError("infinity.overlap_optimizer = true needs gradient_clipping 0 and fp16 off: "
-                              "clipping and the fp16 overflow check need every gradient before any step")
-        return False
-    if asked != "auto":
-        return asked
-    return device.type != "cpu" or plan.uses_nvme
 
 
 def _mmap_threshold(config: Config, plan: MemoryPlan) -> int | None:

@@ -34,6 +34,7 @@ class Layout:
     precision: Precision
     device: torch.device  # where modules compute
     persistence_numel: int  # parameters this small or smaller go to resident units
+    resident_modules: bool  # every module's unit resident too (see `keeps_units_resident`)
     units: list[FetchUnit]
     uses: dict[torch.nn.Module, list[FetchUnit]]  # module -> non-resident units it uses
     plan: MemoryPlan
@@ -64,13 +65,42 @@ def lay_out(model: torch.nn.Module, config: Config, precision: Precision, device
     zero = config.zero_optimization
     # Below stage 3 nothing is partitioned: every parameter stays resident.
     persistence = zero.stage3_param_persistence_threshold if zero.stage == 3 else 1 << 62
+    resident = keeps_units_resident(config, device)
     units, uses = plan_units(model, persistence_numel=persistence, storage_dtype=precision.storage,
-                             meta_ok=meta_ok)
+                             meta_ok=meta_ok, resident_modules=resident)
     plan = _plan(units, config, device)
     logger.info("engine: stage %d, params at home on %s, optimizer state %s; store budgets %s",
                 zero.stage, plan.param_home.label, plan.state_tier.label,
                 {t.label: n for t, n in plan.budgets.items()})
-    return Layout(precision, device, persistence, units, uses, plan)
+    return Layout(precision, device, persistence, resident, units, uses, plan)
+
+
+def optimizer_overlaps(config: Config, device: torch.device) -> bool:
+    """Whether units are stepped during backward: see [Note: optimizer overlapped with
+    backward] (infinity/engine/_engine.py) and `infinity.overlap_optimizer`."""
+    asked = config.infinity.overlap_optimizer
+    if config.gradient_clipping > 0 or config.fp16.enabled:
+        if asked is True:
+            raise ConfigError("infinity.overlap_optimizer = true needs gradient_clipping 0 and fp16 off: "
+                              "clipping and the fp16 overflow check need every gradient before any step")
+        return False
+    if asked != "auto":
+        return asked
+    zero = config.zero_optimization
+    uses_nvme = (zero.stage == 3 and zero.offload_param.device == "nvme") or zero.offload_optimizer.device == "nvme"
+    return device.type != "cpu" or uses_nvme
+
+
+def keeps_units_resident(config: Config, device: torch.device) -> bool:
+    """Whether every module's unit stays bound from the first forward of a step to the step:
+    ZeRO-3 on one process with offload_param "none" and the optimizer not overlapped. The
+    values then never leave the tier the modules compute from, so releasing a unit frees
+    nothing, and fetching it again for each use cost hook time (a 294M GPT: ~30 ms a forward,
+    ~4%). The units keep their per-module cut: each one's gradient is still taken (and checked)
+    as soon as it is final, while it is in cache."""
+    zero = config.zero_optimization
+    return zero.stage == 3 and config.world_size == 1 and zero.offload_param.device == "none" \
+        and not optimizer_overlaps(config, device)
 
 
 def _plan(units: list[FetchUnit], config: Config, device: torch.device) -> MemoryPlan:
@@ -121,6 +151,7 @@ def take_placed(model: torch.nn.Module, config: Config, precision: Precision,
     plan = _plan(layout.units, config, device)
     found = {"precision": (precision, layout.precision), "device": (device, layout.device),
              "persistence threshold": (persistence, layout.persistence_numel),
+             "resident modules": (keeps_units_resident(config, device), layout.resident_modules),
              "parameter home": (plan.param_home, layout.plan.param_home),
              "optimizer state tier": (plan.state_tier, layout.plan.state_tier),
              "gradient home": (plan.grads_tier, layout.plan.grads_tier)}

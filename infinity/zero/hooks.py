@@ -1,7 +1,8 @@
 """The hooks that drive the coordinator, one state object per managed module.
 
 - root forward pre-hook: begin a pass (keyed by train/eval and grad mode) and save parameter
-  views by position (see [Note: saved parameter views]); root forward post-hook (also on an
+  views by position (see [Note: saved parameter views]; not needed when every unit is
+  resident: nothing is released before the step); root forward post-hook (also on an
   error): stop that, and end the pass when no backward will follow (grad disabled);
 - per module that uses units: forward pre-hook acquires them, forward post-hook (also on an
   error, e.g. a checkpoint's recompute stopping early) releases them and, when grad is on,
@@ -87,6 +88,8 @@ class ModelHooks:
                  uses: Mapping[torch.nn.Module, Sequence[FetchUnit]], coordinator: ParamCoordinator) -> None:
         self.coordinator = coordinator
         self._saved_views: list[torch.autograd.graph.saved_tensors_hooks] = []
+        # Resident units stay bound until the step: what autograd saves of them stays valid.
+        self._save_by_position = any(not u.persistent for u in units)
         self._handles: list[RemovableHandle] = [
             model.register_forward_pre_hook(self._begin_pass, prepend=True),
             model.register_forward_hook(self._end_forward, always_call=True),
@@ -105,6 +108,8 @@ class ModelHooks:
 
     def _begin_pass(self, module: torch.nn.Module, args: Any) -> None:
         self.coordinator.begin_pass((module.training, torch.is_grad_enabled()))
+        if not self._save_by_position:
+            return
         # See [Note: saved parameter views]; left in _end_forward, which runs even on an error.
         views = torch.autograd.graph.saved_tensors_hooks(self.coordinator.pack, self.coordinator.unpack)
         views.__enter__()

@@ -114,7 +114,7 @@ def _suffix(dtype: torch.dtype, requires_grad: bool, several: bool) -> str:
 
 
 def plan_units(model: torch.nn.Module, *, persistence_numel: int, storage_dtype: torch.dtype | None = None,
-               prefix: str = "param", meta_ok: bool = False,
+               prefix: str = "param", meta_ok: bool = False, resident_modules: bool = False,
                ) -> tuple[list[FetchUnit], dict[torch.nn.Module, list[FetchUnit]]]:
     """Cut `model` into fetch units (nothing is moved yet; see `place_units`).
 
@@ -124,7 +124,8 @@ def plan_units(model: torch.nn.Module, *, persistence_numel: int, storage_dtype:
     dtype (bf16 storage, fp32 compute).
     A parameter belongs to the first module (in `named_modules` order) that holds it directly,
     so tied and shared parameters are one unit; every module holding it maps to that unit.
-    Parameters of at most `persistence_numel` elements go to resident units.
+    Parameters of at most `persistence_numel` elements go to resident units; with
+    `resident_modules` every module's unit is resident too (same cut, no fetch per use).
     Returns (units, module -> non-resident units it uses directly).
     """
     owner: dict[int, FetchUnit | None] = {}
@@ -143,7 +144,7 @@ def plan_units(model: torch.nn.Module, *, persistence_numel: int, storage_dtype:
             else:
                 per_module.setdefault(module, []).append((qualified, p))
     names = {m: n for n, m in model.named_modules()}
-    batches = [(names[m] or "<root>", params, False) for m, params in per_module.items()]
+    batches = [(names[m] or "<root>", params, resident_modules) for m, params in per_module.items()]
     batches.append(("<resident>", resident, True))
     units: list[FetchUnit] = []
     for name, params, persistent in batches:

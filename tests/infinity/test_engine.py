@@ -237,6 +237,27 @@ def test_close_removes_every_hook_and_restores_parameters(tmp_path):
         engine(torch.zeros(1, 8, dtype=torch.long))
 
 
+
+@pytest.mark.parametrize("param", ["none", "cpu"])
+def test_parameters_not_offloaded_stay_bound_with_no_hook_per_module(tmp_path, param):
+    """offload_param none on one process: the values never leave the tier modules compute from,
+    so every unit is resident (bound from the first forward to the step, no fetch per use, no
+    saved-tensor hooks); offloaded ones are released after each use (placeholders)."""
+    model = llama()
+    engine = infinity.initialize(model, config(tmp_path, param, "none"))
+    hooked = [m for m in model.modules() if m._forward_pre_hooks and m is not model]
+    assert all(u.persistent for u in engine.units) == (param == "none")
+    assert bool(hooked) == (param == "cpu")
+    args, kwargs = llama_batches(1)[0]
+    out = engine(*args, **kwargs)
+    bound = [p.numel() > 0 for p in model.parameters()]
+    assert all(bound) if param == "none" else not any(bound)
+    assert (engine.coordinator.stats.acquires > 0) == (param == "cpu")
+    engine.backward(loss_of(out))
+    engine.step()
+    engine.close()
+
+
 def test_stats_and_trace(tmp_path):
     engine = infinity.initialize(mlp(), config(tmp_path, "nvme", "nvme"))
     train_engine(engine, mlp_batches(2))
