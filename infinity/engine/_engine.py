@@ -318,9 +318,10 @@ class Engine:
                 self.optimizer.step_unit(j, torch.zeros(unit.numel, dtype=unit.compute_dtype),
                                          grad_scale=grad_scale, lr=lr)
                 return
-            if unit.grad.finite is False:
-                raise ValueError(f"the gradient of {unit.key} has non-finite values (inf/nan): no "
-                                 f"parameter of it was updated")
+            if unit.grad.finite is False:  # overlapped: found as its gradient became final
+                raise ValueError(f"the gradient of {unit.key} has non-finite values (inf/nan): no parameter "
+                                 f"of it was updated; units stepped during backward before it keep their "
+                                 f"update (infinity.overlap_optimizer false makes the step all or nothing)")
             with unit.grad.read_pieces() as pieces:  # checked already where accumulated
                 self.optimizer.step_unit(j, self._ranked.grad_part(i, pieces), grad_scale=grad_scale,
                                          check_finite=not finite and unit.grad.finite is None, lr=lr)
@@ -341,10 +342,10 @@ class Engine:
         return self.scaler.scale if self.scaler is not None else self._static_scale
 
     def _take_step(self) -> None:
-        self.global_steps += 1
         self.coordinator.release_all()
         self._ranked.average_rest()
         if self._stepping:
+            self.global_steps += 1
             self._stepping = False
             self._queue_the_rest()
             return
@@ -354,6 +355,9 @@ class Engine:
         # needs it (as in the overlapped step, last_grad_norm is None otherwise).
         norm = self._grad_norm() / scale if self.config.gradient_clipping > 0 or self.config.fp16.enabled else None
         self.last_grad_norm = norm
+        if not self.config.fp16.enabled and (norm is None or not math.isfinite(norm)):
+            self._refuse_non_finite()  # before any unit is stepped (a finite norm says all are finite)
+        self.global_steps += 1
         if self.config.fp16.enabled:
             overflow = not math.isfinite(norm)
             if self.scaler is not None:
@@ -423,6 +427,14 @@ class Engine:
             self._schedule_steps += 1
             self.optimizer.lr = self._schedule.lr_at(self._schedule_steps - 1)
 
+    def _refuse_non_finite(self) -> None:
+        """Raise, with nothing changed, when a gradient of this step holds inf/nan (on any
+        rank: every rank takes or refuses the step)."""
+        bad = [u.key for u in self._trained if u.grad is not None and not u.grad.is_finite()]
+        if self._ranked.sum_over_shards(float(len(bad)), "non-finite gradient count") > 0:
+            raise ValueError(f"non-finite gradient values (inf/nan) in {', '.join(bad) or 'another rank'}: "
+                             "the step was not taken, no parameter changed")
+
     def _grad_norm(self) -> float:
         """L2 norm over every unit's gradient buffer (sum of squares in float64; over every
         rank's shard when the gradients are partitioned)."""
@@ -431,7 +443,7 @@ class Engine:
             if u.grad is not None and u.grad.has_grad:
                 with u.grad.read_pieces() as pieces:
                     total += sum(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in pieces)
-        return math.sqrt(self._ranked.global_sum_of_squares(total))
+        return math.sqrt(self._ranked.sum_over_shards(total, "gradient norm"))
 
     def _zero_grads(self) -> None:
         self._ranked.new_step()

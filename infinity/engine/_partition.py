@@ -95,11 +95,12 @@ class RankedUnits:
     def new_step(self) -> None:
         self._averaged.clear()
 
-    def global_sum_of_squares(self, local: float) -> float:
-        """The gradient's sum of squares over every rank's shard (stages 2-3); at stages 0-1
-        each rank holds the whole averaged gradient already."""
+    def sum_over_shards(self, local: float, what: str) -> float:
+        """A figure of this rank's gradients (a sum of squares, a count of non-finite units)
+        summed over every rank's shard (stages 2-3); at stages 0-1 each rank holds the whole
+        averaged gradient already."""
         if self.partition.grads:
-            return self.ranks.all_reduce_sum(local, "gradient norm")
+            return self.ranks.all_reduce_sum(local, what)
         return local
 
     # -- values across ranks ---------------------------------------------------------------------

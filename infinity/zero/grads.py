@@ -65,6 +65,14 @@ class GradBuffer(ABC):
         self.has_grad = False
         self.finite = None
 
+    def is_finite(self) -> bool:
+        """Whether this step's gradient is free of inf/nan: what accumulate found, else one
+        pass (a float32 sum per piece, which any inf/nan makes non-finite)."""
+        if self.finite is None:
+            with self.read_pieces() as pieces:
+                self.finite = all(math.isfinite(float(p.sum(dtype=torch.float32))) for p in pieces)
+        return self.finite
+
 
 class FlatGrad(GradBuffer):
     """The gradient summed into one flat buffer (the unit's compute dtype): what collectives

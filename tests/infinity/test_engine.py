@@ -196,16 +196,29 @@ def test_fp16_overflow_skips_the_step_and_lowers_the_scale(tmp_path):
 @pytest.mark.parametrize("clipping", [0.0, 1.0])
 @pytest.mark.parametrize("offload", ["none", "nvme"])
 def test_a_non_finite_gradient_fails_the_step_and_updates_nothing(tmp_path, offload, clipping):
-    """fp32 (no loss scale to lower): the step raises naming a unit, whether the units are
-    stepped during backward (NVMe, no clipping) or after it, and no parameter changes."""
-    engine = infinity.initialize(mlp(), config(tmp_path, offload, offload, gradient_clipping=clipping))
-    assert engine.overlap == (clipping == 0.0 and offload == "nvme")
+    """fp32 (no loss scale to lower), a NaN in one unit's gradient only: stepped after
+    backward, the step raises naming the unit and no parameter (nor the step count) changes,
+    whichever unit holds it (here the last one stepped); stepped during backward (NVMe, no
+    clipping), the units stepped before it keep their update and the error says so."""
+    model = mlp()
+    engine = infinity.initialize(model, config(tmp_path, offload, offload, gradient_clipping=clipping))
+    overlapped = clipping == 0.0 and offload == "nvme"
+    assert engine.overlap == overlapped
+    bad = model[0] if overlapped else model[4]  # final last in backward / stepped last after it
+    bad.weight.register_hook(lambda g: g * float("nan"))
     (x,), _ = mlp_batches(1)[0]
     before = {n: v.clone() for n, v in engine.named_parameters()}
-    engine.backward(engine(x).square().mean() * float("nan"))
-    with pytest.raises(ValueError, match=r"gradient (of param/\S+ )?has non-finite values"):
+    engine.backward(engine(x).square().mean())
+    unit = "param/0" if overlapped else "param/4"
+    match = rf"gradient of {unit} has non-finite values.*keep their update" if overlapped else \
+        rf"non-finite gradient values \(inf/nan\) in {unit}: the step was not taken, no parameter changed"
+    with pytest.raises(ValueError, match=match):
         engine.step()
-    assert all(torch.equal(before[n], v) for n, v in engine.named_parameters())
+    after = dict(engine.named_parameters())
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    assert changed == ({"2.weight", "2.bias", "4.weight", "4.bias"} if overlapped else set())
+    if not overlapped:
+        assert engine.global_steps == 0
     engine.close()
 
 
