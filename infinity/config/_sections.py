@@ -267,7 +267,7 @@ class BF16Config(Section):
     enabled: bool = False
     """Train with bf16 parameters. Default false ("auto": false)."""
     check_grad_overflow: bool = True
-    """Skip the step when a gradient is inf/nan. Default true."""
+    """DeepSpeed: skip the step when a gradient is inf/nan. Default true."""
     immediate_grad_update: bool = False
     """DeepSpeed: apply gradient updates immediately. Default false."""
     bf16_master_weights_and_grads: bool = False
@@ -277,6 +277,8 @@ class BF16Config(Section):
 
     NOT_HONOURED: ClassVar[dict[str, str]] = {
         "immediate_grad_update": "gradients go to the optimizer when their unit's backward ends",
+        "check_grad_overflow": "every gradient is always checked for inf/nan, and a non-finite one fails "
+                               "the step (as in fp32) instead of skipping it",
         "bf16_master_weights_and_grads": "the master weights are always fp32",
         "bf16_optimizer_states": "the Adam moments are always fp32",
     }
