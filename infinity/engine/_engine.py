@@ -150,6 +150,7 @@ class Engine:
         self._stepper: UnitStepper | None = None
         self._stepping = False  # units are stepped during this backward
         self._tail_open = False  # see [Note: the step's tail in the next forward]
+        self._partial_step = False  # an overlapped step failed after some units were updated
         self._step_lr = 0.0  # the learning rate of the step being built on the worker
         self._trained = [u for u in self.units if u.requires_grad]
         self._index = {u: i for i, u in enumerate(self._trained)}
@@ -231,6 +232,7 @@ class Engine:
                              f"{type(loss).__name__}{tuple(getattr(loss, 'shape', ()))}")
         if self._stepping:
             raise RuntimeError("backward() twice in one accumulation boundary: call step() first")
+        self._refuse_after_partial_step()
         self.synchronize()  # gradients accumulate again only once every unit was stepped
         scaled = loss
         if self.config.gradient_accumulation_steps > 1:
@@ -333,6 +335,7 @@ class Engine:
     def step(self) -> None:
         """Call after every backward; updates the parameters at accumulation boundaries."""
         self._check_open()
+        self._refuse_after_partial_step()
         if self.is_gradient_accumulation_boundary():
             with self.timeline.region("step", "compute"):
                 self._take_step()
@@ -387,7 +390,8 @@ class Engine:
                 self._stepper.submit(i)
         self._tail_open = True
         # Several ranks wait (stages 1-2 gather the values after the step); so does a bad gradient.
-        if self.ranks.world > 1 or any(u.grad is not None and u.grad.finite is False for u in self._trained):
+        self._partial_step = any(u.grad is not None and u.grad.finite is False for u in self._trained)
+        if self.ranks.world > 1 or self._partial_step:
             self.synchronize()  # (a non-finite gradient fails the step here, not at the next call)
         else:
             def forward_order(i: int) -> tuple[bool, int]:
@@ -426,6 +430,12 @@ class Engine:
         if self._schedule is not None:  # as DeepSpeed: the schedule advances on applied steps
             self._schedule_steps += 1
             self.optimizer.lr = self._schedule.lr_at(self._schedule_steps - 1)
+
+    def _refuse_after_partial_step(self) -> None:
+        if self._partial_step:
+            raise RuntimeError("the last step failed on a non-finite gradient after some units were updated "
+                               "during backward (the optimizer overlapped it): load a checkpoint "
+                               "(engine.load_checkpoint) to go on from a consistent state")
 
     def _refuse_non_finite(self) -> None:
         """Raise, with nothing changed, when a gradient of this step holds inf/nan (on any
@@ -520,7 +530,10 @@ class Engine:
         self._check_open()
         self.wait_for_checkpoint()
         self.synchronize()
-        return _checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states)
+        state = _checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states)
+        self._zero_grads()  # what was accumulated belongs to the state before the load
+        self._partial_step = False
+        return state
 
     # -- end -------------------------------------------------------------------------------------
 

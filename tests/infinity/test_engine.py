@@ -219,7 +219,38 @@ def test_a_non_finite_gradient_fails_the_step_and_updates_nothing(tmp_path, offl
     assert changed == ({"2.weight", "2.bias", "4.weight", "4.bias"} if overlapped else set())
     if not overlapped:
         assert engine.global_steps == 0
+        engine.close()
+        return
+    # Half a step is no state to train on: refused until a checkpoint brings a consistent one.
+    with pytest.raises(RuntimeError, match="after some units were updated.*load a checkpoint"):
+        engine.backward(engine(x).square().mean())
+    with pytest.raises(RuntimeError, match="load a checkpoint"):
+        engine.step()
     engine.close()
+
+
+def test_a_checkpoint_load_after_a_half_applied_step_trains_on(tmp_path):
+    """After an overlapped step failed on a NaN, a load drops the held gradients (the NaN too)
+    and training goes on from the saved state as if the failure never happened."""
+    model = mlp()
+    engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme"))
+    assert engine.overlap
+    data = mlp_batches(3)
+    train_engine(engine, data[:1])
+    engine.save_checkpoint(tmp_path / "ckpt", tag="good")
+    engine.wait_for_checkpoint()
+    handle = model[0].weight.register_hook(lambda g: g * float("nan"))
+    (x,), _ = data[1]
+    engine.backward(engine(x).square().mean())
+    with pytest.raises(ValueError, match="non-finite"):
+        engine.step()
+    handle.remove()
+    engine.load_checkpoint(tmp_path / "ckpt", tag="good")
+    losses = train_engine(engine, data[1:])
+    engine.close()
+    reference = mlp()
+    ref_losses = train_reference(reference, data)
+    assert_parity(model, reference, losses, ref_losses[1:])
 
 
 def test_lr_schedule_follows_deepspeed_warmup(tmp_path):
