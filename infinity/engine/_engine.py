@@ -104,7 +104,8 @@ class Engine:
     """A model wrapped for training with ZeRO-3 style offload; build it with `infinity.initialize`.
 
     Attributes:
-        module: the wrapped model (its parameters hold empty placeholders between uses).
+        module: the wrapped model (its parameters hold empty placeholders between uses, unless
+            every unit is resident: offload_param none on one process, see `keeps_units_resident`).
         global_steps: optimizer steps taken (skipped fp16 steps included, as DeepSpeed counts).
         micro_steps: calls of `step()` (one per micro-batch).
     """
