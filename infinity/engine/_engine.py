@@ -330,6 +330,16 @@ class Engine:
                                          check_finite=not finite and unit.grad.finite is None, lr=lr)
             unit.grad.zero()  # used up: a gradient held in RAM is freed while the other units step
 
+    def zero_grad(self) -> None:
+        """Drop the gradients accumulated since the last step (DeepSpeed's engine.zero_grad;
+        `step()` does it itself): e.g. to skip a batch whose step failed on a non-finite
+        gradient, which changed nothing. Counters are kept."""
+        self._check_open()
+        if self._stepping:
+            raise RuntimeError("zero_grad() between a boundary backward and its step(): call step() first")
+        self.synchronize()
+        self._zero_grads()
+
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 

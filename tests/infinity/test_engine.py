@@ -229,6 +229,27 @@ def test_a_non_finite_gradient_fails_the_step_and_updates_nothing(tmp_path, offl
     engine.close()
 
 
+
+def test_zero_grad_after_a_refused_step_skips_the_batch(tmp_path):
+    """A step refused for a NaN changed nothing; zero_grad drops the NaN gradients and training
+    goes on as if that batch had never been seen."""
+    model = mlp()
+    engine = infinity.initialize(model, config(tmp_path))
+    data = mlp_batches(4)
+    train_engine(engine, data[:1])
+    handle = model[4].weight.register_hook(lambda g: g * float("nan"))
+    (x,), _ = data[1]
+    engine.backward(engine(x).square().mean())
+    with pytest.raises(ValueError, match="the step was not taken"):
+        engine.step()
+    handle.remove()
+    engine.zero_grad()
+    losses = train_engine(engine, data[2:])
+    engine.close()
+    reference = mlp()
+    ref_losses = train_reference(reference, data[:1] + data[2:])
+    assert_parity(model, reference, losses, ref_losses[1:])
+
 def test_a_checkpoint_load_after_a_half_applied_step_trains_on(tmp_path):
     """After an overlapped step failed on a NaN, a load drops the held gradients (the NaN too)
     and training goes on from the saved state as if the failure never happened."""
