@@ -254,26 +254,49 @@ def _check_unit(reader: CheckpointReader, names: set[str], unit) -> None:
 
 def _optimizer_states(engine: Engine, reader: CheckpointReader, names: set[str], step: int,
                       has_moments: bool) -> Iterator[tuple[int, dict[str, Any]]]:
-    """What SwappedOptimizer.load_state takes, unit by unit (one unit's whole state in memory;
-    this rank keeps its part)."""
+    """What SwappedOptimizer.load_state takes, unit by unit: rows read from the checkpoint one
+    tile's segment at a time as the optimizer fills its tiles (this rank's part of them)."""
     for i, unit in enumerate(engine._trained):
         j = engine._opt_index.get(i)
         if j is None:  # this rank steps no element of the unit
             continue
+        first, real, numel = engine._ranked.own_state_span(i)
         state: dict[str, Any] = {"step": step}
-        rows = [MASTER, *ADAM_STATES]
-        for row in rows:
+        for row in [MASTER, *ADAM_STATES]:
             if row != MASTER and not has_moments:
-                state[row] = engine._ranked.own_state(i, torch.zeros(unit.numel, dtype=torch.float32))
+                state[row] = torch.zeros(1).expand(numel)  # no memory behind the zeros
                 continue
-            flat = torch.empty(unit.numel, dtype=torch.float32)
+            pieces = []
             for s in unit.slots:
                 name = optimizer_state_name(row, s.name)
                 if row == MASTER:  # DeepSpeed conversions and fp32 runs: the weights are the master
                     name = name if name in names else s.name
-                reader.read_flat(name, 0, s.shape.numel(), out=flat[s.offset:s.offset + s.shape.numel()])
-            state[row] = engine._ranked.own_state(i, flat)
+                pieces.append((name, s.offset, s.shape.numel()))
+            state[row] = _SavedRow(reader, pieces, first, real, numel)
         yield j, state
+
+
+class _SavedRow:
+    """One optimizer row of a unit's part (elements [first, first + real) of the whole row,
+    zero padded to `numel`), read from the checkpoint by range (optimizer._state.RowSource):
+    `pieces` are (tensor name, offset in the unit, elements) of the unit's parameters."""
+
+    def __init__(self, reader: CheckpointReader, pieces: list[tuple[str, int, int]], first: int,
+                 real: int, numel: int) -> None:
+        self._reader, self._pieces = reader, pieces
+        self._first, self._real, self._numel = first, real, numel
+
+    def numel(self) -> int:
+        return self._numel
+
+    def read_into(self, start: int, stop: int, out: torch.Tensor) -> None:
+        lo, hi = self._first + start, self._first + min(stop, self._real)  # in the whole row
+        for name, offset, count in self._pieces:
+            a, b = max(lo, offset), min(hi, offset + count)
+            if a < b:
+                self._reader.read_flat(name, a - offset, b - offset, out=out[a - lo:b - lo])
+        if stop > self._real:
+            out[max(start, self._real) - start:].zero_()
 
 
 def _metadata(engine: Engine, client_state: dict[str, Any] | None) -> dict[str, Any]:

@@ -143,18 +143,15 @@ class RankedUnits:
     def own_values(self, unit: FetchUnit, whole: torch.Tensor) -> torch.Tensor:
         """What this rank's store entry of `unit` holds of its whole values (stage 3: the
         padded shard)."""
-        return self._part(unit, whole, padded=True) if self.partition.params else whole
+        return self.ranks.shard(unit.numel).padded(whole) if self.partition.params else whole
 
-    def own_state(self, i: int, whole: torch.Tensor) -> torch.Tensor:
-        """The part of one whole optimizer row of trained unit i that this rank's optimizer
-        steps (see optimizer_specs)."""
+    def own_state_span(self, i: int) -> tuple[int, int, int]:
+        """Where the part of a whole optimizer row of trained unit i that this rank's optimizer
+        steps lies (see optimizer_specs): (first element, real elements, elements with the
+        zero padding after them)."""
+        unit = self.trained[i]
         if not self.partition.state:
-            return whole
-        return self._part(self.trained[i], whole, padded=self.partition.params)
-
-    def _part(self, unit: FetchUnit, whole: torch.Tensor, *, padded: bool) -> torch.Tensor:
+            return 0, unit.numel, unit.numel
         shard = self.ranks.shard(unit.numel)
-        if not padded:
-            return whole[shard.start:shard.stop]
-        return shard.padded(whole)
+        return shard.start, shard.real_numel, shard.numel if self.partition.params else shard.real_numel
 

@@ -4,7 +4,7 @@ checkpoints and torch's state-dict format, holding one entry's state and one til
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -13,6 +13,22 @@ from infinity.store import Tier
 
 MASTER_ROWS = ("master", "exp_avg", "exp_avg_sq")  # tiles of param mode and low-precision units
 MOMENT_ROWS = ("exp_avg", "exp_avg_sq")  # tiles of float32 units: the values entry is the master
+
+
+class RowSource(Protocol):
+    """A row of state given to `load_state` without being held whole (a checkpoint read tile
+    by tile): its element count, and elements [start, stop) copied into `out`."""
+
+    def numel(self) -> int: ...
+
+    def read_into(self, start: int, stop: int, out: torch.Tensor) -> None: ...
+
+
+def _copy_range(row: torch.Tensor | RowSource, start: int, stop: int, out: torch.Tensor) -> None:
+    if isinstance(row, torch.Tensor):
+        out.copy_(row.reshape(-1)[start:stop])
+    else:
+        row.read_into(start, stop, out)
 
 
 class StreamedState:
@@ -53,7 +69,8 @@ class StreamedState:
 
     def load_state(self, states: Iterable[tuple[int, dict[str, Any]]]) -> None:
         """Consume what iter_state yields (in order), writing tiles as they fill. A state
-        without "master" keeps the current values (torch state dicts)."""
+        without "master" keeps the current values (torch state dicts). A row may be a tensor
+        or a RowSource, read one tile's segment at a time (memory holds a tile, not a row)."""
         values = self._values()
         held: int | None = None  # a tile spans several parameters in param mode: fetched once
         read = False  # the held tile's bytes arrived (else it is released clean)
@@ -77,7 +94,7 @@ class StreamedState:
                         read = True
                     part, cols = spans(seg)
                     for row, value in enumerate(rows):
-                        tile[row, cols] = value.reshape(-1)[part]
+                        _copy_range(value, part.start, part.stop, tile[row, cols])
                 if self.params is not None:
                     self.steps[i] = int(state["step"])
                 unit_steps.add(int(state["step"]))
@@ -96,7 +113,7 @@ class StreamedState:
                 values.release_all()
         self.flush()
 
-    def _loaded_rows(self, i: int, state: dict[str, Any], values: GroupValues) -> list[torch.Tensor]:
+    def _loaded_rows(self, i: int, state: dict[str, Any], values: GroupValues) -> list[torch.Tensor | RowSource]:
         """The rows of group i's tiles from a loaded state, checked; a float32 unit's master is
         written into its values entry."""
         master = state.get("master")
@@ -107,11 +124,11 @@ class StreamedState:
             checked["master"] = master
         for name, value in checked.items():
             if value is None or value.numel() != self._numels[i]:
-                raise ValueError(f"param {i}: state {name!r} has shape {None if value is None else tuple(value.shape)}"
-                                 f", expected {tuple(self._shapes[i])}")
+                got = None if value is None else tuple(getattr(value, "shape", (value.numel(),)))
+                raise ValueError(f"param {i}: state {name!r} has shape {got}, expected {tuple(self._shapes[i])}")
         if not self._master_row[i]:
             if master is not None:
-                values.get(i).copy_(master.reshape(-1))
+                _copy_range(master, 0, self._numels[i], values.get(i))
                 values.modified(i)
             values.release(i)
             return [state["exp_avg"], state["exp_avg_sq"]]

@@ -240,12 +240,12 @@ engine.close()
 """
 
 
-def test_a_load_holds_one_units_optimizer_rows_and_a_chunk_not_copies_of_each_tensor(tmp_path):
-    """Loading reads each tensor chunk by chunk into its destination (the unit's values, its
-    optimizer rows): peak growth is the 3 fp32 rows (master, exp_avg, exp_avg_sq) of the largest
-    unit that load_state takes whole, plus the reader's chunks in flight and the allocator's
-    slack. Measured on the development machine: 3 x 96 + 49 MiB (40 MiB of it before the
-    optimizer rows); reading each tensor whole and then copying it, as before: 3 x 96 + 144."""
+def test_a_load_holds_chunks_not_rows_or_copies_of_each_tensor(tmp_path):
+    """Loading reads each tensor chunk by chunk into its destination (the unit's values, the
+    optimizer's tiles, one tile's segment at a time): peak growth is the reader's chunks in
+    flight and the allocator's slack, less than one fp32 row of the 96 MiB unit. Measured on
+    the development machine: 51-59 MiB; with load_state taking the unit's 3 fp32 rows whole
+    (the session before): 337 MiB; reading each tensor whole and then copying it: 432 MiB."""
     def child(*args):
         out = subprocess.run([sys.executable, "-c", LOAD_CHILD, *args], capture_output=True, text=True,
                              timeout=300)
@@ -255,4 +255,4 @@ def test_a_load_holds_one_units_optimizer_rows_and_a_chunk_not_copies_of_each_te
     child("save", str(tmp_path / "run"))
     grown = int(child("load", str(tmp_path / "run")).split("GROWN")[1])
     unit = 24 * 1024 * 1024 * 4
-    assert grown <= 3 * unit + (64 << 20), f"load grew {grown / (1 << 20):.0f} MiB"
+    assert grown <= unit, f"load grew {grown / (1 << 20):.0f} MiB"
