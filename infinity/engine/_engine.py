@@ -290,7 +290,11 @@ class Engine:
         if error is None:
             return False
         logger.warning("optimizer step of %s on the worker failed (%s); retrying", unit.key, error)
-        self._step_unit(i, unit, 1.0, lr=self._step_lr)
+        try:
+            self._step_unit(i, unit, 1.0, lr=self._step_lr)
+        except ValueError:  # a non-finite gradient found where it was stepped: no retry helps
+            self._partial_step = True
+            raise
         return True
 
     def _keep_for_worker(self, ahead: dict[int, int]) -> None:

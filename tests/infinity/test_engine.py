@@ -230,6 +230,26 @@ def test_a_non_finite_gradient_fails_the_step_and_updates_nothing(tmp_path, offl
 
 
 
+
+def test_a_nan_found_by_the_worker_in_a_stored_gradient_stops_training(tmp_path):
+    """Gradients on NVMe are checked where the worker steps them, after step() returned (the
+    tail): the next forward raises, and training is refused until a checkpoint load."""
+    model = llama()
+    engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme", infinity={"host_memory_budget": 240_000}))
+    assert engine.overlap and engine.plan.grads_tier is not None
+    model.get_input_embeddings().weight.register_hook(lambda g: g * float("nan"))  # final last
+    (args, kwargs), = llama_batches(1)
+    engine.backward(loss_of(engine(*args, **kwargs)))
+    engine.step()
+    with pytest.raises(ValueError, match="non-finite"):
+        engine(*args, **kwargs)
+    with pytest.raises(RuntimeError, match="load a checkpoint"):
+        engine.step()
+    with pytest.raises(ValueError, match="non-finite"):
+        engine.close()  # closes, and says again that the step could not finish
+    assert engine._closed
+
+
 def test_zero_grad_after_a_refused_step_skips_the_batch(tmp_path):
     """A step refused for a NaN changed nothing; zero_grad drops the NaN gradients and training
     goes on as if that batch had never been seen."""
