@@ -68,7 +68,7 @@ def _torchrun(tmp_path, cases, timeout_s, world=WORLD):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
                "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(CHILD), str(spec)]
     run = subprocess.run(command, cwd=os.getcwd(), capture_output=True, text=True, timeout=timeout_s,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)})  # torchrun's log dirs
     return (run.returncode, run.stdout + run.stderr), _results(out, world)
 
 
