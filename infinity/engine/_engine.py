@@ -240,7 +240,11 @@ class Engine:
             scaled = scaled / self.config.gradient_accumulation_steps
         if self.config.fp16.enabled:
             scaled = scaled * self._loss_scale()
-        if self.overlap and self.is_gradient_accumulation_boundary():
+        boundary = self.is_gradient_accumulation_boundary()
+        for u in self._trained:  # inf/nan survive the sums: checked once, at the boundary
+            if u.grad is not None:
+                u.grad.check_now = boundary
+        if self.overlap and boundary:
             self.optimizer.begin_step()
             self._step_lr = self.optimizer.lr
             self._stepping = True

@@ -44,6 +44,9 @@ class GradBuffer(ABC):
         # Whether this step's gradient is free of inf/nan, where accumulate checked it (while
         # autograd's output is still in cache: far cheaper than a pass at the optimizer step).
         self.finite: bool | None = None
+        # Whether accumulate checks (where it does): the engine checks only at the boundary
+        # micro-batch of an accumulation, since inf/nan survive the in-place sums.
+        self.check_now = True
 
     @abstractmethod
     def accumulate(self, slots: Sequence[ParamSlot]) -> None:
@@ -196,6 +199,7 @@ class HeldGrad(GradBuffer):
         super().__init__(sum(slot_numels), dtype, name=name)
         self._numels = list(slot_numels)
         self._pieces: list[torch.Tensor | None] = [None] * len(self._numels)
+        self._unchecked: set[int] = set()  # pieces added into since they were last checked
 
     def accumulate(self, slots: Sequence[ParamSlot]) -> None:
         for k, s in enumerate(slots):
@@ -212,9 +216,20 @@ class HeldGrad(GradBuffer):
                 self._pieces[k] = held = g  # autograd gave it to .grad alone: ours to keep and add into
             else:
                 held.add_(g)
-            # any inf/nan makes the sum non-finite (summed in float32: float16 would overflow)
-            self.finite = math.isfinite(float(held.sum(dtype=torch.float32))) and self.finite is not False
+            self._unchecked.add(k)
+            if self.check_now:
+                self._check(k)  # while the sum is still in cache
+            elif self.finite:
+                self.finite = None  # unknown again until checked
+        if self.check_now:  # pieces no gradient reached this time hold unchecked sums too
+            for k in list(self._unchecked):
+                self._check(k)
         self.has_grad = True
+
+    def _check(self, k: int) -> None:
+        # any inf/nan makes the sum non-finite (summed in float32: float16 would overflow)
+        self.finite = math.isfinite(float(self._pieces[k].sum(dtype=torch.float32))) and self.finite is not False
+        self._unchecked.discard(k)
 
     @contextlib.contextmanager
     def read_pieces(self) -> Iterator[list[torch.Tensor]]:
@@ -224,3 +239,4 @@ class HeldGrad(GradBuffer):
     def zero(self) -> None:
         super().zero()
         self._pieces = [None] * len(self._numels)
+        self._unchecked.clear()

@@ -250,6 +250,48 @@ def test_a_nan_found_by_the_worker_in_a_stored_gradient_stops_training(tmp_path)
     assert engine._closed
 
 
+class _Branchy(torch.nn.Module):
+    """`b` and `shift` take part only while `use_b`: a unit, and a piece of the root's unit, that
+    a later micro-batch of an accumulation leaves untouched."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+        self.scale, self.shift = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.zeros(4))
+        self.use_b = True
+
+    def forward(self, x):
+        y = self.a(x) * self.scale
+        return y + self.b(x) + self.shift if self.use_b else y
+
+
+@pytest.mark.parametrize("where", ["a.weight", "b.weight", "shift"])
+def test_a_nan_in_an_early_micro_batch_fails_the_accumulated_step(tmp_path, where):
+    """Gradients are checked for inf/nan at the boundary micro-batch only (inf/nan survive the
+    in-place sums), so a NaN from the first micro-batch must still be found there: in a piece the
+    boundary micro-batch adds to (a.weight), in a unit it never reaches (b), and in a piece of a
+    unit it reaches that it leaves alone (shift)."""
+    model = _Branchy()
+    engine = infinity.initialize(model, config(tmp_path, gradient_accumulation_steps=2))
+    (x,), _ = mlp_batches(1)[0]
+    for _ in range(2):  # one clean step first: the gradient buffers exist, as in a long run
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    assert engine.global_steps == 1
+    before = {n: v.clone() for n, v in engine.named_parameters()}
+    handle = model.get_parameter(where).register_hook(lambda g: g * float("nan"))
+    engine.backward(engine(x).square().mean())
+    engine.step()  # not a boundary
+    handle.remove()
+    model.use_b = False
+    engine.backward(engine(x).square().mean())
+    with pytest.raises(ValueError, match="the step was not taken"):
+        engine.step()
+    assert all(torch.equal(before[n], v) for n, v in engine.named_parameters())
+    engine.close()
+
+
 def test_zero_grad_after_a_refused_step_skips_the_batch(tmp_path):
     """A step refused for a NaN changed nothing; zero_grad drops the NaN gradients and training
     goes on as if that batch had never been seen."""
