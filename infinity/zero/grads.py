@@ -33,6 +33,12 @@ if TYPE_CHECKING:
     from infinity.zero.unit import ParamSlot
 
 
+def _sum_is_finite(t: torch.Tensor) -> bool:
+    """No inf/nan in `t`: any of them makes its sum non-finite (summed in float32: float16
+    would overflow)."""
+    return math.isfinite(float(t.sum(dtype=torch.float32)))
+
+
 class GradBuffer(ABC):
     """A unit's gradient between optimizer steps. `has_grad` is False until the first gradient
     of a step; `numel` is the unit's elements (with a FlatGrad's `scatter`: this rank's padded
@@ -70,10 +76,10 @@ class GradBuffer(ABC):
 
     def is_finite(self) -> bool:
         """Whether this step's gradient is free of inf/nan: what accumulate found, else one
-        pass (a float32 sum per piece, which any inf/nan makes non-finite)."""
+        pass over it."""
         if self.finite is None:
             with self.read_pieces() as pieces:
-                self.finite = all(math.isfinite(float(p.sum(dtype=torch.float32))) for p in pieces)
+                self.finite = all(_sum_is_finite(p) for p in pieces)
         return self.finite
 
 
@@ -227,8 +233,7 @@ class HeldGrad(GradBuffer):
         self.has_grad = True
 
     def _check(self, k: int) -> None:
-        # any inf/nan makes the sum non-finite (summed in float32: float16 would overflow)
-        self.finite = math.isfinite(float(self._pieces[k].sum(dtype=torch.float32))) and self.finite is not False
+        self.finite = _sum_is_finite(self._pieces[k]) and self.finite is not False
         self._unchecked.discard(k)
 
     @contextlib.contextmanager
