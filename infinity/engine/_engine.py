@@ -296,8 +296,8 @@ class Engine:
         logger.warning("optimizer step of %s on the worker failed (%s); retrying", unit.key, error)
         try:
             self._step_unit(i, unit, 1.0, lr=self._step_lr)
-        except ValueError:  # a non-finite gradient found where it was stepped: no retry helps
-            self._partial_step = True
+        except ValueError:  # a non-finite gradient (found in backward or where it was stepped):
+            self._partial_step = True  # no retry helps, and the units stepped before it stay so
             raise
         return True
 
@@ -409,8 +409,7 @@ class Engine:
                 self._stepper.submit(i)
         self._tail_open = True
         # Several ranks wait (stages 1-2 gather the values after the step); so does a bad gradient.
-        self._partial_step = any(u.grad is not None and u.grad.finite is False for u in self._trained)
-        if self.ranks.world > 1 or self._partial_step:
+        if self.ranks.world > 1 or any(u.grad is not None and u.grad.finite is False for u in self._trained):
             self.synchronize()  # (a non-finite gradient fails the step here, not at the next call)
         else:
             def forward_order(i: int) -> tuple[bool, int]:
