@@ -1,5 +1,6 @@
 """Engine parity: training through infinity.initialize equals plain PyTorch + torch.optim.AdamW
-for every offload combination, with accumulation, clipping and fp16 loss scaling."""
+for every offload combination, with accumulation and clipping (non-finite gradients and fp16
+overflow: test_engine_nonfinite.py)."""
 
 import copy
 import json
@@ -16,7 +17,6 @@ from infinity.zero import StoredGrad
 
 DEVICES = ["none", "cpu", "nvme"]
 LR, WD = 1e-2, 0.01
-
 
 def mlp() -> torch.nn.Module:
     torch.manual_seed(0)
@@ -171,169 +171,6 @@ def test_prefetch_leaves_no_on_demand_fetch_after_the_first_step(tmp_path):
     assert stats["prefetch_hits"] > after_first["prefetch_hits"] and stats["divergences"] == 0
     assert engine.coordinator.traces((True, True)) == 1 and engine.coordinator.traces((False, False)) == 1
     engine.close()
-
-
-def test_fp16_overflow_skips_the_step_and_lowers_the_scale(tmp_path):
-    model = mlp()
-    engine = infinity.initialize(model, config(tmp_path, "cpu", "cpu",
-                                               fp16={"enabled": True, "initial_scale_power": 8,
-                                                     "hysteresis": 1}))
-    (x,), _ = mlp_batches(1)[0]
-    before = {n: v.clone() for n, v in engine.named_parameters()}
-    loss = engine(x.half()).float().square().mean()
-    engine.backward(loss * float("inf"))
-    engine.step()
-    assert engine.skipped_steps == 1 and engine.stats()["loss_scale"] == 2.0**7
-    assert all(torch.equal(before[n], v) for n, v in engine.named_parameters())
-    loss = engine(x.half()).float().square().mean()
-    engine.backward(loss)
-    engine.step()
-    assert engine.skipped_steps == 1 and engine.global_steps == 2
-    assert any(not torch.equal(before[n], v) for n, v in engine.named_parameters())
-    engine.close()
-
-
-@pytest.mark.parametrize("clipping", [0.0, 1.0])
-@pytest.mark.parametrize("offload", ["none", "nvme"])
-def test_a_non_finite_gradient_fails_the_step_and_updates_nothing(tmp_path, offload, clipping):
-    """fp32 (no loss scale to lower), a NaN in one unit's gradient only: stepped after
-    backward, the step raises naming the unit and no parameter (nor the step count) changes,
-    whichever unit holds it (here the last one stepped); stepped during backward (NVMe, no
-    clipping), the units stepped before it keep their update and the error says so."""
-    model = mlp()
-    engine = infinity.initialize(model, config(tmp_path, offload, offload, gradient_clipping=clipping))
-    overlapped = clipping == 0.0 and offload == "nvme"
-    assert engine.overlap == overlapped
-    bad = model[0] if overlapped else model[4]  # final last in backward / stepped last after it
-    bad.weight.register_hook(lambda g: g * float("nan"))
-    (x,), _ = mlp_batches(1)[0]
-    before = {n: v.clone() for n, v in engine.named_parameters()}
-    engine.backward(engine(x).square().mean())
-    unit = "param/0" if overlapped else "param/4"
-    match = rf"gradient of {unit} has non-finite values.*keep their update" if overlapped else \
-        rf"non-finite gradient values \(inf/nan\) in {unit}: the step was not taken, no parameter changed"
-    with pytest.raises(ValueError, match=match):
-        engine.step()
-    after = dict(engine.named_parameters())
-    changed = {n for n in before if not torch.equal(before[n], after[n])}
-    assert changed == ({"2.weight", "2.bias", "4.weight", "4.bias"} if overlapped else set())
-    if not overlapped:
-        assert engine.global_steps == 0
-        engine.close()
-        return
-    # Half a step is no state to train on: refused until a checkpoint brings a consistent one.
-    with pytest.raises(RuntimeError, match="after some units were updated.*load a checkpoint"):
-        engine.backward(engine(x).square().mean())
-    with pytest.raises(RuntimeError, match="load a checkpoint"):
-        engine.step()
-    engine.close()
-
-
-
-
-def test_a_nan_found_by_the_worker_in_a_stored_gradient_stops_training(tmp_path):
-    """Gradients on NVMe are checked where the worker steps them, after step() returned (the
-    tail): the next forward raises, and training is refused until a checkpoint load."""
-    model = llama()
-    engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme", infinity={"host_memory_budget": 240_000}))
-    assert engine.overlap and engine.plan.grads_tier is not None
-    model.get_input_embeddings().weight.register_hook(lambda g: g * float("nan"))  # final last
-    (args, kwargs), = llama_batches(1)
-    engine.backward(loss_of(engine(*args, **kwargs)))
-    engine.step()
-    with pytest.raises(ValueError, match="non-finite"):
-        engine(*args, **kwargs)
-    with pytest.raises(RuntimeError, match="load a checkpoint"):
-        engine.step()
-    with pytest.raises(ValueError, match="non-finite"):
-        engine.close()  # closes, and says again that the step could not finish
-    assert engine._closed
-
-
-class _Branchy(torch.nn.Module):
-    """`b` and `shift` take part only while `use_b`: a unit, and a piece of the root's unit, that
-    a later micro-batch of an accumulation leaves untouched."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a, self.b = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
-        self.scale, self.shift = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.zeros(4))
-        self.use_b = True
-
-    def forward(self, x):
-        y = self.a(x) * self.scale
-        return y + self.b(x) + self.shift if self.use_b else y
-
-
-@pytest.mark.parametrize("where", ["a.weight", "b.weight", "shift"])
-def test_a_nan_in_an_early_micro_batch_fails_the_accumulated_step(tmp_path, where):
-    """Gradients are checked for inf/nan at the boundary micro-batch only (inf/nan survive the
-    in-place sums), so a NaN from the first micro-batch must still be found there: in a piece the
-    boundary micro-batch adds to (a.weight), in a unit it never reaches (b), and in a piece of a
-    unit it reaches that it leaves alone (shift)."""
-    model = _Branchy()
-    engine = infinity.initialize(model, config(tmp_path, gradient_accumulation_steps=2))
-    (x,), _ = mlp_batches(1)[0]
-    for _ in range(2):  # one clean step first: the gradient buffers exist, as in a long run
-        engine.backward(engine(x).square().mean())
-        engine.step()
-    assert engine.global_steps == 1
-    before = {n: v.clone() for n, v in engine.named_parameters()}
-    handle = model.get_parameter(where).register_hook(lambda g: g * float("nan"))
-    engine.backward(engine(x).square().mean())
-    engine.step()  # not a boundary
-    handle.remove()
-    model.use_b = False
-    engine.backward(engine(x).square().mean())
-    with pytest.raises(ValueError, match="the step was not taken"):
-        engine.step()
-    assert all(torch.equal(before[n], v) for n, v in engine.named_parameters())
-    engine.close()
-
-
-def test_zero_grad_after_a_refused_step_skips_the_batch(tmp_path):
-    """A step refused for a NaN changed nothing; zero_grad drops the NaN gradients and training
-    goes on as if that batch had never been seen."""
-    model = mlp()
-    engine = infinity.initialize(model, config(tmp_path))
-    data = mlp_batches(4)
-    train_engine(engine, data[:1])
-    handle = model[4].weight.register_hook(lambda g: g * float("nan"))
-    (x,), _ = data[1]
-    engine.backward(engine(x).square().mean())
-    with pytest.raises(ValueError, match="the step was not taken"):
-        engine.step()
-    handle.remove()
-    engine.zero_grad()
-    losses = train_engine(engine, data[2:])
-    engine.close()
-    reference = mlp()
-    ref_losses = train_reference(reference, data[:1] + data[2:])
-    assert_parity(model, reference, losses, ref_losses[1:])
-
-def test_a_checkpoint_load_after_a_half_applied_step_trains_on(tmp_path):
-    """After an overlapped step failed on a NaN, a load drops the held gradients (the NaN too)
-    and training goes on from the saved state as if the failure never happened."""
-    model = mlp()
-    engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme"))
-    assert engine.overlap
-    data = mlp_batches(3)
-    train_engine(engine, data[:1])
-    engine.save_checkpoint(tmp_path / "ckpt", tag="good")
-    engine.wait_for_checkpoint()
-    handle = model[0].weight.register_hook(lambda g: g * float("nan"))
-    (x,), _ = data[1]
-    engine.backward(engine(x).square().mean())
-    with pytest.raises(ValueError, match="non-finite"):
-        engine.step()
-    handle.remove()
-    engine.load_checkpoint(tmp_path / "ckpt", tag="good")
-    losses = train_engine(engine, data[1:])
-    engine.close()
-    reference = mlp()
-    ref_losses = train_reference(reference, data)
-    assert_parity(model, reference, losses, ref_losses[1:])
 
 
 def test_lr_schedule_follows_deepspeed_warmup(tmp_path):
