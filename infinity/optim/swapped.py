@@ -400,7 +400,7 @@ class SwappedOptimizer(StreamedState):
         held: str | None = None
         try:
             first = self.tiles[todo[0]] if todo else []  # its values entries are read with it
-            self.store.prefetch([k for k in (self._keys[s.param] for s in first) if k] + keys[:streamed])
+            self.store.prefetch([k for k in (self._keys[s.param] for s in first) if k] + (keys[:1] if streamed else []))
             for i, (t, key) in enumerate(zip(todo, keys)):
                 if streamed and i + 1 < len(keys):
                     self.store.prefetch(keys[i + 1:i + 2])

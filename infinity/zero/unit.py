@@ -150,8 +150,8 @@ def plan_units(model: torch.nn.Module, *, persistence_numel: int, storage_dtype:
     for name, params, persistent in batches:
         groups = _groups(params)
         for (dtype, requires_grad), members in groups.items():
-            several = len(groups) > 1 or params is resident  # the resident unit's key names its kind
-            key = f"{prefix}/{name}{_suffix(dtype, requires_grad, several)}"
+            suffixed = len(groups) > 1 or params is resident  # the resident unit's key names its kind
+            key = f"{prefix}/{name}{_suffix(dtype, requires_grad, suffixed)}"
             slots, offset = [], 0
             for qualified, p in members:
                 slots.append(ParamSlot(p, qualified, offset, p.shape))
