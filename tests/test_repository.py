@@ -20,6 +20,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # its row here, below everything it imports and above everything that imports it.
 LAYERS: dict[str, set[str]] = {
     "tools": {"infinity", "aio"},
+    # the console scripts' faces over the library
+    "infinity.cli": {"infinity.train", "infinity.models", "infinity.checkpoint", "infinity.memory",
+                     "infinity.errors", "aio"},
     "infinity.train": {"infinity.engine", "infinity.models", "infinity.checkpoint", "infinity.zero",
                        "infinity.optim", "infinity.config", "infinity.store", "infinity.memory",
                        "infinity.errors", "aio"},

@@ -27,8 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from infinity.cli.args import time_in_turns
 from infinity.optim import adam_step, resolve_isa
-from tools.cli import time_in_turns
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import numpy as np
 
 import aio
-from tools.cli import parse_size, time_in_turns
+from infinity.cli.args import parse_size, time_in_turns
 
 
 def _rows(nbytes: int) -> dict[str, Callable[[], object]]:

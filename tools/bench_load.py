@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 
-from tools.cli import parse_size
+from infinity.cli.args import parse_size
 
 TINYLLAMA = {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
              "num_attention_heads": 32, "num_key_value_heads": 4}

@@ -74,7 +74,7 @@ def _nvme_bytes(stats: dict) -> int:
 def raw_stream_gbps(directory: str, options: dict, nbytes: int = 32 << 20, count: int = 16) -> float:
     """The raw aio read+write stream (window 2) on `directory`, with the engine's aio options."""
     import aio
-    from tools._nvme_bench_lib import window_stream
+    from infinity.cli.nvme_measure import window_stream
     with aio.Handle(**options) as handle, aio.SwapFile(f"{directory}/raw.swap", count * nbytes) as swap:
         extents = [swap.allocate(nbytes) for _ in range(count)]
         fill = aio.aligned_empty(nbytes).fill_(1)

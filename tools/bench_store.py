@@ -25,10 +25,10 @@ import time
 import torch
 
 import aio
+from infinity.cli import nvme_measure as bench
+from infinity.cli.args import parse_size
 from infinity.optim import SwappedOptimizer
 from infinity.store import TensorStore
-from tools import _nvme_bench_lib as bench
-from tools.cli import parse_size
 
 GB = bench.GB
 

@@ -165,7 +165,7 @@ def test_a_transformers_model_saved_by_the_engine_converts_to_hf_alone(tmp_path)
     """The engine keeps the model's config, so `infinity-convert --to hf` needs nothing else and
     from_pretrained gives the logits of the trained model."""
     transformers = pytest.importorskip("transformers")
-    from tools.convert import main
+    from infinity.cli.convert import main
 
     cfg = transformers.LlamaConfig(vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                    num_attention_heads=2, num_key_value_heads=1,

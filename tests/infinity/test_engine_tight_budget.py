@@ -69,7 +69,7 @@ def test_a_budget_below_the_minimum_fails_at_initialize_naming_both(tmp_path, mi
 
 @pytest.mark.timeout(120)
 def test_infinity_train_runs_at_the_plans_minimum_budget(tmp_path, min_budget, capsys):
-    from tools import train  # the CLI over the same engine
+    from infinity.cli import train  # the CLI over the same engine
 
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(_config(tmp_path, min_budget)))

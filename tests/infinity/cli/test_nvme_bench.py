@@ -1,4 +1,4 @@
-"""infinity-nvme-bench end to end on tiny sizes, plus the measuring helpers in tools._nvme_bench_lib."""
+"""infinity-nvme-bench end to end on tiny sizes, plus the measuring helpers in infinity.cli.nvme_measure."""
 
 import argparse
 import json
@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import aio
-from tools import _nvme_bench_lib as bench
-from tools import cli, nvme_bench
+from infinity.cli import args as cli
+from infinity.cli import nvme_bench
+from infinity.cli import nvme_measure as bench
 
 
 @pytest.fixture
@@ -140,13 +141,13 @@ def test_unwritable_path_is_refused_clearly(read_only_dir, run_unprivileged):
     """Run as an unprivileged user (root may write anywhere), the tool refuses the directory
     before writing anything, with usage exit code 2."""
     out = run_unprivileged(textwrap.dedent(f"""
-        from tools import nvme_bench
+        from infinity.cli import nvme_bench
         try:
             code = nvme_bench.main(["--path", {read_only_dir!r}, "--size", "4M"])
         except SystemExit as exc:
             code = exc.code
         print("EXIT", code)
-    """), preload=("tools.nvme_bench",))
+    """), preload=("infinity.cli.nvme_bench",))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "EXIT 2" in out.stdout and "not writable by this user" in out.stderr
     assert read_only_dir in out.stderr and os.listdir(read_only_dir) == []

@@ -16,7 +16,7 @@ import transformers
 from safetensors.torch import load_file
 
 from infinity.checkpoint import CheckpointWriter
-from tools import train
+from infinity.cli import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -105,7 +105,7 @@ def test_lora_on_a_model_directory_repeats_exactly_with_the_same_seed(tmp_path, 
 def interrupted_run(*args):
     """Run infinity-train in a child, send it SIGINT once its first step is shown; (exit code,
     stdout, stderr)."""
-    child = subprocess.Popen([sys.executable, "-m", "tools.train", *args], cwd=ROOT,
+    child = subprocess.Popen([sys.executable, "-m", "infinity.cli.train", *args], cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         seen = b""
@@ -170,9 +170,9 @@ def test_bad_input_one_line_exit_2_nothing_in_output(tmp_path, capsys, tiny_hf_m
 
 def test_read_only_nvme_path_is_refused(read_only_dir, run_unprivileged):
     out = run_unprivileged(textwrap.dedent(f"""
-        from tools import train
+        from infinity.cli import train
         sys.exit(train.main(["--steps", "1", "--nvme-path", {read_only_dir!r}]))
-    """), preload=("tools.train", "transformers.models.llama.modeling_llama", "tokenizers",
+    """), preload=("infinity.cli.train", "transformers.models.llama.modeling_llama", "tokenizers",
                    "transformers.tokenization_utils_tokenizers"))
     assert out.returncode == 2, out.stderr
     line = out.stderr.strip().splitlines()[-1]

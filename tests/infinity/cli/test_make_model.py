@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tools import make_model
+from infinity.cli import make_model
 
 pytest.importorskip("transformers")
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 import aio
-from tools import _nvme_bench_lib as bench
+from infinity.cli import nvme_measure as bench
 
 HIDDEN, INTERMEDIATE = 2048, 5632  # TinyLlama-1.1B (k and v kept square: 8-22 MiB tensors)
 LAYERS = 8

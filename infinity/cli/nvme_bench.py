@@ -9,7 +9,7 @@
 GB/s are decimal (1e9 bytes/s). Reads come from the disk, never the page cache (O_DIRECT, and
 the file is evicted before each read); writes overwrite a file written once beforehand. Every
 file lives in a fresh directory under --path, removed at the end, also on errors and Ctrl-C.
-Without an install: `python -m tools.nvme_bench ...` from the repository root.
+Without an install: `python -m infinity.cli.nvme_bench ...` from the repository root.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from typing import Any
 from tqdm import tqdm
 
 import aio
-from tools import _layer_io as layer_io
-from tools import _nvme_bench_lib as bench
-from tools.cli import HelpFormatter, log_to_stderr, parse_size
+from infinity.cli import layer_io
+from infinity.cli import nvme_measure as bench
+from infinity.cli.args import HelpFormatter, log_to_stderr, parse_size
 
 PROG = "infinity-nvme-bench"
 SWEEP = {"block_size": [256 << 10, 1 << 20, 4 << 20], "queue_depth": [4, 16, 64], "threads": [1, 2]}
@@ -228,7 +228,7 @@ def _report(args, config, data, ops, fio: str | None) -> dict[str, Any]:
 
 
 def _layer_report(args, config: bench.EngineConfig, workdir: str) -> dict[str, Any]:
-    """The fetch and optimizer patterns of tools/_layer_io.py, ours and DeepSpeed's handle
+    """The fetch and optimizer patterns of infinity/cli/layer_io.py, ours and DeepSpeed's handle
     alternating within each round; the files are removed before the swap-file mix runs."""
     directory = os.path.join(workdir, "layers")
     os.mkdir(directory)

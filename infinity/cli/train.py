@@ -22,7 +22,7 @@ Options given here override the --config file (DeepSpeed JSON). Exit codes: 0 do
 after Ctrl-C, which finishes the current step, saves a checkpoint when --output is set, and
 exports; a second Ctrl-C aborts), 2 bad input (one line on stderr; nothing is left in
 --output), 1 any other failure. `infinity-train ... --output DIR --resume` continues a run.
-Without an install: `python -m tools.train ...` from the repository root.
+Without an install: `python -m infinity.cli.train ...` from the repository root.
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ import sys
 
 from tqdm import tqdm
 
+from infinity.cli.args import HelpFormatter, fail, log_to_stderr, parse_size
 from infinity.errors import InputError
 from infinity.train import TrainOptions, run
 from infinity.train.job import DEFAULT_BATCH_SIZE, LORA_EXPORTS
 from infinity.train.loop import StepRecord
-from tools.cli import HelpFormatter, fail, log_to_stderr, parse_size
 
 PROG = "infinity-train"
 

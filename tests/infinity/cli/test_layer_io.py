@@ -1,4 +1,4 @@
-"""The layer fetch / optimizer patterns of infinity-nvme-bench --mix (tools/_layer_io.py)."""
+"""The layer fetch / optimizer patterns of infinity-nvme-bench --mix (infinity/cli/layer_io.py)."""
 
 import os
 import sys
@@ -7,8 +7,8 @@ import types
 import pytest
 import torch
 
-from tools import _layer_io as layer_io
-from tools import _nvme_bench_lib as bench
+from infinity.cli import layer_io
+from infinity.cli import nvme_measure as bench
 
 SMALL = 8 << 20  # 8 layers of 7 tensors of at least 64x64 bf16
 

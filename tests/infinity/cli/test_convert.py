@@ -14,7 +14,7 @@ import zarr
 from safetensors.torch import load_file
 
 from infinity.checkpoint import CheckpointReader, CheckpointWriter
-from tools.convert import main
+from infinity.cli.convert import main
 
 MiB = 1 << 20
 
@@ -172,7 +172,7 @@ def test_help_shows_examples_and_defaults(capsys):
 
 PEAK_CHILD = r"""
 import sys
-from tools.convert import main
+from infinity.cli.convert import main
 def kib(field):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))

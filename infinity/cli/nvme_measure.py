@@ -1,6 +1,6 @@
 """Measuring the aio engine: sequential GB/s, small-request cost, a training-like mix, and fio.
 
-Used by `tools/nvme_bench.py` (the `infinity-nvme-bench` command) and `tools/bench_store.py`:
+Used by `infinity/cli/nvme_bench.py` (the `infinity-nvme-bench` command) and `tools/bench_store.py`:
 benchmark code, kept out of the `aio` package. Units: bytes, seconds, and GB/s in decimal
 gigabytes (1e9 bytes/s), as fio and disk vendors count them.
 

@@ -13,7 +13,7 @@ DeepSpeed, a GPU or a process group. The output is written under a temporary nam
 read back and checked against the source (shapes, dtypes, CRC-32C of every tensor), then renamed
 to DST; on any error nothing is left. Sizes are binary (2G = 2 GiB). Exit codes: 0 done, 2 bad
 input (not a checkpoint, a missing or truncated file, unknown format version, DST exists).
-Without an install: `python -m tools.convert ...` from the repository root.
+Without an install: `python -m infinity.cli.convert ...` from the repository root.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import torch
 from tqdm import tqdm
 
 from infinity.checkpoint import FORMATS, Conversion
+from infinity.cli.args import HelpFormatter, fail, log_to_stderr, parse_size
 from infinity.errors import CheckpointError
 from infinity.memory import set_mmap_threshold
-from tools.cli import HelpFormatter, fail, log_to_stderr, parse_size
 
 PROG = "infinity-convert"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

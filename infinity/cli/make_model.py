@@ -10,7 +10,7 @@ The weights are written tensor by tensor (memory: one tensor), normal(0, 0.02) f
 and embeddings, ones for norms, seeded. The tokenizer has one token per byte plus <s> (256)
 and </s> (257), so --vocab is at least 258 (a larger vocab only costs parameters). DIR must
 not exist; it appears complete or not at all. Exit codes: 0 done, 2 bad input.
-Without an install: `python -m tools.make_model ...` from the repository root.
+Without an install: `python -m infinity.cli.make_model ...` from the repository root.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import sys
 
 import torch
 
+from infinity.cli.args import HelpFormatter, fail, log_to_stderr, parse_size
 from infinity.models import BYTE_TOKENS, write_random_model
-from tools.cli import HelpFormatter, fail, log_to_stderr, parse_size
 
 PROG = "infinity-make-model"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
