@@ -26,16 +26,17 @@ LAYERS: dict[str, set[str]] = {
     "infinity.train": {"infinity.engine", "infinity.models", "infinity.checkpoint", "infinity.zero",
                        "infinity.optim", "infinity.config", "infinity.store", "infinity.memory",
                        "infinity.errors", "aio"},
-    "infinity.__init__": {"infinity.models", "infinity.engine", "infinity.checkpointing", "infinity.config", "infinity.errors"},
+    "infinity.__init__": {"infinity.models", "infinity.engine", "infinity.recompute", "infinity.config",
+                          "infinity.errors"},
     # models sits above the engine: a loaded model's store is laid out by the engine's own plan
     # (precision, units, budgets), so initialize adopts it without a copy.
     "infinity.models": {"infinity.engine", "infinity.zero", "infinity.config", "infinity.store",
                         "infinity.memory", "infinity.errors", "aio"},
-    "infinity.engine": {"infinity.checkpointing", "infinity.config", "infinity.zero", "infinity.optim", "infinity.checkpoint",
+    "infinity.engine": {"infinity.recompute", "infinity.config", "infinity.zero", "infinity.optim", "infinity.checkpoint",
                         "infinity.store", "infinity.memory", "infinity.errors", "aio"},
-    # checkpointing: activation checkpointing (DeepSpeed's deepspeed.checkpointing), configured
-    # from the config section; the engine configures it, the zero hooks see its recompute.
-    "infinity.checkpointing": {"infinity.config", "infinity.errors"},
+    # recompute: activation recomputation (DeepSpeed's deepspeed.checkpointing), configured from
+    # the config section; the engine configures it, the zero hooks see its recompute.
+    "infinity.recompute": {"infinity.config", "infinity.errors"},
     "infinity.checkpoint": {"infinity.config", "infinity.store", "infinity.memory",
                             "infinity.errors", "aio"},
     "infinity.zero": {"infinity.config", "infinity.store", "infinity.memory", "infinity.errors",

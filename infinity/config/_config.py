@@ -92,7 +92,7 @@ class Config(Section):
     """DeepSpeed: print memory use at points of the step. Default false."""
     activation_checkpointing: ActivationCheckpointingConfig = field(
         default_factory=ActivationCheckpointingConfig)
-    """For infinity.checkpointing.checkpoint (docs/scale.md, "Activation memory")."""
+    """For infinity.recompute.run (docs/scale.md, "Activation memory")."""
     flops_profiler: FlopsProfilerConfig = field(default_factory=FlopsProfilerConfig)
     """Accepted, not acted on."""
     tensorboard: MonitorConfig = field(default_factory=MonitorConfig)

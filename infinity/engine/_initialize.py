@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from infinity import checkpointing
+from infinity import recompute
 from infinity.config import ActivationCheckpointingConfig, load_config
 from infinity.engine._engine import Engine
 from infinity.zero import environment_world_size
@@ -27,12 +27,12 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     Raises ConfigError (a ValueError) or ConfigPathError (an OSError) naming the key at fault,
     and BudgetError when host_memory_budget cannot hold the memory plan; all before anything
     is moved. A rank that dies or a collective that times out raises RankError on the others.
-    A config that sets `activation_checkpointing` configures `infinity.checkpointing` with it
+    A config that sets `activation_checkpointing` configures `infinity.recompute` with it
     (as `deepspeed.checkpointing.configure` would).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"initialize() needs a torch.nn.Module, got {type(model).__name__}")
     loaded = load_config(config, model=model, world_size=environment_world_size())
     if loaded.activation_checkpointing != ActivationCheckpointingConfig():
-        checkpointing.configure(deepspeed_config=loaded.activation_checkpointing)
+        recompute.configure(deepspeed_config=loaded.activation_checkpointing)
     return Engine(model, loaded)
