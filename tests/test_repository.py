@@ -41,7 +41,7 @@ LAYERS: dict[str, set[str]] = {
                             "infinity.errors", "aio"},
     "infinity.zero": {"infinity.config", "infinity.store", "infinity.memory", "infinity.errors",
                       "aio"},
-    "infinity.config": {"infinity.optim", "infinity.errors", "aio"},  # optim: LR schedules; aio: its options
+    "infinity.config": {"infinity.errors", "aio"},  # aio: its options
     "infinity.optim": {"infinity.store", "infinity.memory", "infinity.errors", "aio"},
     "infinity.store": {"infinity.memory", "infinity.errors", "aio"},
     "infinity.memory": {"infinity.errors", "aio"},

@@ -61,7 +61,7 @@ from typing import Any
 
 import torch
 
-from infinity.config import AdamParams, Config, OptimizerConfig, build_lr_schedule
+from infinity.config import AdamParams, Config, OptimizerConfig
 from infinity.engine import _checkpoint
 from infinity.engine._overlap import UnitStepper
 from infinity.engine._partition import RankedUnits
@@ -73,6 +73,7 @@ from infinity.engine._placement import (
     take_placed,
 )
 from infinity.engine._plan import MemoryPlan
+from infinity.engine._schedule import build_lr_schedule
 from infinity.engine._timeline import Timeline
 from infinity.errors import ConfigError
 from infinity.memory import peak_rss_bytes, set_mmap_threshold

@@ -12,7 +12,8 @@ import types
 import pytest
 import torch
 
-from infinity.config import build_lr_schedule, load_config
+from infinity.config import load_config
+from infinity.engine import build_lr_schedule
 
 EXAMPLES = pathlib.Path(__file__).parent / "examples"
 

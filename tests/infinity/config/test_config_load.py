@@ -293,7 +293,7 @@ def test_docs_list_every_key_accepted_but_not_honoured():
 
 
 def test_warmup_decay_default_top_is_deepspeeds_not_the_optimizers():
-    from infinity.config import build_lr_schedule
+    from infinity.engine import build_lr_schedule
     config = load_config({"optimizer": {"type": "AdamW", "params": {"lr": 5e-4}},
                           "scheduler": {"type": "WarmupDecayLR",
                                         "params": {"total_num_steps": 100,
