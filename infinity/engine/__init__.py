@@ -6,12 +6,11 @@ from infinity.engine._params import ParamSpec, parameter_specs
 from infinity.engine._placement import (
     Layout,
     Placed,
-    attach_placed,
     choose_model_precision,
     lay_out,
     open_store,
 )
 from infinity.engine._schedule import build_lr_schedule
 
-__all__ = ["Engine", "Layout", "ParamSpec", "Placed", "attach_placed", "build_lr_schedule",
+__all__ = ["Engine", "Layout", "ParamSpec", "Placed", "build_lr_schedule",
            "choose_model_precision", "initialize", "lay_out", "open_store", "parameter_specs"]

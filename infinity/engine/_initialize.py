@@ -29,6 +29,11 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     is moved. A rank that dies or a collective that times out raises RankError on the others.
     A config that sets `activation_checkpointing` configures `infinity.recompute` with it
     (as `deepspeed.checkpointing.configure` would).
+
+    A model from `infinity.models.load` carries its store in `model.infinity_placed` (a
+    `Placed`): initialize adopts that store instead of placing the parameters again, and
+    removes the attribute; `config` must lay the model out as the load's did (ConfigError
+    names what differs, and the model keeps its store for a retry).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"initialize() needs a torch.nn.Module, got {type(model).__name__}")

@@ -231,15 +231,15 @@ def test_a_lost_rank_ends_the_other_with_an_error_naming_it(tmp_path, stage, how
 def test_a_loaded_model_is_refused_at_stage_3_on_several_ranks():
     """A store from infinity.models.load holds whole units; the model keeps it for a retry."""
     from infinity.config import load_config
-    from infinity.engine._placement import Placed, attach_placed, take_placed
+    from infinity.engine._placement import Placed, take_placed
 
     model = make_model(0)
     placed = Placed(layout=None, store=None)
-    attach_placed(model, placed)
+    model.infinity_placed = placed
     config = load_config(_config(3), world_size=WORLD)
     with pytest.raises(infinity.ConfigError, match="stage 3 with 2 ranks cannot adopt a model from infinity.models.load"):
         take_placed(model, config, None, None, sharded_params=True)
-    assert model._infinity_placed is placed
+    assert model.infinity_placed is placed
 
 
 def test_a_model_built_under_zero_init_trains_as_one_on_every_rank(ranks_run):
