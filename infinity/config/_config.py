@@ -11,8 +11,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-import torch
-
 from infinity.config._activation import ActivationCheckpointingConfig
 from infinity.config._ignored import (
     FlopsProfilerConfig,
@@ -173,12 +171,6 @@ class Config(Section):
     def precision(self) -> Literal["fp32", "fp16", "bf16"]:
         """The parameter (storage) dtype: fp16 or bf16 when enabled, else fp32."""
         return "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
-
-    @property
-    def param_dtype(self) -> torch.dtype:
-        """`precision` as a torch dtype."""
-        return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[
-            self.precision]
 
     @property
     def batch_pending(self) -> bool:
