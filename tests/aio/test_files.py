@@ -34,6 +34,26 @@ def test_direct_io_refused_falls_back_to_buffered_with_one_warning(tmp_path, mon
     assert len(warnings) == 1
 
 
+def test_direct_io_supported_asks_the_engines_opener_and_leaves_nothing(tmp_path, monkeypatch):
+    real_open = os.open
+    opened = _files.open_file(str(tmp_path / "f"), writable=True)
+    opened.close()
+    os.unlink(tmp_path / "f")
+    assert aio.direct_io_supported(str(tmp_path)) is (opened.direct_fd >= 0)
+
+    def refuse_direct(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(_files.os, "open", refuse_direct)
+    monkeypatch.setattr(_files, "_warned_devices", set())
+    assert aio.direct_io_supported(str(tmp_path)) is False
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(aio.AIOError, match="open for write"):
+        aio.direct_io_supported(str(tmp_path / "missing"))
+
+
 def test_tmpfs_round_trip(backend):
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm")
