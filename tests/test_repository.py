@@ -136,9 +136,19 @@ def _imports(path: pathlib.Path, root: pathlib.Path):
             yield target
 
 
+def _private_owner(name: str) -> str | None:
+    """The package whose private module `name` is ("infinity.zero" for infinity.zero._common.x),
+    or None when no part of `name` is private."""
+    parts = name.split(".")
+    private = next((i for i, p in enumerate(parts) if p.startswith("_") and not p.startswith("__")),
+                   None)
+    return None if private is None else ".".join(parts[:private])
+
+
 def layering_violations(root: pathlib.Path, layers: dict[str, set[str]]) -> list[str]:
-    """Every import in aio/, infinity/, tools/ under `root` that points up or sideways, and
-    every file whose package is not in `layers`."""
+    """Every import in aio/, infinity/, tools/ under `root` that points up or sideways, or that
+    reaches into another package's private module, and every file whose package is not in
+    `layers`."""
     bad = []
     tops = {key.split(".")[0] for key in layers}
     for top in SOURCE_DIRS:
@@ -159,6 +169,10 @@ def layering_violations(root: pathlib.Path, layers: dict[str, set[str]]) -> list
                 elif target != owner and not any(_covers(ok, target) for ok in layers[owner]):
                     bad.append(f"{rel} imports {name} ({owner} may import only "
                                f"{sorted(layers[owner]) or 'nothing of the project'})")
+                elif (package := _private_owner(name)) and not _covers(
+                        package, _module_key(path, root)):
+                    bad.append(f"{rel} imports {name}, a private module of {package}: import "
+                               f"the name from {package}, which exports it")
     return bad
 
 
@@ -197,11 +211,13 @@ SYNTHETIC_LAYERS = {
 }
 SYNTHETIC_CLEAN = {
     "aio/__init__.py": "import aiofiles\nfrom aio import _native\n",
-    "aio/_native.py": "import os\n",
+    "aio/_native.py": "import os\nfrom aio._aio_cffi import ffi\n",  # a native extension
     "infinity/__init__.py": "from infinity.errors import ConfigError\n",
     "infinity/errors.py": "",
     "infinity/memory/__init__.py": "from . import arena\n",
-    "infinity/memory/arena.py": "from ..errors import BudgetError\nimport aio._aio_cffi\n",
+    "infinity/memory/arena.py": "from ..errors import BudgetError\nfrom ._backing import x\n",
+    "infinity/memory/_backing.py": "from infinity.memory import _move\n",
+    "infinity/memory/_move.py": "",
     "infinity/store/__init__.py": "from infinity import errors\nfrom infinity.memory import arena\n",
     "infinity/storage/__init__.py": "import importlib\nimportlib.import_module('infinity.store')\n",
     "tools/__init__.py": "import infinity.store\nimport aio\n",
@@ -225,9 +241,13 @@ SYNTHETIC_CLEAN = {
     ("infinity/zero/__init__.py", "", "infinity/zero/__init__.py belongs to no package"),
     ("infinity/engine.py", "", "infinity/engine.py belongs to no package"),
     ("infinity/memory/up.py", "import infinity.nowhere\n", "imports infinity.nowhere"),
+    ("infinity/store/up.py", "from infinity.memory._backing import x\n", "private module of infinity.memory"),
+    ("infinity/store/up.py", "from ..memory import _move\n", "private module of infinity.memory"),
+    ("infinity/store/up.py", "import aio._native\n", "private module of aio"),
 ], ids=["upward", "relative-upward", "relative-from-package", "importlib", "import_module-relative",
         "dunder-import", "import_module-keyword", "prefix-without-dot", "aio-knows-no-infinity", "front-door",
-        "unlisted-package", "unlisted-module", "missing-module"])
+        "unlisted-package", "unlisted-module", "missing-module", "private-module",
+        "private-module-relative", "private-module-of-aio"])
 def test_layering_checker_catches(tmp_path, rel, text, complaint):
     root = _tree(tmp_path, SYNTHETIC_CLEAN)
     assert layering_violations(root, SYNTHETIC_LAYERS) == []
