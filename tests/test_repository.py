@@ -11,7 +11,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Every package of the project, top layer first, with the packages it may import (besides
-# itself and third-party modules). Arrows point down only (docs: DESIGN.md's layer picture).
+# itself and third-party modules). Arrows point down only (docs/design.md, "Layers", lists it).
 # A key is a module path: "infinity.store" is infinity/store/ with everything under it,
 # "infinity.config" is infinity/config.py (or an infinity/config/ package). "infinity.__init__"
 # is the package's front door, infinity/__init__.py alone. An allowed name covers the packages
@@ -178,7 +178,29 @@ def layering_violations(root: pathlib.Path, layers: dict[str, set[str]]) -> list
 
 def test_imports_point_down_the_layers():
     bad = layering_violations(ROOT, LAYERS)
-    assert not bad, "imports against the layering (DESIGN.md):\n" + "\n".join(bad)
+    assert not bad, "imports against the layering (docs/design.md):\n" + "\n".join(bad)
+
+
+def _design_layers() -> dict[str, set[str]]:
+    """The layer table of docs/design.md ("may import" names x for infinity.x, except the
+    top-level names; "-" for nothing), in its order."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    rows = text.split("| package | may import", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    tops = {key.split(".")[0] for key in LAYERS}
+    table = {}
+    for row in rows:
+        package, allowed = (cell.strip() for cell in row.strip("|").split("|")[:2])
+        names = [] if allowed == "-" else [n.strip() for n in allowed.split(",")]
+        table[package.strip("`")] = {n if n in tops else f"infinity.{n}" for n in names}
+    return table
+
+
+def test_design_doc_lists_the_layer_table():
+    """docs/design.md shows LAYERS, row for row in the same order: change both together."""
+    design = _design_layers()
+    assert list(design) == list(LAYERS), "docs/design.md lists the packages in another order"
+    differ = {k: (design[k], LAYERS[k]) for k in LAYERS if design[k] != LAYERS[k]}
+    assert not differ, f"docs/design.md's layer table differs (doc, test): {differ}"
 
 
 def test_layer_table_points_down_only():
