@@ -26,14 +26,15 @@ LAYERS: dict[str, set[str]] = {
     "infinity.train": {"infinity.engine", "infinity.models", "infinity.checkpoint", "infinity.zero",
                        "infinity.optim", "infinity.config", "infinity.store", "infinity.memory",
                        "infinity.errors", "aio"},
-    "infinity.__init__": {"infinity.models", "infinity.engine", "infinity.recompute", "infinity.config",
-                          "infinity.errors"},
+    "infinity.__init__": {"infinity.models", "infinity.engine", "infinity.recompute",
+                          "infinity.config", "infinity.errors"},
     # models sits above the engine: a loaded model's store is laid out by the engine's own plan
     # (precision, units, budgets), so initialize adopts it without a copy.
     "infinity.models": {"infinity.engine", "infinity.zero", "infinity.config", "infinity.store",
                         "infinity.memory", "infinity.errors", "aio"},
-    "infinity.engine": {"infinity.recompute", "infinity.config", "infinity.zero", "infinity.optim", "infinity.checkpoint",
-                        "infinity.store", "infinity.memory", "infinity.errors", "aio"},
+    "infinity.engine": {"infinity.recompute", "infinity.config", "infinity.zero", "infinity.optim",
+                        "infinity.checkpoint", "infinity.store", "infinity.memory",
+                        "infinity.errors", "aio"},
     # recompute: activation recomputation (DeepSpeed's deepspeed.checkpointing), configured from
     # the config section; the engine configures it, the zero hooks see its recompute.
     "infinity.recompute": {"infinity.config", "infinity.errors"},
@@ -263,7 +264,8 @@ SYNTHETIC_CLEAN = {
     ("infinity/zero/__init__.py", "", "infinity/zero/__init__.py belongs to no package"),
     ("infinity/engine.py", "", "infinity/engine.py belongs to no package"),
     ("infinity/memory/up.py", "import infinity.nowhere\n", "imports infinity.nowhere"),
-    ("infinity/store/up.py", "from infinity.memory._backing import x\n", "private module of infinity.memory"),
+    ("infinity/store/up.py", "from infinity.memory._backing import x\n",
+     "private module of infinity.memory"),
     ("infinity/store/up.py", "from ..memory import _move\n", "private module of infinity.memory"),
     ("infinity/store/up.py", "import aio._native\n", "private module of aio"),
 ], ids=["upward", "relative-upward", "relative-from-package", "importlib", "import_module-relative",

@@ -23,7 +23,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("aio", "infinity")  # the only top-level names the wheel may install
 # Build outputs and caches a checkout may hold; the wheel must come from the sources alone.
 NOT_SOURCES = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", "*.so",
-                                     "*.o", "_cffi_*.c", "_*_cffi.c", ".pytest_cache", ".ruff_cache")
+                                     "*.o", "_cffi_*.c", "_*_cffi.c", ".pytest_cache",
+                                     ".ruff_cache")
 
 _CHECK = r"""
 import importlib, json, pathlib, sys
@@ -32,7 +33,8 @@ for name in json.loads(sys.argv[1]):
     importlib.import_module(name)
 ours = {n: getattr(m, "__file__", None) for n, m in sys.modules.items()
         if n.split(".")[0] in ("aio", "infinity")}  # cffi's `lib` objects have no file
-outside = {n: f for n, f in ours.items() if f and not pathlib.Path(f).resolve().is_relative_to(venv)}
+outside = {n: f for n, f in ours.items()
+           if f and not pathlib.Path(f).resolve().is_relative_to(venv)}
 assert not outside, f"imported from outside the venv: {outside}"
 print(json.dumps(sorted(ours)))
 """

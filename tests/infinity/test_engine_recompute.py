@@ -104,7 +104,8 @@ def step_deltas(per_step: list[dict], key: str) -> list[int]:
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
-def test_recompute_is_on_the_trace_prefetched_and_training_matches_no_recompute(tmp_path, reentrant):
+def test_recompute_is_on_the_trace_prefetched_and_training_matches_no_recompute(tmp_path,
+                                                                               reentrant):
     torch.manual_seed(0)
     model = Stack()
     reference = copy.deepcopy(model)

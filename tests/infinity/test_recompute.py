@@ -85,7 +85,8 @@ def test_host_copies_give_parameter_gradients_when_no_input_requires_grad():
     x = torch.randn(5, 6)
     want = grads_of(m, x, m)
     offload = HostOffload(torch.device("cpu"), pin=False)
-    assert_same(grads_of(lambda t: run_with(m, (t,), use_reentrant=True, offload=offload), x, m), want)
+    got = grads_of(lambda t: run_with(m, (t,), use_reentrant=True, offload=offload), x, m)
+    assert_same(got, want)
 
 
 def test_pack_leaves_tensors_of_other_devices_and_unpack_restores_the_device():
@@ -118,9 +119,11 @@ def test_configure_rejects_what_it_cannot_read():
     with pytest.raises(TypeError, match="deepspeed_config"):
         recompute.configure(None, deepspeed_config=3)
     with pytest.raises(ConfigError, match="number_checkpoints"):
-        recompute.configure(None, deepspeed_config={"activation_checkpointing": {"number_checkpoints": 0}})
+        recompute.configure(None, deepspeed_config={
+            "activation_checkpointing": {"number_checkpoints": 0}})
     with pytest.raises(ConfigError, match="activation_checkpointing.cpu_checkpoint"):
-        recompute.configure(None, deepspeed_config={"activation_checkpointing": {"cpu_checkpoint": True}})
+        recompute.configure(None, deepspeed_config={
+            "activation_checkpointing": {"cpu_checkpoint": True}})
 
 
 def test_cpu_checkpointing_on_cpu_tensors_changes_nothing(monkeypatch):
