@@ -102,7 +102,7 @@ def test_faults_leave_once_fired_so_a_handle_takes_any_number_over_its_life(back
     with _faulty(backend) as h:
         t = torch.arange(1000.0)
         h.write(t, tmp_path / "x").wait()
-        for k in range(100):
+        for _ in range(100):
             h.inject(aio.Fault(op="read", nth=1, kind="errno", errno=errno.EIO))
             out = torch.empty_like(t)
             assert h.read(out, tmp_path / "x").wait(timeout=30) == t.numel() * 4
