@@ -225,7 +225,7 @@ def test_bad_input(tmp_path, put_units, values_of, in_use):
             SwappedOptimizer.from_units([UnitSpec(100, torch.float32, "nope")], store)
         with pytest.raises(ValueError, match="'unit0' holds 100 x torch.float32; expected 100 x torch.bfloat16"):
             SwappedOptimizer.from_units([specs[1], UnitSpec(100, torch.bfloat16, "unit0")], store, name="w")
-        assert [k for k in store._entries if k.startswith("w/")] == []  # its tiles were dropped
+        assert [k for k in store._copies.entries if k.startswith("w/")] == []  # its tiles were dropped
         wrong = SwappedOptimizer.from_units([UnitSpec(50, torch.float32, "unit1")], store, name="w")
         with pytest.raises(ValueError, match="'unit1' holds 50 x torch.bfloat16; expected 50 x torch.float32"):
             wrong.step_unit(0, torch.ones(50))
