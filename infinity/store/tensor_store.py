@@ -19,9 +19,10 @@ TensorStore checks a call's arguments and runs its steps; TensorFuture runs the 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -211,6 +212,25 @@ class TensorStore:
             return TensorFuture(self._runner, self._copies, entry, tier)
 
         return self._runner.run(start)
+
+    @contextlib.contextmanager
+    def hold(self, key: str, tier: Tier | str = Tier.HOST, *, dirty: bool = False,
+             timeout: float | None = None) -> Iterator[torch.Tensor]:
+        """`with store.hold(key) as tensor:` fetch `key` to `tier` and hand its tensor to the
+        block; released on every path, the block's error (or the read's) going on.
+
+        dirty=True: the block writes into the tensor. It is released dirty once its bytes were
+        handed to the block, on an error too (the block may have changed part of them), and
+        clean when the read itself failed (nothing was handed out, nothing changed).
+        """
+        future = self.fetch(key, tier)
+        handed = False
+        try:
+            tensor = future.result(timeout)
+            handed = True
+            yield tensor
+        finally:
+            self.release(key, tier, dirty=dirty and handed)
 
     def prefetch(self, keys: Iterable[str], tier: Tier | str = Tier.HOST) -> list[str]:
         """Start bringing `keys` to `tier` without taking a use (a device prefetch stops on the
