@@ -616,10 +616,7 @@ def _fingerprint(config: Config, units: list[FetchUnit]) -> str:
 
 
 def _unit_values(store: TensorStore, unit: FetchUnit, ranked: RankedUnits) -> Iterator[tuple[str, torch.Tensor]]:
-    flat = store.fetch(unit.key, Tier.HOST).result()
-    try:
+    with store.hold(unit.key, Tier.HOST) as flat:
         flat = ranked.whole_values(flat, unit)
         copies = [(s.name, flat[s.offset:s.offset + s.shape.numel()].view(s.shape).clone()) for s in unit.slots]
-    finally:
-        store.release(unit.key, Tier.HOST)
     yield from copies
