@@ -203,7 +203,7 @@ class Engine:
                  "adamw_mode": opt.decoupled_weight_decay}
         specs = self._ranked.optimizer_specs()
         self._opt_index = {i: j for j, i in enumerate(specs)}  # trained unit -> optimizer unit
-        return SwappedOptimizer.from_units(list(specs.values()), self.store, state_tier=self.plan.state_tier,
+        return SwappedOptimizer(list(specs.values()), self.store, state_tier=self.plan.state_tier,
                                            tile_numel=self.plan.tile_numel, **hyper)
 
     # -- training loop -------------------------------------------------------------------------
