@@ -200,8 +200,7 @@ def _load(engine: Engine, directory: str | Path, tag: str | None, load_optimizer
                               f"parameter; load_checkpoint(..., load_optimizer_states=False) "
                               f"starts them from zero")
     for unit in engine.units:
-        values = engine.store.fetch(unit.key, Tier.HOST).result()
-        try:
+        with engine.store.hold(unit.key, Tier.HOST, dirty=True) as values:
             # Read chunk by chunk into the values themselves unless they are partitioned (a
             # stage-3 shard is cut from the whole unit, assembled first).
             whole = torch.empty(unit.numel, dtype=unit.dtype) if engine.partition.params else values
@@ -209,8 +208,6 @@ def _load(engine: Engine, directory: str | Path, tag: str | None, load_optimizer
                 reader.read_flat(s.name, 0, s.shape.numel(), out=whole[s.offset:s.offset + s.shape.numel()])
             if whole is not values:
                 values.copy_(engine._ranked.own_values(unit, whole))
-        finally:
-            engine.store.release(unit.key, Tier.HOST, dirty=True)
     saved = reader.metadata.get("engine") or {  # a DeepSpeed conversion's counters
         key: reader.metadata[key] for key in ("global_steps", "skipped_steps", "optimizer_step")
         if isinstance(reader.metadata.get(key), int)}
@@ -234,13 +231,10 @@ def _load(engine: Engine, directory: str | Path, tag: str | None, load_optimizer
 def _unit_values(engine: Engine, unit) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, values) of the unit's parameters, whole (gathered at stage 3 on several ranks);
     the unit's entry is held while they are written."""
-    flat = engine.store.fetch(unit.key, Tier.HOST).result()
-    try:
+    with engine.store.hold(unit.key, Tier.HOST) as flat:
         flat = engine._ranked.whole_values(flat, unit)
         for s in unit.slots:
             yield s.name, flat[s.offset:s.offset + s.shape.numel()].view(s.shape)
-    finally:
-        engine.store.release(unit.key, Tier.HOST)
 
 
 def _check_unit(reader: CheckpointReader, names: set[str], unit) -> None:

@@ -204,7 +204,7 @@ class Engine:
                  "adamw_mode": opt.decoupled_weight_decay}
         specs = self._ranked.optimizer_specs()
         self._opt_index = {i: j for j, i in enumerate(specs)}  # trained unit -> optimizer unit
-        return SwappedOptimizer.from_units(list(specs.values()), self.store, state_tier=self.plan.state_tier,
+        return SwappedOptimizer(list(specs.values()), self.store, state_tier=self.plan.state_tier,
                                            tile_numel=self.plan.tile_numel, **hyper)
 
     # -- training loop -------------------------------------------------------------------------
@@ -617,10 +617,7 @@ def _fingerprint(config: Config, units: list[FetchUnit]) -> str:
 
 
 def _unit_values(store: TensorStore, unit: FetchUnit, ranked: RankedUnits) -> Iterator[tuple[str, torch.Tensor]]:
-    flat = store.fetch(unit.key, Tier.HOST).result()
-    try:
+    with store.hold(unit.key, Tier.HOST) as flat:
         flat = ranked.whole_values(flat, unit)
         copies = [(s.name, flat[s.offset:s.offset + s.shape.numel()].view(s.shape).clone()) for s in unit.slots]
-    finally:
-        store.release(unit.key, Tier.HOST)
     yield from copies

@@ -112,13 +112,8 @@ class RankedUnits:
             return
         for u in self.trained:
             shard = self.ranks.shard(u.numel)
-            flat = store.fetch(u.key, Tier.HOST).result()
-            changed = False
-            try:
+            with store.hold(u.key, Tier.HOST, dirty=True) as flat:
                 flat.copy_(self.ranks.all_gather(shard.padded(flat), u.numel, f"values {u.key}"))
-                changed = True
-            finally:
-                store.release(u.key, Tier.HOST, dirty=changed)
 
     def whole_values(self, shard: torch.Tensor, unit: FetchUnit) -> torch.Tensor:
         """A unit's whole values from what the store holds (stage 3: gathered from the ranks)."""

@@ -181,19 +181,11 @@ class StoredGrad(FlatGrad):
         self.key, self.store = key, store
         store.put(key, torch.zeros(numel, dtype=dtype), home)
 
-    @contextlib.contextmanager
-    def _fetched(self, *, dirty: bool) -> Iterator[torch.Tensor]:
-        flat = self.store.fetch(self.key, Tier.HOST).result()
-        try:
-            yield flat
-        finally:
-            self.store.release(self.key, Tier.HOST, dirty=dirty)
-
     def _writable(self) -> contextlib.AbstractContextManager[torch.Tensor]:
-        return self._fetched(dirty=True)
+        return self.store.hold(self.key, Tier.HOST, dirty=True)
 
     def _readable(self) -> contextlib.AbstractContextManager[torch.Tensor]:
-        return self._fetched(dirty=False)
+        return self.store.hold(self.key, Tier.HOST)
 
 
 class HeldGrad(GradBuffer):

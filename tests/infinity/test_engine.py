@@ -520,7 +520,7 @@ def test_a_failed_initialize_leaves_the_model_as_it_was(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("optimizer could not be built")
 
-    monkeypatch.setattr("infinity.engine._engine.SwappedOptimizer.from_units", broken)
+    monkeypatch.setattr("infinity.engine._engine.SwappedOptimizer", broken)
     with pytest.raises(RuntimeError, match="could not be built"):
         infinity.initialize(model, config(tmp_path, "nvme", "none"))
     for name, p in model.named_parameters():
