@@ -11,8 +11,9 @@ the values in the store (the optimizer step).
 are fetched (taking a store use, state FETCHING) until the elements within the window exceed
 `prefetch_numel` or the live elements would exceed `max_live_numel` (the next unit is always
 allowed). A released unit whose next use in the trace comes within `max_reuse_numel` elements
-stays READY. The store is told the distance (in uses) to each unit's next use, so its eviction
-follows the trace. Budgets are in elements, as DeepSpeed's stage3_* knobs are.
+stays READY. The store is told the distance to each unit's next use (`next_use`, the one
+writer of units' next-use hints), so its eviction follows the trace. Budgets are in elements,
+as DeepSpeed's stage3_* knobs are.
 
 [Note: callbacks outside the lock] The engine's callbacks run without the coordinator's lock:
 `on_grads_final` may run a collective and hand the unit to the optimizer's worker, and
@@ -46,6 +47,7 @@ import torch
 from infinity.errors import BudgetError
 from infinity.store import TensorStore, Tier
 from infinity.zero._common import PrefetchStats, UnitState
+from infinity.zero.next_use import NextUseClock
 from infinity.zero.ranks import PendingGather, Ranks
 from infinity.zero.saved_views import SavedView, ViewIndex, pack_saved, unpack_saved
 from infinity.zero.trace import PassCursor, Trace, TraceBook
@@ -53,7 +55,6 @@ from infinity.zero.unit import FetchUnit
 
 logger = logging.getLogger(__name__)
 
-_FAR = float(1 << 30)  # next-use distance of a unit the current trace does not use again
 
 class ParamCoordinator:
     """Fetches, keeps and releases fetch units; records traces and prefetches along them.
@@ -95,6 +96,7 @@ class ParamCoordinator:
         self.max_live_numel = int(max_live_numel)
         self.max_reuse_numel = int(max_reuse_numel)
         self.stats = PrefetchStats()
+        self.next_use = NextUseClock(store)
         self._placeholders = {u.compute_dtype: torch.empty(0, dtype=u.compute_dtype, device=device)
                               for u in self.units}
         self._book = TraceBook([u.numel for u in self.units], max_traces)
@@ -375,14 +377,15 @@ class ParamCoordinator:
         if not u.persistent:
             self._live_numel -= u.numel
         self.store.release(u.key, self.fetch_tier)
-        self.store.set_next_use({u.key: self._next_use_distance(u)})
+        self.next_use.released(u.key, self._uses_until_next(u))
 
-    def _next_use_distance(self, u: FetchUnit) -> float:
+    def _uses_until_next(self, u: FetchUnit) -> int | None:
+        """Uses of the trace from now to u's next one (None: the trace does not use it again)."""
         trace = self._cursor.trace if self._cursor is not None else None
         if trace is None or not 0 <= u.last_pos < len(trace):
-            return _FAR
+            return None
         nxt = trace.next_pos[u.last_pos]
-        return float(nxt - self._cursor.pos) if nxt < len(trace) else _FAR
+        return nxt - self._cursor.pos if nxt < len(trace) else None
 
     def _reused_soon(self, u: FetchUnit) -> bool:
         if self.gather is not None:  # See [Note: gathers in step on every rank]
