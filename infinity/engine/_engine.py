@@ -73,11 +73,11 @@ from infinity.engine._placement import (
     take_placed,
 )
 from infinity.engine._plan import MemoryPlan
+from infinity.engine._step_state import StepCounters
 from infinity.engine._timeline import Timeline
 from infinity.errors import ConfigError
 from infinity.memory import peak_rss_bytes, set_mmap_threshold
 from infinity.optim import DynamicLossScaler, SwappedOptimizer
-from infinity.store import TensorStore, Tier
 from infinity.zero import (
     FetchUnit,
     ModelHooks,
@@ -106,16 +106,15 @@ class Engine:
     Attributes:
         module: the wrapped model (its parameters hold empty placeholders between uses, unless
             every unit is resident: offload_param none on one process, see `keeps_units_resident`).
-        global_steps: optimizer steps taken (skipped fp16 steps included, as DeepSpeed counts).
-        micro_steps: calls of `step()` (one per micro-batch).
+        counters: the step counts (StepCounters); `global_steps` (optimizer steps taken, skipped
+            fp16 steps included, as DeepSpeed counts), `micro_steps` (calls of `step()`) and
+            `skipped_steps` read them.
     """
 
     def __init__(self, model: torch.nn.Module, config: Config) -> None:
         self.config = config
         self.module = model
-        self.global_steps = 0
-        self.micro_steps = 0
-        self.skipped_steps = 0
+        self.counters = StepCounters()
         self._closed = False
         zero = config.zero_optimization
         adam = (config.optimizer or _DEFAULT_OPTIMIZER).params
@@ -153,9 +152,7 @@ class Engine:
         self._tail_open = False  # see [Note: the step's tail in the next forward]
         self._partial_step = False  # an overlapped step failed after some units were updated
         self._step_lr = 0.0  # the learning rate of the step being built on the worker
-        self._trained = [u for u in self.units if u.requires_grad]
-        self._index = {u: i for i, u in enumerate(self._trained)}
-        self._ranked = RankedUnits(self.partition, self._trained)
+        self.ranked = RankedUnits(self.partition, [u for u in self.units if u.requires_grad])
         try:
             partition = self.partition if self.ranks.world > 1 else None
             if deferred:  # see [Note: deferred parameters]
@@ -164,8 +161,8 @@ class Engine:
             elif placed is None:
                 place_units(self.units, self.store, home=self.plan.param_home, device=self.device,
                             partition=partition)
-            for u in self._trained:  # in RAM unless the budget cannot hold them there
-                u.grad = self._ranked.make_grad(u, self.store, self.plan.grads_tier)
+            for u in self.ranked.trained:  # in RAM unless the budget cannot hold them there
+                u.grad = self.ranked.make_grad(u, self.store, self.plan.grads_tier)
             self.coordinator = ParamCoordinator(
                 self.units, self.store, fetch_tier=self.plan.fetch_tier, device=self.device,
                 prefetch_numel=self.plan.prefetch_numel, max_live_numel=zero.stage3_max_live_parameters,
@@ -183,7 +180,6 @@ class Engine:
             scale=fp16.initial_scale, window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
             min_scale=fp16.min_loss_scale) if fp16.enabled and fp16.dynamic else None
         self._static_scale = fp16.initial_scale if fp16.enabled and not fp16.dynamic else 1.0
-        self._schedule_steps = 0
         if self._schedule is not None:
             self.optimizer.lr = self._schedule.lr_at(-1)
         self.last_grad_norm: float | None = None
@@ -201,10 +197,21 @@ class Engine:
         p = opt.params
         hyper = {"lr": p.lr, "betas": p.betas, "eps": p.eps, "weight_decay": p.weight_decay,
                  "adamw_mode": opt.decoupled_weight_decay}
-        specs = self._ranked.optimizer_specs()
-        self._opt_index = {i: j for j, i in enumerate(specs)}  # trained unit -> optimizer unit
+        specs = self.ranked.optimizer_specs
         return SwappedOptimizer.from_units(list(specs.values()), self.store, state_tier=self.plan.state_tier,
                                            tile_numel=self.plan.tile_numel, **hyper)
+
+    @property
+    def global_steps(self) -> int:
+        return self.counters.global_steps
+
+    @property
+    def micro_steps(self) -> int:
+        return self.counters.micro_steps
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.counters.skipped_steps
 
     # -- training loop -------------------------------------------------------------------------
 
@@ -241,7 +248,7 @@ class Engine:
         if self.config.fp16.enabled:
             scaled = scaled * self._loss_scale()
         boundary = self.is_gradient_accumulation_boundary()
-        for u in self._trained:  # inf/nan survive the sums: checked once, at the boundary
+        for u in self.ranked.trained:  # inf/nan survive the sums: checked once, at the boundary
             if u.grad is not None:
                 u.grad.check_now = boundary
         if self.overlap and boundary:
@@ -260,20 +267,20 @@ class Engine:
         (stages 0-1), and start its optimizer step when overlapping."""
         self.timeline.record(unit.key, "grads final", time.perf_counter())
         if unit.requires_grad and self.is_gradient_accumulation_boundary():
-            self._ranked.average(self._index[unit])
+            self.ranked.average(self.ranked.index[unit])
         if self._stepping and unit.requires_grad and not unit.persistent \
                 and unit.state is UnitState.RELEASED:
             # The worker reads these values again soon (not the next forward, as the trace says):
             # keep the copy backward used in RAM.
-            self._keep_for_worker({self._index[unit]: self._stepper.pending()})
-            self._stepper.submit(self._index[unit])
+            self._keep_for_worker({self.ranked.index[unit]: self._stepper.pending()})
+            self._stepper.submit(self.ranked.index[unit])
             self.units_stepped_in_backward += 1
 
     def _unit_ready(self, unit: FetchUnit, wait: bool) -> bool:
         """Coordinator callback before it fetches a unit's values: False while the last step's
         tail is still stepping the unit; with `wait`, wait for that (stepping it here if it
         failed on the worker) and return True. See [Note: the step's tail in the next forward]."""
-        i = self._index.get(unit)
+        i = self.ranked.index.get(unit)
         future = self._stepper.future(i) if self._tail_open and i is not None else None
         if future is None:
             return True
@@ -304,16 +311,18 @@ class Engine:
     def _keep_for_worker(self, ahead: dict[int, int]) -> None:
         """Tell the store that unit i's values are read by the worker after `ahead[i]` other
         units (a few store fetches each: their values and tiles)."""
-        self.store.set_next_use({self._trained[i].key: _FETCHES_PER_UNIT_STEP * (n + 1) for i, n in ahead.items()})
+        trained = self.ranked.trained
+        self.store.set_next_use({trained[i].key: _FETCHES_PER_UNIT_STEP * (n + 1)
+                                 for i, n in ahead.items()})
 
     def _step_on_worker(self, i: int) -> None:
-        unit = self._trained[i]
+        unit = self.ranked.trained[i]
         self._step_unit(i, unit, 1.0, lr=self._step_lr)
         if not self._tail_open:  # stepped during backward: next used at the far end of the next forward
             self.store.set_next_use({unit.key: math.inf})
 
     def _prefetch_state(self, i: int) -> None:
-        j = self._opt_index.get(i)
+        j = self.ranked.optimizer_index.get(i)
         if j is not None:  # this rank steps part of the unit
             self.optimizer.prefetch_unit(j)
 
@@ -321,7 +330,7 @@ class Engine:
                    lr: float | None = None) -> None:
         """Step unit i; `finite`: its gradient is known to be free of inf/nan (a finite norm);
         `lr`: the step's learning rate (default: the optimizer's)."""
-        j = self._opt_index.get(i)
+        j = self.ranked.optimizer_index.get(i)
         if j is None:  # this rank owns no element of the unit
             return
         with self.timeline.region(unit.key, "optimizer"):
@@ -334,7 +343,7 @@ class Engine:
                                  f"of it was updated; units stepped during backward before it keep their "
                                  f"update (infinity.overlap_optimizer false makes the step all or nothing)")
             with unit.grad.read_pieces() as pieces:  # checked already where accumulated
-                self.optimizer.step_unit(j, self._ranked.grad_part(i, pieces), grad_scale=grad_scale,
+                self.optimizer.step_unit(j, self.ranked.grad_part(i, pieces), grad_scale=grad_scale,
                                          check_finite=not finite and unit.grad.finite is None, lr=lr)
             unit.grad.zero()  # used up: a gradient held in RAM is freed while the other units step
 
@@ -349,7 +358,7 @@ class Engine:
         self._zero_grads()
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+        return (self.counters.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
     def step(self) -> None:
         """Call after every backward; updates the parameters at accumulation boundaries."""
@@ -358,16 +367,16 @@ class Engine:
         if self.is_gradient_accumulation_boundary():
             with self.timeline.region("step", "compute"):
                 self._take_step()
-        self.micro_steps += 1
+        self.counters.micro_steps += 1
 
     def _loss_scale(self) -> float:
         return self.scaler.scale if self.scaler is not None else self._static_scale
 
     def _take_step(self) -> None:
         self.coordinator.release_all()
-        self._ranked.average_rest()
+        self.ranked.average_rest()
         if self._stepping:
-            self.global_steps += 1
+            self.counters.global_steps += 1
             self._stepping = False
             self._queue_the_rest()
             return
@@ -379,7 +388,7 @@ class Engine:
         self.last_grad_norm = norm
         if not self.config.fp16.enabled and (norm is None or not math.isfinite(norm)):
             self._refuse_non_finite()  # before any unit is stepped (a finite norm says all are finite)
-        self.global_steps += 1
+        self.counters.global_steps += 1
         if self.config.fp16.enabled:
             overflow = not math.isfinite(norm)
             if self.scaler is not None:
@@ -387,14 +396,14 @@ class Engine:
             if overflow:
                 logger.info("step %d skipped: gradient overflow, loss scale now %g",
                             self.global_steps, self._loss_scale())
-                self.skipped_steps += 1
+                self.counters.skipped_steps += 1
                 self._zero_grads()
                 return
         clip = 1.0
         if norm is not None and self.config.gradient_clipping > 0 and norm > 0:
             clip = min(1.0, self.config.gradient_clipping / (norm + 1e-6))
         self.optimizer.begin_step()
-        for i, unit in enumerate(self._trained):
+        for i, unit in enumerate(self.ranked.trained):
             self._step_unit(i, unit, clip / scale, finite=norm is not None and math.isfinite(norm))
         self._close_step()
         self._log_and_schedule()
@@ -404,16 +413,18 @@ class Engine:
         ones, units that got no gradient), then wait for them all, or on one process let the
         next forward wait unit by unit (see [Note: the step's tail in the next forward])."""
         self.last_grad_norm = None
-        for i in range(len(self._trained)):
+        for i in range(len(self.ranked.trained)):
             if self._stepper.future(i) is None:
                 self._stepper.submit(i)
         self._tail_open = True
         # Several ranks wait (stages 1-2 gather the values after the step); so does a bad gradient.
-        if self.ranks.world > 1 or any(u.grad is not None and u.grad.finite is False for u in self._trained):
+        trained = self.ranked.trained
+        if self.ranks.world > 1 or any(u.grad is not None and u.grad.finite is False
+                                       for u in trained):
             self.synchronize()  # (a non-finite gradient fails the step here, not at the next call)
         else:
             def forward_order(i: int) -> tuple[bool, int]:
-                return not self._trained[i].persistent, self._trained[i].index
+                return not trained[i].persistent, trained[i].index
 
             left = self._stepper.reorder(key=forward_order)
             self.units_left_to_forward += len(left)
@@ -428,14 +439,14 @@ class Engine:
             return
         futures = self._stepper.take()
         self._tail_open = False  # if a retry raises, the step stays unfinished, as step() left it before
-        for i, unit in enumerate(self._trained):
+        for i, unit in enumerate(self.ranked.trained):
             self._settle_unit(i, unit, futures[i])
         self._close_step()
 
     def _close_step(self) -> None:
         """Every unit is stepped: the optimizer's step is complete, the gradients start over."""
         self.optimizer.finish_step()
-        self._ranked.gather_values(self.store)
+        self.ranked.gather_values(self.store)
         self._zero_grads()
 
     def _log_and_schedule(self) -> None:
@@ -446,8 +457,8 @@ class Engine:
                         "n/a" if self.last_grad_norm is None else f"{self.last_grad_norm:.4g}",
                         p.prefetch_hits, p.on_demand, p.stall_s)
         if self._schedule is not None:  # as DeepSpeed: the schedule advances on applied steps
-            self._schedule_steps += 1
-            self.optimizer.lr = self._schedule.lr_at(self._schedule_steps - 1)
+            self.counters.schedule_steps += 1
+            self.optimizer.lr = self._schedule.lr_at(self.counters.schedule_steps - 1)
 
     def _refuse_after_partial_step(self) -> None:
         if self._partial_step:
@@ -458,8 +469,8 @@ class Engine:
     def _refuse_non_finite(self) -> None:
         """Raise, with nothing changed, when a gradient of this step holds inf/nan (on any
         rank: every rank takes or refuses the step)."""
-        bad = [u.key for u in self._trained if u.grad is not None and not u.grad.is_finite()]
-        if self._ranked.sum_over_shards(float(len(bad)), "non-finite gradient count") > 0:
+        bad = [u.key for u in self.ranked.trained if u.grad is not None and not u.grad.is_finite()]
+        if self.ranked.sum_over_shards(float(len(bad)), "non-finite gradient count") > 0:
             raise ValueError(f"non-finite gradient values (inf/nan) in {', '.join(bad) or 'another rank'}: "
                              "the step was not taken, no parameter changed")
 
@@ -467,15 +478,15 @@ class Engine:
         """L2 norm over every unit's gradient buffer (sum of squares in float64; over every
         rank's shard when the gradients are partitioned)."""
         total = 0.0
-        for u in self._trained:
+        for u in self.ranked.trained:
             if u.grad is not None and u.grad.has_grad:
                 with u.grad.read_pieces() as pieces:
                     total += sum(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in pieces)
-        return math.sqrt(self._ranked.sum_over_shards(total, "gradient norm"))
+        return math.sqrt(self.ranked.sum_over_shards(total, "gradient norm"))
 
     def _zero_grads(self) -> None:
-        self._ranked.new_step()
-        for u in self._trained:
+        self.ranked.new_step()
+        for u in self.ranked.trained:
             if u.grad is not None:
                 u.grad.zero()
 
@@ -500,9 +511,9 @@ class Engine:
         self.coordinator.release_all()
         for unit in self.units:
             if select is None or any(select(s.name) for s in unit.slots):
-                for name, values in _unit_values(self.store, unit, self._ranked):
-                    if select is None or select(name):
-                        yield name, values
+                yield from [(name, values.clone())
+                            for name, values in self.ranked.unit_values(self.store, unit)
+                            if select is None or select(name)]
 
     def stats(self) -> dict[str, Any]:
         """Store tiers and moves, prefetch counters, steps, and peak host memory (VmHWM)."""
@@ -581,9 +592,10 @@ class Engine:
             if restore_params and not self.ranks.failed:
                 for unit in self.units:
                     if unit.key in self.store:
-                        values = dict(_unit_values(self.store, unit, self._ranked))
+                        values = {name: v.to(self.device, unit.compute_dtype, copy=True)
+                                  for name, v in self.ranked.unit_values(self.store, unit)}
                         for s in unit.slots:
-                            s.param.data = values[s.name].to(self.device, unit.compute_dtype)
+                            s.param.data = values[s.name]
         finally:
             self.store.close()
 
@@ -614,12 +626,3 @@ def _fingerprint(config: Config, units: list[FetchUnit]) -> str:
     layout = [(u.key, u.numel, str(u.dtype), u.requires_grad) for u in units]
     return repr((sorted(fields.items()), config.infinity.compute_dtype, layout))
 
-
-def _unit_values(store: TensorStore, unit: FetchUnit, ranked: RankedUnits) -> Iterator[tuple[str, torch.Tensor]]:
-    flat = store.fetch(unit.key, Tier.HOST).result()
-    try:
-        flat = ranked.whole_values(flat, unit)
-        copies = [(s.name, flat[s.offset:s.offset + s.shape.numel()].view(s.shape).clone()) for s in unit.slots]
-    finally:
-        store.release(unit.key, Tier.HOST)
-    yield from copies
