@@ -2,7 +2,15 @@
 
 from infinity import checkpointing, models
 from infinity.engine import Engine, initialize
-from infinity.errors import BudgetError, CheckpointError, ConfigError, ConfigPathError, RankError
+from infinity.errors import (
+    BudgetError,
+    CheckpointError,
+    ClosedError,
+    ConfigError,
+    ConfigPathError,
+    NonFiniteGradientError,
+    RankError,
+)
 
-__all__ = ["BudgetError", "CheckpointError", "ConfigError", "ConfigPathError", "Engine", "RankError",
-           "checkpointing", "initialize", "models"]
+__all__ = ["BudgetError", "CheckpointError", "ClosedError", "ConfigError", "ConfigPathError",
+           "Engine", "NonFiniteGradientError", "RankError", "checkpointing", "initialize", "models"]

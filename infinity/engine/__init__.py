@@ -11,6 +11,7 @@ from infinity.engine._placement import (
     lay_out,
     open_store,
 )
+from infinity.engine._step_state import StepCounters, StepPhase
 
-__all__ = ["Engine", "Layout", "ParamSpec", "Placed", "attach_placed", "choose_model_precision", "initialize",
-           "lay_out", "open_store", "parameter_specs"]
+__all__ = ["Engine", "Layout", "ParamSpec", "Placed", "StepCounters", "StepPhase", "attach_placed",
+           "choose_model_precision", "initialize", "lay_out", "open_store", "parameter_specs"]
