@@ -289,7 +289,8 @@ class Engine:
         try:
             scale = self._loss_scale()
             # The norm is a pass over every gradient: taken when clipping or the fp16 overflow
-            # check needs it (as in the overlapped step, last_grad_norm is None otherwise).
+            # check needs it (last_grad_norm is None otherwise; overlapped, it comes with the
+            # gradients as they become final).
             norm = None
             if self.config.gradient_clipping > 0 or self.config.fp16.enabled:
                 norm = self._grad_norm([_grad_square(u) for u in self.ranked.trained]) / scale
@@ -322,14 +323,14 @@ class Engine:
 
     def _end_overlapped_step(self) -> None:
         """step() after an overlapped backward: queue the units backward did not hand over
-        (resident ones, units that got no gradient), then wait for them all, or on one process
-        let the next forward wait unit by unit (see [Note: the step's tail in the next
-        forward])."""
+        (resident ones, units that got no gradient), take the norm, then wait for them all, or
+        on one process let the next forward wait unit by unit (see [Note: the step's tail in
+        the next forward])."""
         self._move(StepPhase.VALIDATING)
         self.counters.global_steps += 1
-        self.last_grad_norm = None
         try:
-            self._stepper.queue_rest()
+            squares = self._stepper.queue_rest(lambda i: _grad_square(self.ranked.trained[i]))
+            self.last_grad_norm = self._grad_norm(squares)
         finally:
             self._move(StepPhase.TAIL_OPEN)
         # Several ranks wait (stages 1-2 gather the values after the step); so does a bad
@@ -347,16 +348,16 @@ class Engine:
 
     def _grads_final(self, unit: FetchUnit) -> None:
         """Coordinator callback: average the unit's gradient over the ranks at the boundary
-        (stages 0-1), and start its optimizer step when overlapping."""
+        (stages 0-1); when overlapping, take its square and start its optimizer step."""
         self.timeline.record(unit.key, "grads final", time.perf_counter())
         i = self.ranked.index.get(unit)
         if i is None:  # frozen
             return
         if self.is_gradient_accumulation_boundary():
             self.ranked.average(i)
-        released = not unit.persistent and unit.state is UnitState.RELEASED
-        if self.phase is StepPhase.STEPPING and released:
-            self._stepper.hand_over(i)
+        if self.phase is StepPhase.STEPPING:
+            released = not unit.persistent and unit.state is UnitState.RELEASED
+            self._stepper.grads_final(i, _grad_square(unit), hand_over=released)
 
     def _unit_ready(self, unit: FetchUnit, wait: bool) -> bool:
         """Coordinator callback before it fetches a unit's values: False while the last step's

@@ -11,7 +11,9 @@ again), and once stepped, that they are needed last. A unit's gradient is let go
 is stepped, so the gradients held at once are those of the units backward is ahead of the
 worker by, not the whole model's. Resident units (held until the step) are stepped after
 backward. With clipping or fp16 the whole step runs after backward (the norm / overflow needs
-every gradient). It pays where the
+every gradient). Each unit's gradient sum of squares is taken as the gradient becomes final,
+before the worker frees it; step() sums them in unit order (over every rank's shard), so
+`last_grad_norm` is the norm the step after backward reports, to the bit. It pays where the
 step waits on something other than the cores backward computes on (NVMe, an accelerator); with
 CPU compute and everything in RAM the worker and backward only take turns on the same cores
 (interleaved A/B on a 294M GPT: 1.11x plain PyTorch overlapped, see docs/performance.md), so
@@ -39,7 +41,8 @@ were updated), any other error leaves it to be tried again. With several ranks `
 as before (stages 1-2 gather the values after the step).
 
 `OverlappedStep` owns what one such step needs besides the engine: the worker, the step's
-learning rate, and the tail (units still being stepped after step() returned). `UnitStepper` is
+learning rate, each unit's gradient sum of squares as its gradient becomes final (the global
+norm's terms), and the tail (units still being stepped after step() returned). `UnitStepper` is
 the worker: units are queued as their gradients become final and stepped one at a time, in
 queue order, on one thread; each queued unit has a future, and the queue can be re-sorted while
 it runs.
@@ -76,6 +79,7 @@ class OverlappedStep:
         self._units, self._step, self._next_use = list(units), step, next_use
         self._stepper = UnitStepper(self._run, read_ahead)
         self.lr = 0.0  # of the step being built: taken when its backward started
+        self._squares: list[float | None] = [None] * len(self._units)
         self._tail = False  # step() returned; the units' futures are not settled yet
         self.stepped_in_backward = 0  # units handed to the worker during backward
         self.left_to_forward = 0  # units of a step not stepped yet when step() returned
@@ -87,25 +91,33 @@ class OverlappedStep:
         """A boundary backward starts: its units are stepped at `lr` (the schedule moves on at
         step(), before the tail is done)."""
         self.lr = lr
+        self._squares = [None] * len(self._units)
 
-    def hand_over(self, i: int) -> None:
-        """Unit i's gradient is final: step it on the worker now."""
-        # The worker reads these values again soon (not at the next forward, as the trace
-        # says): keep the copy backward used in RAM.
-        ahead = [self._units[k].key for k in self._stepper.queued()]
-        self._next_use.read_by_optimizer([self._units[i].key], after=ahead)
-        self._stepper.submit(i)
-        self.stepped_in_backward += 1
+    def grads_final(self, i: int, square: float, *, hand_over: bool) -> None:
+        """Unit i's gradient is final, with sum of squares `square`; `hand_over`: step it on the
+        worker now."""
+        self._squares[i] = square
+        if hand_over:
+            # The worker reads these values again soon (not at the next forward, as the trace
+            # says): keep the copy backward used in RAM.
+            ahead = [self._units[k].key for k in self._stepper.queued()]
+            self._next_use.read_by_optimizer([self._units[i].key], after=ahead)
+            self._stepper.submit(i)
+            self.stepped_in_backward += 1
 
     # -- at step() ------------------------------------------------------------------------------
 
-    def queue_rest(self) -> None:
+    def queue_rest(self, square_of: Callable[[int], float]) -> list[float]:
         """Backward is over: queue the units it did not hand over (resident ones, units that
-        got no gradient). The tail is open from here."""
+        got no gradient), each one's square taken (`square_of(i)`) before its step frees its
+        gradient. Returns every unit's square, in unit order. The tail is open from here."""
         for i in range(len(self._units)):
+            if self._squares[i] is None:
+                self._squares[i] = square_of(i)
             if self._stepper.future(i) is None:
                 self._stepper.submit(i)
         self._tail = True
+        return list(self._squares)
 
     def leave_to_forward(self, forward_order: Callable[[int], Hashable]) -> None:
         """step() returns before the tail is done: the units not started run in
