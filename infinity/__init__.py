@@ -2,7 +2,15 @@
 
 from infinity import models, recompute
 from infinity.engine import Engine, initialize
-from infinity.errors import BudgetError, CheckpointError, ConfigError, ConfigPathError, RankError
+from infinity.errors import (
+    BudgetError,
+    CheckpointError,
+    ClosedError,
+    ConfigError,
+    ConfigPathError,
+    NonFiniteGradientError,
+    RankError,
+)
 
-__all__ = ["BudgetError", "CheckpointError", "ConfigError", "ConfigPathError", "Engine", "RankError",
-           "initialize", "models", "recompute"]
+__all__ = ["BudgetError", "CheckpointError", "ClosedError", "ConfigError", "ConfigPathError",
+           "Engine", "NonFiniteGradientError", "RankError", "initialize", "models", "recompute"]

@@ -11,6 +11,7 @@ from infinity.engine._placement import (
     open_store,
 )
 from infinity.engine._schedule import build_lr_schedule
+from infinity.engine._step_state import StepCounters, StepPhase
 
-__all__ = ["Engine", "Layout", "ParamSpec", "Placed", "build_lr_schedule",
+__all__ = ["Engine", "Layout", "ParamSpec", "Placed", "StepCounters", "StepPhase", "build_lr_schedule",
            "choose_model_precision", "initialize", "lay_out", "open_store", "parameter_specs"]

@@ -78,7 +78,7 @@ def lay_out(model: torch.nn.Module, config: Config, precision: Precision, device
 
 def optimizer_overlaps(config: Config, device: torch.device) -> bool:
     """Whether units are stepped during backward: see [Note: optimizer overlapped with
-    backward] (infinity/engine/_engine.py) and `infinity.overlap_optimizer`."""
+    backward] (infinity/engine/_overlap.py) and `infinity.overlap_optimizer`."""
     asked = config.infinity.overlap_optimizer
     if config.gradient_clipping > 0 or config.fp16.enabled:
         if asked is True:
