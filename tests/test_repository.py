@@ -30,20 +30,24 @@ LAYERS: dict[str, set[str]] = {
     # models sits above the engine: a loaded model's store is laid out by the engine's own plan
     # (precision, units, budgets), so initialize adopts it without a copy.
     "infinity.models": {"infinity.engine", "infinity.zero", "infinity.config", "infinity.store",
-                        "infinity.memory", "infinity.errors", "aio"},
+                        "infinity.memory", "infinity.errors", "aio",
+                        "infinity.paths"},
     "infinity.engine": {"infinity.checkpointing", "infinity.config", "infinity.zero", "infinity.optim", "infinity.checkpoint",
                         "infinity.store", "infinity.memory", "infinity.errors", "aio"},
     # checkpointing: activation checkpointing (DeepSpeed's deepspeed.checkpointing), configured
     # from the config section; the engine configures it, the zero hooks see its recompute.
     "infinity.checkpointing": {"infinity.config", "infinity.errors"},
     "infinity.checkpoint": {"infinity.config", "infinity.store", "infinity.memory",
-                            "infinity.errors", "aio"},
+                            "infinity.errors", "aio",
+                            "infinity.paths"},
     "infinity.zero": {"infinity.config", "infinity.store", "infinity.memory", "infinity.errors",
                       "aio"},
     "infinity.config": {"infinity.optim", "infinity.errors", "aio"},  # optim: LR schedules; aio: its options
     "infinity.optim": {"infinity.store", "infinity.memory", "infinity.errors", "aio"},
     "infinity.store": {"infinity.memory", "infinity.errors", "aio"},
     "infinity.memory": {"infinity.errors", "aio"},
+    # paths: a path read from a file stays inside the folder the file was found in
+    "infinity.paths": {"infinity.errors"},
     "infinity.errors": set(),
     "aio": set(),
 }
