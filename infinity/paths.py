@@ -4,11 +4,15 @@ followed, so a handed-in file cannot make a reader open anything outside it.
 
 One exception: a Hugging Face hub cache snapshot (`models--org--name/snapshots/<revision>/`)
 holds symlinks into the repository's own `blobs/` folder, which count as inside.
+
+And the other way round: an OSError of a write (a full disk) names the path it was writing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from infinity.errors import CheckpointError
@@ -33,3 +37,15 @@ def inside(folder: str | os.PathLike[str], entry: object, *, source: str | os.Pa
         raise CheckpointError(f"{source}: {entry!r} leads outside {folder} (to {target}); only "
                               f"paths inside it are read", path=os.fspath(source))
     return Path(folder) / entry
+
+
+@contextlib.contextmanager
+def naming(path: str | os.PathLike[str]) -> Iterator[None]:
+    """An OSError inside that names no file (write() on a full disk names none) is raised again
+    naming `path`, so the one line a user reads says where the space ran out."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None or e.errno is None or type(e).__module__ != "builtins":
+            raise
+        raise OSError(e.errno, e.strerror, os.fspath(path)) from e

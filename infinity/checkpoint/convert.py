@@ -49,6 +49,7 @@ from infinity.checkpoint.writer import (
     tensor_entry,
 )
 from infinity.errors import CheckpointError
+from infinity.paths import naming
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +150,8 @@ class Conversion:
         staging = destination.parent / f"{TEMPORARY_PREFIX}{destination.name}-{uuid.uuid4().hex[:8]}"
         staging.mkdir()
         try:
-            files, crcs = self._write(staging, on_progress)
+            with naming(destination):
+                files, crcs = self._write(staging, on_progress)
             self._verify(staging, files, crcs, on_progress)
             fsync_tree(staging)
             replace_durably(staging, destination)
