@@ -31,7 +31,7 @@ def latest_tag(directory: str | Path) -> str | None:
     latest = Path(directory) / LATEST_NAME
     try:
         tag = latest.read_bytes().decode().strip()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     except (OSError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{latest} cannot be read as a tag: {e}") from None
