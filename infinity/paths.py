@@ -23,7 +23,8 @@ def _hub_blob(root: Path, target: Path) -> bool:
     return root.parent.name == "snapshots" and target.parent == root.parent.parent / "blobs"
 
 
-def inside(folder: str | os.PathLike[str], entry: object, *, source: str | os.PathLike[str]) -> Path:
+def inside(folder: str | os.PathLike[str], entry: object, *,
+           source: str | os.PathLike[str]) -> Path:
     """`folder / entry` when `entry` (read from the file `source`) is a relative path that stays
     inside `folder` once resolved; CheckpointError naming `source` and the entry otherwise."""
     if not isinstance(entry, str) or not entry or "\0" in entry:

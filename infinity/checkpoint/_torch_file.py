@@ -108,7 +108,8 @@ def _allowed_globals(path: Path) -> list[tuple[Any, str]]:
 def _reason(error: BaseException) -> str:
     """One line of what torch said (its weights-only messages span several lines)."""
     text = str(error)
-    text = text.rpartition("WeightsUnpickler error:")[2] if "WeightsUnpickler error:" in text else text
+    marker = "WeightsUnpickler error:"
+    text = text.rpartition(marker)[2] if marker in text else text
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return lines[0] if lines else type(error).__name__
 

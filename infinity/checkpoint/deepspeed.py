@@ -339,7 +339,8 @@ class DeepSpeedReader:
                 if flat.numel != offset:
                     raise CheckpointError(
                         f"{self.path}: param_shapes take {offset} elements per rank but the fp32 "
-                        f"groups hold {flat.numel} ({kind}, rank {rank}): files from different runs?")
+                        f"groups hold {flat.numel} ({kind}, rank {rank}): files from different "
+                        f"runs?")
 
     def _gathered(self, flats: list[_Flat], offset: int, share: int, numel: int, shape: torch.Size) -> _Tensor:
         """Stage 3: `share` elements at `offset` of every rank, rank order, padding cut off."""
@@ -392,10 +393,11 @@ class DeepSpeedReader:
                 offset += numel
             for kind, flat in flats.items():
                 available = flat.numel
-                if available < offset or align * math.ceil(offset / align) != align * math.ceil(available / align):
-                    raise CheckpointError(f"{self.path}: param group {g} takes {offset} elements but "
-                                          f"its fp32 partitions hold {available} ({kind}): files "
-                                          f"from different runs?")
+                padded = align * math.ceil(offset / align)
+                if available < offset or padded != align * math.ceil(available / align):
+                    raise CheckpointError(f"{self.path}: param group {g} takes {offset} elements "
+                                          f"but its fp32 partitions hold {available} ({kind}): "
+                                          f"files from different runs?")
 
     def _add_model_entries(self, models: list[dict], files: list[Path]) -> None:
         """Buffers, frozen parameters and tied aliases, from the model states files."""
@@ -409,7 +411,8 @@ class DeepSpeedReader:
         for name in buffer_names:
             if name in module:
                 self._tensors[_name(name, path)] = _whole(self._module_tensor(module, name, path))
-        frozen_shapes = _shapes(model.get("frozen_param_shapes") or {}, path, "'frozen_param_shapes'")
+        frozen_shapes = _shapes(model.get("frozen_param_shapes") or {}, path,
+                                "'frozen_param_shapes'")
         if self.zero_stage == 3:
             for name, shape in frozen_shapes.items():
                 pieces = []
@@ -429,7 +432,8 @@ class DeepSpeedReader:
             for name in module:  # stage 1/2 keep every weight whole in `module`
                 if name not in trainable and name not in self._tensors and name not in shared:
                     source = fragments if name in fragments else module
-                    self._tensors[_name(name, path)] = _whole(self._module_tensor(source, name, path))
+                    tensor = self._module_tensor(source, name, path)
+                    self._tensors[_name(name, path)] = _whole(tensor)
         for alias, owner in shared.items():
             if owner not in self._tensors:
                 raise CheckpointError(f"{self.path}: tied parameter {alias!r} points at {owner!r}, "

@@ -112,14 +112,17 @@ class Manifest:
         _check_checksum(path, body)
         unknown = set(body) - {"format", "version", "tag", "metadata", "tensors"}
         if unknown:
-            raise CheckpointError(f"{path} is a damaged manifest (unknown field {sorted(unknown)[0]!r})")
+            raise CheckpointError(f"{path} is a damaged manifest (unknown field "
+                                  f"{sorted(unknown)[0]!r})")
         try:
             tensors = [_entry(path, t) for t in body["tensors"]]
             manifest = cls(tag=body["tag"], tensors=tensors, metadata=body["metadata"])
         except (KeyError, TypeError) as e:
-            raise CheckpointError(f"{path} is a damaged manifest (missing or wrong field {e})") from None
+            raise CheckpointError(f"{path} is a damaged manifest (missing or wrong field "
+                                  f"{e})") from None
         if not isinstance(manifest.tag, str) or not isinstance(manifest.metadata, dict):
-            raise CheckpointError(f"{path} is a damaged manifest (tag or metadata of the wrong type)")
+            raise CheckpointError(f"{path} is a damaged manifest (tag or metadata of the wrong "
+                                  f"type)")
         for field in ("name", "array"):
             seen: set[str] = set()
             for entry in tensors:

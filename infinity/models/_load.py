@@ -152,8 +152,9 @@ def _check_kind(record: TensorRecord, dtype: torch.dtype) -> None:
     """Values convert between precisions of one kind only: integers or booleans loaded into a
     floating-point tensor (or the reverse) mean a damaged or foreign checkpoint."""
     if record.dtype.is_floating_point != dtype.is_floating_point:
-        raise CheckpointError(f"{record.path}: tensor {record.name!r} is {record.dtype}, the model's is "
-                              f"{dtype}: not the same kind of number", path=record.path, tensor=record.name)
+        raise CheckpointError(f"{record.path}: tensor {record.name!r} is {record.dtype}, the "
+                              f"model's is {dtype}: not the same kind of number",
+                              path=record.path, tensor=record.name)
 
 
 def _prepared(model: torch.nn.Module, prepare: Callable[[torch.nn.Module], torch.nn.Module],

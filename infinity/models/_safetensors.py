@@ -107,8 +107,8 @@ def read_header(path: str) -> dict[str, TensorRecord]:
             if not (_natural(begin) and _natural(end) and begin <= end):
                 raise TypeError
         except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: corrupt header entry for tensor {name!r}: {info!r:.200}",
-                                  path=path, tensor=name) from None
+            raise CheckpointError(f"{path}: corrupt header entry for tensor {name!r}: "
+                                  f"{info!r:.200}", path=path, tensor=name) from None
         shape = torch.Size(shape)
         nbytes = math.prod(shape) * dtype.itemsize
         if end - begin != nbytes:
@@ -125,16 +125,19 @@ def _check_tiling(path: str, records: dict[str, TensorRecord], data_nbytes: int,
     for record in sorted(records.values(), key=lambda r: (r.start, r.nbytes)):
         begin, end = record.start - base, record.start - base + record.nbytes
         if begin != at:
-            what = "overlaps the tensor before it" if begin < at else f"leaves bytes {at}-{begin} unused"
-            raise CheckpointError(f"{path}: tensor {record.name!r} (data bytes {begin}-{end}) {what}: "
-                                  f"corrupt header", path=path, tensor=record.name)
+            what = ("overlaps the tensor before it" if begin < at
+                    else f"leaves bytes {at}-{begin} unused")
+            raise CheckpointError(f"{path}: tensor {record.name!r} (data bytes {begin}-{end}) "
+                                  f"{what}: corrupt header", path=path, tensor=record.name)
         if end > data_nbytes:
-            raise CheckpointError(f"{path}: truncated: tensor {record.name!r} ends at byte {base + end}, "
-                                  f"the file has {base + data_nbytes}", path=path, tensor=record.name)
+            raise CheckpointError(f"{path}: truncated: tensor {record.name!r} ends at byte "
+                                  f"{base + end}, the file has {base + data_nbytes}",
+                                  path=path, tensor=record.name)
         at = end
     if at != data_nbytes:
-        raise CheckpointError(f"{path}: {data_nbytes - at} bytes after the last tensor's data: corrupt "
-                              f"header (the tensors must cover the data section)", path=path)
+        raise CheckpointError(f"{path}: {data_nbytes - at} bytes after the last tensor's data: "
+                              f"corrupt header (the tensors must cover the data section)",
+                              path=path)
 
 
 def index_checkpoint(directory: str) -> dict[str, TensorRecord]:
@@ -161,8 +164,8 @@ def index_checkpoint(directory: str) -> dict[str, TensorRecord]:
     by_file: dict[str, list[str]] = {}
     for name, file in weight_map.items():
         if not isinstance(file, str):
-            raise CheckpointError(f"{index_path}: tensor {name!r} maps to {file!r}, not a file name",
-                                  path=index_path, tensor=name)
+            raise CheckpointError(f"{index_path}: tensor {name!r} maps to {file!r}, not a file "
+                                  f"name", path=index_path, tensor=name)
         by_file.setdefault(file, []).append(name)
     records: dict[str, TensorRecord] = {}
     for file, names in by_file.items():

@@ -51,8 +51,9 @@ def write_shards(directory: str | os.PathLike[str], specs: Sequence[Spec],
         files.append(path)
     total = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in specs)
     index = directory / INDEX_FILE
+    text = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
     with naming(index):
-        index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        index.write_text(text)
     return files + [index]
 
 

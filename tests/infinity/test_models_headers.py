@@ -36,6 +36,7 @@ def _entries(**changes):
             "b": {**B, **changes.get("b", {})}}
 
 
+BAD_ENTRY = "corrupt header entry"
 MALFORMED = {  # name: (header, raw header bytes or None, data, tensor named, complaint)
     "a JSON list": ([1, 2], None, bytes(28), None, "a JSON list, not an object"),
     "offset before the data": (_entries(a={"data_offsets": [-8, 8]}), None, bytes(28), "a",
@@ -44,16 +45,17 @@ MALFORMED = {  # name: (header, raw header bytes or None, data, tensor named, co
                      "truncated: tensor 'b' ends at byte"),
     "overlapping": (_entries(b={"data_offsets": [8, 20]}), None, bytes(28), "b",
                     "overlaps the tensor before it"),
-    "a gap": (_entries(b={"data_offsets": [20, 32]}), None, bytes(32), "b", "leaves bytes 16-20 unused"),
+    "a gap": (_entries(b={"data_offsets": [20, 32]}), None, bytes(32), "b",
+              "leaves bytes 16-20 unused"),
     "range not shape x dtype": (_entries(a={"data_offsets": [0, 12]}, b={"data_offsets": [12, 24]}),
                                 None, bytes(24), "a", "has 12 bytes for shape (2, 2)"),
-    "begin after end": (_entries(a={"data_offsets": [16, 0]}), None, bytes(28), "a", "corrupt header entry"),
+    "begin after end": (_entries(a={"data_offsets": [16, 0]}), None, bytes(28), "a", BAD_ENTRY),
     "an entry that is no object": ({"a": 5, "b": B}, None, bytes(28), "a", "corrupt header entry"),
     "an unknown dtype": (_entries(a={"dtype": "F8"}), None, bytes(28), "a", "corrupt header entry"),
-    "a negative dimension": (_entries(a={"shape": [-2, -2]}), None, bytes(28), "a", "corrupt header entry"),
-    "a float dimension": (_entries(a={"shape": [2.0, 2]}), None, bytes(28), "a", "corrupt header entry"),
-    "a key twice": (None, b'{"a": %s, "a": %s, "b": %s}' % tuple(json.dumps(x).encode() for x in (A, A, B)),
-                    bytes(28), None, "the key 'a' appears twice"),
+    "a negative dimension": (_entries(a={"shape": [-2, -2]}), None, bytes(28), "a", BAD_ENTRY),
+    "a float dimension": (_entries(a={"shape": [2.0, 2]}), None, bytes(28), "a", BAD_ENTRY),
+    "a key twice": (None, b'{"a": %s, "a": %s, "b": %s}' % tuple(
+        json.dumps(x).encode() for x in (A, A, B)), bytes(28), None, "the key 'a' appears twice"),
     "metadata not strings": ({**_entries(), "__metadata__": {"format": 1}}, None, bytes(28), None,
                              "__metadata__ must map strings"),
     "trailing bytes": (_entries(), None, bytes(40), None, "12 bytes after the last tensor"),
@@ -140,8 +142,8 @@ def _index_outside(d):
     return _index(d), None, "'../elsewhere/x.safetensors' leads outside"
 
 
-@pytest.mark.parametrize("breakage", [_negative_offset, _header_a_list, _int_weights, _index_outside],
-                         ids=lambda f: f.__name__.lstrip("_"))
+@pytest.mark.parametrize("breakage", [_negative_offset, _header_a_list, _int_weights,
+                                      _index_outside], ids=lambda f: f.__name__.lstrip("_"))
 def test_a_hostile_model_folder_is_refused_before_anything_loads(tmp_path, breakage):
     directory = saved(tmp_path, tiny_llama())
     path, tensor, complaint = breakage(directory)
@@ -153,7 +155,8 @@ def test_a_hostile_model_folder_is_refused_before_anything_loads(tmp_path, break
     assert os.listdir(tmp_path / "swap") == []  # nothing was placed
 
 
-@pytest.mark.parametrize("entry", ["/abs/x.safetensors", "../elsewhere/x.safetensors", "a/../../x.safetensors"])
+@pytest.mark.parametrize("entry", ["/abs/x.safetensors", "../elsewhere/x.safetensors",
+                                   "a/../../x.safetensors"])
 def test_an_index_entry_outside_the_folder_is_named(tmp_path, entry):
     directory = tmp_path / "model"
     directory.mkdir()

@@ -169,7 +169,8 @@ def test_a_symlink_leading_outside_is_refused(tmp_path, capsys):
     refused(tmp_path, capsys, tmp_path / "run", tag / "manifest.json", "'arrays/1' leads outside")
     shutil.rmtree(tag)
     os.symlink(other, tag)  # the tag directory `latest` names
-    refused(tmp_path, capsys, tmp_path / "run", tmp_path / "run" / "latest", "'step1' leads outside")
+    refused(tmp_path, capsys, tmp_path / "run", tmp_path / "run" / "latest",
+            "'step1' leads outside")
 
 
 def test_a_chunk_file_symlinked_outside_is_refused(tmp_path, capsys):
@@ -241,7 +242,8 @@ def test_a_damaged_manifest_fails_its_checksum(tmp_path, capsys, damage):
     body = json.loads((tag / "manifest.json").read_text())
     DAMAGE[damage][0](body)
     (tag / "manifest.json").write_text(json.dumps(body))
-    refused(tmp_path, capsys, tmp_path / "run", tag / "manifest.json", "does not match its checksum")
+    refused(tmp_path, capsys, tmp_path / "run", tag / "manifest.json",
+            "does not match its checksum")
 
 
 @pytest.mark.parametrize("signed", [True, False], ids=["resigned", "unsigned"])
