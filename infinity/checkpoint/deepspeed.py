@@ -56,6 +56,7 @@ def find_deepspeed_tag(directory: str | Path, tag: str | None = None) -> Path:
     if tag is None:
         latest = directory / "latest"
         try:
+            inside(directory, "latest", source=directory)
             tag = latest.read_bytes().decode().strip()
         except FileNotFoundError:
             raise CheckpointError(f"{directory} is not a DeepSpeed checkpoint: no 'latest' file and "
@@ -192,13 +193,13 @@ class DeepSpeedReader:
     def __init__(self, directory: str | Path, tag: str | None = None) -> None:
         self.path = find_deepspeed_tag(directory, tag)
         optim_files = self._rank_files()
-        zero = self._zero_state(load_pt(optim_files[0]), optim_files[0])
+        zero = self._zero_state(self._load(optim_files[0]), optim_files[0])
         world_size = _partition_count(zero, optim_files[0])
         if world_size != len(optim_files):
             missing = [f for f in self._expected_optim_names(world_size) if not (self.path / f).is_file()]
             raise CheckpointError(f"{self.path}: partition_count is {world_size} but "
                                   f"{len(optim_files)} optimizer files are there; missing: {missing}")
-        zeros = [zero] + [self._zero_state(load_pt(f), f) for f in optim_files[1:]]
+        zeros = [zero] + [self._zero_state(self._load(f), f) for f in optim_files[1:]]
         self.zero_stage = zero["zero_stage"]
         self.world_size = world_size
         self._files = optim_files
@@ -207,7 +208,7 @@ class DeepSpeedReader:
             model_files = [self.path / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world_size)]
         else:
             model_files = [self.path / "mp_rank_00_model_states.pt"]
-        models = [self._model_state(load_pt(f), f) for f in model_files]
+        models = [self._model_state(self._load(f), f) for f in model_files]
         if self.zero_stage == 3:
             self._read_stage3(models, zeros, model_files[0])
         else:
@@ -272,6 +273,10 @@ class DeepSpeedReader:
             raise CheckpointError(f"{self.path}: missing rank file(s) "
                                   f"{[self._expected_optim_names(ranks[-1] + 1)[r] for r in missing]}")
         return [found[r] for r in ranks]
+
+    def _load(self, path: Path) -> Any:
+        """A .pt file of the tag, which must lie inside it (a symlink out is refused)."""
+        return load_pt(inside(self.path, path.name, source=self.path))
 
     def _expected_optim_names(self, world_size: int) -> list[str]:
         return [f"{self._prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world_size)]

@@ -30,6 +30,7 @@ def latest_tag(directory: str | Path) -> str | None:
     CheckpointError when it names no tag directory inside `directory`."""
     latest = Path(directory) / LATEST_NAME
     try:
+        inside(directory, LATEST_NAME, source=directory)
         tag = latest.read_bytes().decode().strip()
     except (FileNotFoundError, NotADirectoryError):
         return None
@@ -71,7 +72,7 @@ class CheckpointReader:
                     raise CheckpointError(f"{directory} holds no '{LATEST_NAME}' file and no "
                                           f"{MANIFEST_NAME}: not an Infinity checkpoint (give a tag)")
             self.path = inside(directory, check_tag(tag), source=f"tag {tag!r}")
-        self.manifest = Manifest.read(self.path / MANIFEST_NAME)
+        self.manifest = Manifest.read(inside(self.path, MANIFEST_NAME, source=self.path))
         self._entries = {entry.name: entry for entry in self.manifest.tensors}
         self._arrays: dict[str, Any] = {}
         self._check_every_array_listed()
@@ -167,6 +168,7 @@ class CheckpointReader:
         """The zarr array of `entry`, checked to be the one the writer made for it."""
         if entry.name not in self._arrays:
             array_dir = self.path / entry.array
+            inside(self.path, f"{entry.array}/zarr.json", source=self.path / MANIFEST_NAME)
             try:
                 array = zarr.open_array(str(array_dir), mode="r")
                 facts = (array.attrs.get("name"), array.attrs.get("dtype"), array.dtype,

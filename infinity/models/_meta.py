@@ -8,6 +8,7 @@ import os
 import torch
 
 from infinity.errors import CheckpointError
+from infinity.paths import inside
 from infinity.zero import parameters_on_meta
 
 
@@ -20,6 +21,7 @@ def build_on_meta(directory: str, dtype: torch.dtype) -> torch.nn.Module:
     if not os.path.isfile(config_path):
         raise CheckpointError(f"{config_path}: missing (a Hugging Face model directory needs its config.json)",
                               path=config_path)
+    inside(directory, "config.json", source=directory)
     try:
         config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
         architectures = getattr(config, "architectures", None) or []

@@ -11,6 +11,7 @@ import struct
 from pathlib import Path
 
 import pytest
+import torch
 
 from infinity.errors import CheckpointError
 from infinity.models._safetensors import index_checkpoint, read_header
@@ -183,6 +184,16 @@ def test_a_symlink_out_of_the_folder_is_refused(tmp_path, linked):
         os.symlink(_index(str(outside)), _index(str(directory)))
     with pytest.raises(CheckpointError, match="leads outside"):
         index_checkpoint(str(directory))
+
+
+def test_a_config_symlinked_out_of_the_folder_is_refused(tmp_path):
+    from infinity.models._meta import build_on_meta
+
+    (tmp_path / "model").mkdir()
+    tiny_llama().config.save_pretrained(tmp_path)
+    os.symlink(tmp_path / "config.json", tmp_path / "model" / "config.json")
+    with pytest.raises(CheckpointError, match="'config.json' leads outside"):
+        build_on_meta(str(tmp_path / "model"), torch.float32)
 
 
 def test_a_hub_cache_snapshot_reads_its_blobs(tmp_path):

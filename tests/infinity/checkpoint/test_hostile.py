@@ -173,14 +173,29 @@ def test_a_symlink_leading_outside_is_refused(tmp_path, capsys):
             "'step1' leads outside")
 
 
-def test_a_chunk_file_symlinked_outside_is_refused(tmp_path, capsys):
+@pytest.mark.parametrize("linked", ["../latest", "manifest.json", "arrays/0/zarr.json",
+                                    "arrays/0/c/0/0"])
+def test_an_infinity_file_symlinked_outside_is_refused(tmp_path, capsys, linked):
     tag = _infinity(tmp_path / "run")
-    chunk = tag / "arrays" / "0" / "c" / "0" / "0"
-    secret = tmp_path / "secret"
-    secret.write_bytes(chunk.read_bytes())  # its checksum would even match
-    chunk.unlink()
-    os.symlink(secret, chunk)
+    other = _infinity(tmp_path / "other")  # the same bytes: its checksums would even match
+    (tag / linked).unlink()
+    os.symlink(other / linked, tag / linked)
     refused(tmp_path, capsys, tmp_path / "run", "leads outside")
+
+
+@pytest.mark.parametrize("linked", ["latest", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+                                    "zero_pp_rank_0_mp_rank_00_model_states.pt", "a swap file"])
+def test_a_deepspeed_file_symlinked_outside_is_refused(tmp_path, capsys, linked):
+    for run in ("ds", "ds2"):
+        deepspeed_layout.write(tmp_path / run, PARAMS, stage=3, world_size=2, nvme_offload=True)
+    if linked == "a swap file":
+        rank = tmp_path / "ds" / "global_step7" / "offloaded_tensors" / "rank01"
+        linked = str(sorted(rank.glob("*.tensor.swp"))[0].relative_to(tmp_path / "ds"))
+    elif linked != "latest":
+        linked = f"global_step7/{linked}"
+    (tmp_path / "ds" / linked).unlink()
+    os.symlink(tmp_path / "ds2" / linked, tmp_path / "ds" / linked)
+    refused(tmp_path, capsys, tmp_path / "ds", "leads outside")
 
 
 @pytest.mark.parametrize("latest", ["../other/step1", "/etc", "..", "", "\xff"])
