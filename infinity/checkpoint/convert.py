@@ -49,6 +49,7 @@ from infinity.checkpoint.writer import (
     tensor_entry,
 )
 from infinity.errors import CheckpointError
+from infinity.paths import naming
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,35 @@ _MODEL_FILES = ("config.json", "generation_config.json")
 
 
 def _read_configs(directory: Path) -> dict[str, dict[str, Any]]:
-    return {f: json.loads((directory / f).read_text()) for f in _MODEL_FILES if (directory / f).is_file()}
+    """The model's JSON files in `directory`; CheckpointError naming one that is no JSON object."""
+    found = {}
+    for name in _MODEL_FILES:
+        path = directory / name
+        if not path.is_file():
+            continue
+        try:
+            found[name] = json.loads(path.read_bytes())
+        except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+            raise CheckpointError(f"{path} is not JSON: {e}") from None
+        if not isinstance(found[name], dict):
+            raise CheckpointError(f"{path} is not a JSON object")
+    return found
+
+
+def _check_zarr_names(names: list[str], source: Path) -> None:
+    """Tensor names are zarr node paths in a zarr output: '/'-separated, no empty, '.', '..' or
+    '__' part (which would lead out of the output directory or be zarr's), and no name the
+    group of another ("a" beside "a/b")."""
+    taken = set(names)
+    for name in names:
+        parts = name.split("/")
+        if "\0" in name or any(part in ("", ".", "..") or part.startswith("__") for part in parts):
+            raise CheckpointError(f"{source}: tensor {name!r} cannot name a zarr array (an empty, "
+                                  f"'.', '..' or '__' part): refused for --to zarr")
+        for end in range(1, len(parts)):
+            if "/".join(parts[:end]) in taken:
+                raise CheckpointError(f"{source}: tensor {name!r} would be inside the zarr array "
+                                      f"of tensor {'/'.join(parts[:end])!r}: refused for --to zarr")
 
 
 @dataclasses.dataclass(slots=True)
@@ -100,6 +129,8 @@ class Conversion:
         names = self.source.names()
         if to in ("hf", "safetensors", "torch"):
             names = [n for n in names if is_model_weight(n)]
+        if to == "zarr":
+            _check_zarr_names(names, self.source.path)
         self.dtypes = {n: self._output_dtype(n, dtype) for n in names}
         self.configs = self._model_configs(Path(model_config) if model_config else None) if to == "hf" else {}
 
@@ -119,7 +150,8 @@ class Conversion:
         staging = destination.parent / f"{TEMPORARY_PREFIX}{destination.name}-{uuid.uuid4().hex[:8]}"
         staging.mkdir()
         try:
-            files, crcs = self._write(staging, on_progress)
+            with naming(destination):
+                files, crcs = self._write(staging, on_progress)
             self._verify(staging, files, crcs, on_progress)
             fsync_tree(staging)
             replace_durably(staging, destination)

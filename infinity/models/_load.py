@@ -126,6 +126,7 @@ def _match(model: torch.nn.Module, records: dict[str, TensorRecord], directory: 
                 raise CheckpointError(
                     f"{record.path}: tensor {name!r} has shape {tuple(record.shape)}, the model built from "
                     f"{config_json} has {tuple(p.shape)}", path=record.path, tensor=name)
+            _check_kind(record, p.dtype)
             sources.setdefault(id(p), record)
         elif name in buffer_names:
             module_name, _, buffer = name.rpartition(".")
@@ -134,6 +135,7 @@ def _match(model: torch.nn.Module, records: dict[str, TensorRecord], directory: 
                 raise CheckpointError(
                     f"{record.path}: tensor {name!r} has shape {tuple(record.shape)}, the model's buffer has "
                     f"{None if found is None else tuple(found.shape)}", path=record.path, tensor=name)
+            _check_kind(record, found.dtype)
             buffers.append((model.get_submodule(module_name), buffer, record))
         elif not any(pattern.search(name) for pattern in ignore_unexpected):
             raise CheckpointError(f"{record.path}: tensor {name!r} is not a parameter of the model built from "
@@ -145,6 +147,15 @@ def _match(model: torch.nn.Module, records: dict[str, TensorRecord], directory: 
                                   f"{type(model).__name__}" + (f" (nor {names[1:]})" if len(names) > 1 else ""),
                                   path=directory, tensor=names[0])
     return sources, buffers
+
+
+def _check_kind(record: TensorRecord, dtype: torch.dtype) -> None:
+    """Values convert between precisions of one kind only: integers or booleans loaded into a
+    floating-point tensor (or the reverse) mean a damaged or foreign checkpoint."""
+    if record.dtype.is_floating_point != dtype.is_floating_point:
+        raise CheckpointError(f"{record.path}: tensor {record.name!r} is {record.dtype}, the "
+                              f"model's is {dtype}: not the same kind of number",
+                              path=record.path, tensor=record.name)
 
 
 def _prepared(model: torch.nn.Module, prepare: Callable[[torch.nn.Module], torch.nn.Module],

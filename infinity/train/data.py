@@ -9,7 +9,9 @@ epoch is a permutation of the rows drawn from `seed + epoch`, so a run is reprod
 from __future__ import annotations
 
 import json
+import logging
 import pathlib
+import re
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
@@ -17,7 +19,10 @@ import torch
 
 from infinity.errors import InputError
 
+logger = logging.getLogger(__name__)
+
 SUFFIXES = (".txt", ".jsonl")
+_ESCAPED = re.compile("[\udc80-\udcff]")  # bytes surrogateescape could not decode
 
 
 class Tokenizer(Protocol):
@@ -39,27 +44,49 @@ def data_files(path: str | pathlib.Path) -> list[pathlib.Path]:
         raise InputError(f"--data {path}: no such file or directory")
     if path.suffix not in SUFFIXES:
         raise InputError(f"--data {path}: not a .txt or .jsonl file (or a directory of them)")
+    if not path.is_file():  # a FIFO or device would block or never end
+        raise InputError(f"--data {path}: not a regular file")
     return [path]
 
 
+def _decode(raw: bytes, replaced: list[int]) -> str:
+    """`raw` as UTF-8, each invalid byte replaced by U+FFFD and counted in replaced[0]
+    (surrogateescape turns each into one lone surrogate, which valid UTF-8 never gives)."""
+    text, count = _ESCAPED.subn("\ufffd", raw.decode("utf-8", errors="surrogateescape"))
+    replaced[0] += count
+    return text
+
+
 def read_documents(files: Sequence[pathlib.Path]) -> Iterator[str]:
-    """Each .txt file is one document; each line of a .jsonl file is one (its "text" field)."""
+    """Each .txt file is one document; each line of a .jsonl file is one (its "text" field).
+    Bytes that are not UTF-8 become U+FFFD, and a warning says how many there were."""
     for path in files:
-        if path.suffix == ".txt":
-            yield path.read_text(encoding="utf-8", errors="replace")
-            continue
-        with path.open(encoding="utf-8", errors="replace") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise InputError(f"--data {path}:{number}: not JSON ({e.msg})") from None
-                text = record.get("text") if isinstance(record, dict) else None
-                if not isinstance(text, str):
-                    raise InputError(f"--data {path}:{number}: no string field \"text\"")
-                yield text
+        replaced = [0]
+        yield from _documents(path, replaced)
+        if replaced[0]:
+            logger.warning("--data %s: %d bytes are not UTF-8; each was read as U+FFFD", path,
+                           replaced[0])
+
+
+def _documents(path: pathlib.Path, replaced: list[int]) -> Iterator[str]:
+    if path.suffix == ".txt":
+        yield _decode(path.read_bytes(), replaced)
+        return
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, 1):
+            line = _decode(raw, replaced)
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"--data {path}:{number}: not JSON ({e.msg})") from None
+            except RecursionError:
+                raise InputError(f"--data {path}:{number}: not JSON (nested too deep)") from None
+            text = record.get("text") if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                raise InputError(f"--data {path}:{number}: no string field \"text\"")
+            yield text
 
 
 def pack(documents: Iterator[str], tokenizer: Tokenizer, seq_len: int, *, source: str) -> torch.Tensor:

@@ -80,13 +80,22 @@ def ds_config(options: TrainOptions, nvme_dir: Callable[[], str]) -> dict[str, A
             config = json.loads(pathlib.Path(options.config).read_text())
         except OSError as e:
             raise InputError(f"--config {options.config}: {e.strerror}") from None
-        except json.JSONDecodeError as e:
+        except (ValueError, RecursionError) as e:  # not JSON, or not UTF-8
             raise InputError(f"--config {options.config}: not JSON ({e})") from None
         if not isinstance(config, dict):
             raise InputError(f"--config {options.config}: not a JSON object")
-    if options.batch_size is not None or not isinstance(config.get(MICRO), int):
+    micro = config.get(MICRO, "auto")
+    if options.batch_size is not None and options.batch_size < 1:
+        raise InputError(f"--batch-size {options.batch_size}: must be at least 1")
+    if options.batch_size is not None or micro == "auto":
         config[MICRO] = options.batch_size or DEFAULT_BATCH_SIZE
         config.pop("train_batch_size", None)  # follows from micro batch x accumulation
+    elif (isinstance(micro, bool) or not isinstance(micro, int | float)
+          or not float(micro).is_integer() or micro < 1):
+        raise InputError(f"--config {options.config}: {MICRO} is {micro!r}; give a whole "
+                         f"number >= 1 (or \"auto\")")
+    else:
+        config[MICRO] = int(micro)
     if options.lr is not None:
         optimizer = config.setdefault("optimizer", {"type": "AdamW", "params": {}})
         optimizer.setdefault("params", {})["lr"] = options.lr
@@ -212,10 +221,14 @@ def _restore(engine, batches: Batches, point: checkpoints.ResumePoint) -> None:
 def _config_positions(directory: str) -> int | None:
     path = pathlib.Path(directory) / "config.json"
     try:
-        fields = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+        fields = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError):
         return None  # load_model / load_tokenizer say what is wrong
-    return fields.get("max_position_embeddings") or fields.get("n_positions")
+    if not isinstance(fields, dict):
+        return None
+    found = (fields.get(k) for k in ("max_position_embeddings", "n_positions"))
+    return next((n for n in found if isinstance(n, int) and not isinstance(n, bool) and n > 0),
+                None)
 
 
 def _resume_point(options: TrainOptions) -> checkpoints.ResumePoint | None:

@@ -52,7 +52,7 @@ def load_tokenizer(directory: str | pathlib.Path) -> Any:
     directory = _model_dir(directory)
     try:
         return transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
-    except (OSError, ValueError, TypeError) as e:
+    except Exception as e:  # transformers on a handed-in directory raises many types
         raise InputError(f"--model {directory}: no usable tokenizer ({_first_line(e)})") from None
 
 

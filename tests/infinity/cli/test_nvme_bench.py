@@ -183,3 +183,10 @@ def test_mix_uses_real_layer_shapes_when_they_fit():
     assert {(4096, 4096), (11008, 4096), (4096, 11008), (4096,)} == shapes
     assert layers == 5
     assert {spec.dtype for spec in specs} == {torch.bfloat16, torch.float32}
+
+
+def test_a_json_file_that_cannot_be_written_is_refused_before_the_benchmark(disk, tmp_path, capsys):
+    for target in (tmp_path / "absent" / "x.json", tmp_path):
+        code, out, err = run(capsys, "--path", disk, "--size", "4M", "--json", target)
+        assert code == 2 and f"--json {target}:" in err and out == "", err
+    assert list(disk.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["disk"]
