@@ -4,6 +4,7 @@ continue bit-identically, bad input gives one line and exit 2 with nothing left 
 
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from safetensors.torch import load_file
 from infinity.checkpoint import CheckpointWriter
 from infinity.cli import train
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = str(pathlib.Path(__file__).resolve().parents[3])  # the checkout: tests/infinity would shadow
 
 
 def run_main(capsys, *args):
