@@ -5,7 +5,7 @@ overflow: test_engine_nonfinite.py)."""
 import copy
 import json
 import math
-import time
+import threading
 
 import pytest
 import torch
@@ -271,32 +271,46 @@ def test_bf16_tracks_the_fp32_reference(tmp_path, optimizer, steps, compute):
         assert abs(got - want) <= 0.01 * want, (losses, ref_losses)
 
 
-class _SlowBackward(torch.autograd.Function):
-    """Identity whose backward takes a while: the compute of the first layers' backward."""
+class _WaitInBackward(torch.autograd.Function):
+    """Identity whose backward first calls `wait()`: the compute of the first layers' backward."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, wait):
+        ctx.wait = wait
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        time.sleep(0.3)
-        return grad
+        ctx.wait()
+        return grad, None
 
 
-class _SlowModule(torch.nn.Module):
+class _BackwardGate(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wait = lambda: None
+
     def forward(self, x):
-        return _SlowBackward.apply(x)
+        return _WaitInBackward.apply(x, self.wait)
 
 
 def test_optimizer_overlaps_backward_on_the_timeline(tmp_path):
     torch.manual_seed(0)
     layers = [torch.nn.Linear(8, 8) for _ in range(4)]
-    model = torch.nn.Sequential(layers[0], _SlowModule(), *layers[1:])
+    gate = _BackwardGate()
+    model = torch.nn.Sequential(layers[0], gate, *layers[1:])
     reference = copy.deepcopy(model)
     data = mlp_batches(2)
     engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme"))
     assert engine.overlap
+    last = next(i for i, u in enumerate(engine._trained) if u.key == "param/4")
+
+    def last_layer_stepped():  # backward of layer 0 waits until the worker stepped layer 4
+        future = engine._stepper.future(last)
+        assert future is not None, "layer 4 was not handed to the worker before layer 0's backward"
+        future.result(timeout=60)
+
+    gate.wait = last_layer_stepped
     losses = train_engine(engine, data)
     regions = engine.timeline.regions
     engine.write_trace(tmp_path / "trace.json")
@@ -319,17 +333,14 @@ def test_the_worker_reads_the_next_units_state_while_it_steps_one(tmp_path):
     model, reference, data = mlp(), mlp(), mlp_batches(2)
     engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme"))
     opt, asked = engine.optimizer, []
-    step_unit, prefetch_unit = opt.step_unit, opt.prefetch_unit
-
-    def slow_step_unit(u, grad, **kw):
-        time.sleep(0.05)
-        return step_unit(u, grad, **kw)
+    prefetch_unit = opt.prefetch_unit
 
     def spy_prefetch_unit(u):
         asked.append((u, opt.completed_steps))
         return prefetch_unit(u)
 
-    opt.step_unit, opt.prefetch_unit = slow_step_unit, spy_prefetch_unit
+    opt.prefetch_unit = spy_prefetch_unit
+    _hold_the_worker(engine)  # slower than backward: it steps the first unit once backward ended
     losses = train_engine(engine, data)
     assert engine.units_stepped_in_backward == 6
     engine.close()
@@ -402,19 +413,30 @@ def test_overlap_optimizer_true_with_clipping_is_refused(tmp_path):
                                           infinity={"overlap_optimizer": True}))
 
 
-def _slow_steps(engine, seconds=0.05, fail=()):
-    """Make every optimizer unit step take `seconds` (so backward ends before the worker does);
-    the units in `fail` raise OSError on their first step."""
+def _hold_the_worker(engine, fail=()):
+    """The optimizer worker is slower than backward, deterministically: it steps no unit of a
+    step before the next forward begins (or something waits for the step: synchronize). So
+    step() returns with every unit of the step still to step, the first one held in its step
+    while the next forward starts. The units in `fail` raise OSError on their first step."""
     step_unit, failing = engine.optimizer.step_unit, set(fail)
+    go = threading.Event()
+    synchronize = engine.synchronize
 
-    def slow_step_unit(u, grad, **kw):
-        time.sleep(seconds)
+    def held_step_unit(u, grad, **kw):
+        assert go.wait(timeout=60), "neither a forward nor synchronize came to release the worker"
         if u in failing:
             failing.discard(u)
             raise OSError(f"injected failure stepping unit {u}")
         return step_unit(u, grad, **kw)
 
-    engine.optimizer.step_unit = slow_step_unit
+    def synchronize_then_hold():  # backward calls it first: its step's units are held again
+        go.set()
+        synchronize()
+        go.clear()
+
+    engine.optimizer.step_unit = held_step_unit
+    engine.synchronize = synchronize_then_hold
+    engine.module.register_forward_pre_hook(lambda module, args: go.set(), prepend=True)
 
 
 def test_the_steps_tail_runs_into_the_next_forward(tmp_path):
@@ -425,7 +447,7 @@ def test_the_steps_tail_runs_into_the_next_forward(tmp_path):
     schedule = {"type": "WarmupLR", "params": {"warmup_min_lr": LR / 10, "warmup_max_lr": LR,
                                                "warmup_num_steps": 3, "warmup_type": "linear"}}
     engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme", scheduler=schedule))
-    _slow_steps(engine)
+    _hold_the_worker(engine)
     losses, lrs = [], []
     for args, kwargs in data:
         lrs.append(engine.get_lr()[0])
@@ -454,7 +476,7 @@ def test_the_tail_with_gradient_accumulation_matches_pytorch(tmp_path):
     taken (they accumulate into autograd's tensors, HeldGrad, only after the step let them go)."""
     model, reference, data = mlp(), mlp(), mlp_batches(6)
     engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme", gradient_accumulation_steps=2))
-    _slow_steps(engine)
+    _hold_the_worker(engine)
     losses = train_engine(engine, data)
     assert engine.global_steps == 3 and engine.stats()["optimizer"]["units_left_to_forward"] > 0
     engine.close()
@@ -466,7 +488,7 @@ def test_a_tail_unit_that_failed_on_the_worker_is_stepped_again_before_its_use(t
     next forward steps it again before using it; nothing is lost or stepped twice."""
     model, reference, data = mlp(), mlp(), mlp_batches(3)
     engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme"))
-    _slow_steps(engine, fail={0})
+    _hold_the_worker(engine, fail={0})
     losses = train_engine(engine, data)
     engine.close()
     assert_parity(model, reference, losses, train_reference(reference, data))
@@ -481,13 +503,13 @@ def test_a_tail_unit_that_keeps_failing_fails_the_next_forward_until_it_steps(tm
     real, calls = engine.optimizer.step_unit, []
 
     def disk_gone_for_unit_0(u, grad, **kw):
-        time.sleep(0.05)  # backward ends before the worker reaches unit 0
         if u == 0:
             calls.append(u)
             raise OSError("disk gone")
         return real(u, grad, **kw)
 
     engine.optimizer.step_unit = disk_gone_for_unit_0
+    _hold_the_worker(engine)  # backward ends before the worker reaches unit 0
     loss = engine(x).square().mean()
     engine.backward(loss)
     engine.step()
