@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+from children import ROOT, child_env
 
 # test parameter name (or "cuda" for tests marked requires_cuda) -> what it selects
 NATIVE_PATHS = {
@@ -189,7 +190,8 @@ def sigkilled_child_frees(small_tmpfs, tmp_path):
         before = used_nbytes(directory)
         code = code.replace("DIRECTORY", repr(str(directory)))
         child = subprocess.Popen([sys.executable, "-c", code + "\nimport time\ntime.sleep(600)\n"],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                 cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
         try:
             line = child.stdout.readline()
             alive = used_nbytes(directory)

@@ -3,12 +3,11 @@
 import errno
 import os
 import random
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from children import python_child
 
 import aio
 
@@ -116,7 +115,7 @@ def test_file_size_limit_fails_at_creation(tmp_path):
             sys.exit(0)
         sys.exit(1)
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = python_child(["-c", code], timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"ERR {errno.EFBIG}" in out.stdout and "ulimit -f" in out.stdout
     assert not os.path.exists(tmp_path / "swap")

@@ -24,10 +24,11 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.getcwd())  # the worktree's infinity, as pytest's cwd
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's infinity
 
 import infinity  # noqa: E402
 

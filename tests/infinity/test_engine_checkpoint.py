@@ -2,11 +2,10 @@
 uninterrupted one (fp32 and bf16, optimizer state in RAM or on NVMe, fp16 loss scaling, LR
 schedule); client_state comes back; a checkpoint without moments needs an explicit choice."""
 
-import subprocess
-import sys
 
 import pytest
 import torch
+from children import python_child
 
 import infinity
 from infinity import CheckpointError
@@ -247,8 +246,7 @@ def test_a_load_holds_chunks_not_rows_or_copies_of_each_tensor(tmp_path):
     the development machine: 51-59 MiB; with load_state taking the unit's 3 fp32 rows whole
     (the session before): 337 MiB; reading each tensor whole and then copying it: 432 MiB."""
     def child(*args):
-        out = subprocess.run([sys.executable, "-c", LOAD_CHILD, *args], capture_output=True, text=True,
-                             timeout=300)
+        out = python_child(["-c", LOAD_CHILD, *args], timeout=300)
         assert out.returncode == 0, out.stderr
         return out.stdout
 

@@ -6,11 +6,10 @@ import copy
 import json
 import logging
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from children import python_child
 
 import infinity
 from infinity import checkpointing
@@ -156,10 +155,10 @@ def test_a_config_without_the_section_leaves_the_settings_alone(tmp_path):
 
 
 _CHILD = r"""
-import json, sys
+import json, os, sys
 import torch
 import infinity
-sys.path.insert(0, sys.argv[2])
+sys.path[:0] = [sys.argv[2], os.path.dirname(sys.argv[2])]  # this test module and tests/ (children)
 from test_engine_checkpointing import Stack, engine_config
 def status(field):
     with open("/proc/self/status") as f:
@@ -178,8 +177,7 @@ print(json.dumps({**before, "peak": status("VmHWM")}))
 
 def _child_peak(mode: str) -> dict:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # freed tensors go back to the OS at once
-    done = subprocess.run([sys.executable, "-c", _CHILD, mode, os.path.dirname(__file__)], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=os.getcwd())
+    done = python_child(["-c", _CHILD, mode, os.path.dirname(__file__)], env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

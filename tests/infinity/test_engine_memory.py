@@ -6,11 +6,10 @@ RSS of the same work without the engine plus the budget plus a small slack (docs
 Each figure comes from a fresh child process (VmHWM cannot be reset)."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
+from children import python_child
 
 from infinity import BudgetError
 from infinity.engine._plan import plan_memory
@@ -53,8 +52,7 @@ print(json.dumps(result))
 
 
 def _child(mode: str, tmp_path) -> dict:
-    done = subprocess.run([sys.executable, "-c", _CHILD, mode, str(tmp_path)], capture_output=True,
-                          text=True, timeout=300)
+    done = python_child(["-c", _CHILD, mode, str(tmp_path)], timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -10,7 +10,6 @@ torchrun's environment by hand, to see each rank's exit code and output.
 """
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from children import ROOT, child_env
 
 import infinity
 
@@ -68,8 +68,9 @@ def _torchrun(tmp_path, cases, timeout_s, world=WORLD):
     spec, out = _spec(tmp_path, cases)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
                "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(CHILD), str(spec)]
-    run = subprocess.run(command, cwd=os.getcwd(), capture_output=True, text=True, timeout=timeout_s,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)})  # torchrun's log dirs
+    env = child_env(OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))  # TMPDIR: torchrun's log dirs
+    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=timeout_s)
     return (run.returncode, run.stdout + run.stderr), _results(out, world)
 
 
@@ -81,9 +82,9 @@ def _launch(tmp_path, cases, timeout_s, wait_for=WORLD):
     port = _free_port()
     procs = []
     for rank in range(WORLD):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, str(CHILD), str(spec)], env=env, cwd=os.getcwd(),
+        env = child_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, str(CHILD), str(spec)], env=env, cwd=ROOT,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     deadline = time.monotonic() + timeout_s
     done = []

@@ -8,10 +8,9 @@ before any engine, zarr or aio thread exists in the child); the child kills each
 
 import json
 import os
-import subprocess
-import sys
 
 import torch
+from children import python_child
 
 CHILD = r"""
 import json, os, random, signal, sys, time
@@ -80,8 +79,7 @@ print(json.dumps({"statuses": statuses, "full_s": full_s, "init_s": init_s}))
 
 
 def test_sigkilled_training_resumes_to_the_uninterrupted_weights(tmp_path):
-    out = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), "20"], capture_output=True,
-                         text=True, timeout=280, cwd=os.getcwd())
+    out = python_child(["-c", CHILD, str(tmp_path), "20"], timeout=280)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.splitlines()[-1])
     *killed, last = report["statuses"]

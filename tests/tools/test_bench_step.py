@@ -3,8 +3,17 @@
 import json
 
 import pytest
+from children import ROOT, child_env
 
 from tools import bench_step
+
+
+@pytest.fixture(autouse=True)
+def children_import_this_checkout(monkeypatch):
+    """main() starts `python -m tools.bench_step` children: from here, with this checkout."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("PYTHONPATH", child_env()["PYTHONPATH"])
+
 
 TINY = ["--layers", "1", "--d-model", "32", "--vocab", "64", "--seq", "8", "--sub-group-size", "2048"]
 

@@ -13,12 +13,11 @@ import time
 import pytest
 import torch
 import transformers
+from children import ROOT, child_env
 from safetensors.torch import load_file
 
 from infinity.checkpoint import CheckpointWriter
 from infinity.cli import train
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run_main(capsys, *args):
@@ -106,7 +105,7 @@ def interrupted_run(*args):
     """Run infinity-train in a child, send it SIGINT once its first step is shown; (exit code,
     stdout, stderr)."""
     child = subprocess.Popen([sys.executable, "-m", "infinity.cli.train", *args], cwd=ROOT,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                             env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         seen = b""
         deadline = time.monotonic() + 60

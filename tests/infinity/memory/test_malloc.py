@@ -3,10 +3,9 @@ keeps them in a fragmented heap (infinity/memory/malloc.py); "auto" fixes it whe
 lives on NVMe. Each case runs in a fresh child: malloc settings are per process."""
 
 import json
-import subprocess
-import sys
 
 import pytest
+from children import python_child
 
 from infinity.memory import set_mmap_threshold
 
@@ -28,8 +27,7 @@ engine.close()
 
 
 def _released_mib(config: dict) -> float:
-    out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(config)], capture_output=True, text=True,
-                         timeout=120)
+    out = python_child(["-c", CHILD, json.dumps(config)], timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     return int(out.stdout.split()[-1]) / (1 << 20)
 
