@@ -129,12 +129,26 @@ def read_only_dir():
     shutil.rmtree(parent)
 
 
+@pytest.fixture(scope="session")
+def readable_packages():
+    """A copy of this checkout's packages that every user may read, under a parent everyone may
+    traverse: a child that dropped root reads its modules and package data there, whatever
+    the mode of the checkout's folder (a root user's home is 0700)."""
+    root = tempfile.mkdtemp(prefix="infinity-test-packages-")
+    for package in ("aio", "infinity"):
+        shutil.copytree(ROOT / package, os.path.join(root, package),
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run(["chmod", "-R", "a+rX", root], check=True)
+    yield root
+    shutil.rmtree(root)
+
+
 @pytest.fixture
-def run_unprivileged():
+def run_unprivileged(readable_packages):
     """Run Python code in a child that drops root (root ignores file permissions).
 
     The code runs after `import aio, infinity` and the modules in `preload`, since nobody may
-    not read root's Python installation.
+    not read root's Python installation; our packages come from `readable_packages`.
     """
     def run(code: str, preload: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
         prologue = (
@@ -142,7 +156,8 @@ def run_unprivileged():
             "if os.geteuid() == 0:\n    os.setgid(65534); os.setuid(65534)\n"
         )
         return subprocess.run([sys.executable, "-c", prologue + code], capture_output=True,
-                              text=True, timeout=60)
+                              text=True, timeout=60, cwd=readable_packages,
+                              env={**os.environ, "PYTHONPATH": str(readable_packages)})
 
     return run
 

@@ -2,6 +2,7 @@
 checkpoint and `latest` as they were, and leaves no debris."""
 
 import errno
+import os
 import textwrap
 
 import pytest
@@ -28,19 +29,17 @@ def test_a_full_disk_fails_the_save_and_keeps_the_previous_checkpoint(small_tmpf
     assert latest_tag(directory) == "step3"
 
 
-def test_an_unwritable_directory_fails_before_anything_is_written(tmp_path, run_unprivileged):
-    (tmp_path / "run").mkdir(mode=0o755)
-    (tmp_path / "run").chmod(0o755)
-    tmp_path.chmod(0o755)
+def test_an_unwritable_directory_fails_before_anything_is_written(read_only_dir, run_unprivileged):
+    """The run directory exists but may not be written: refused with its name, nothing made."""
     code = textwrap.dedent(f"""
         import torch
         from infinity.checkpoint import CheckpointWriter
         try:
-            CheckpointWriter({str(tmp_path / "run")!r}, "step1")
+            CheckpointWriter({read_only_dir!r}, "step1")
         except PermissionError as e:
             print("refused", e.filename)
     """)
     out = run_unprivileged(code, preload=("torch", "zarr", "infinity.checkpoint"))
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("refused") and str(tmp_path / "run") in out.stdout
-    assert list((tmp_path / "run").iterdir()) == []
+    assert out.stdout.startswith(f"refused {read_only_dir}"), out.stdout + out.stderr
+    assert os.listdir(read_only_dir) == []
