@@ -6,6 +6,7 @@ skipped, saying why).
 """
 
 import collections
+import errno
 import os
 import shutil
 import subprocess
@@ -173,6 +174,7 @@ def small_tmpfs(tmp_path):
         point.mkdir()
         if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)],
                           capture_output=True).returncode != 0:
+            point.rmdir()
             return None
         mounted.append(point)
         return point
@@ -180,6 +182,51 @@ def small_tmpfs(tmp_path):
     yield mount
     for point in mounted:
         subprocess.run(["umount", str(point)], check=True)
+
+
+@pytest.fixture
+def small_disk(small_tmpfs, tmp_path, monkeypatch):
+    """small_disk(size) -> a directory on a disk of `size` (e.g. "4m"), where ENOSPC comes as
+    on a full disk: a private tmpfs where this process may mount (the kernel's), else a
+    directory under tmp_path whose files may not grow past `size` in all (injected where a
+    swap file is preallocated and where a checkpoint chunk is written, as fallocate and write
+    fail on a full disk). The injected disk shows neither the unlinked swap files as used
+    space nor its size to statvfs."""
+    made = []
+
+    def make(size: str):
+        mounted = small_tmpfs(size)
+        if mounted is not None:
+            return mounted
+        import zarr.storage
+
+        directory = tmp_path / f"disk{len(made)}"
+        directory.mkdir()
+        made.append(directory)
+        limit = int(size[:-1]) << {"k": 10, "m": 20}[size[-1].lower()]
+
+        def check(path: str, nbytes: int) -> None:
+            if path.startswith(f"{directory}{os.sep}"):
+                used = sum(os.path.getsize(os.path.join(d, f))
+                           for d, _, files in os.walk(directory) for f in files)
+                if used + nbytes > limit:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+        posix_fallocate, store_set = os.posix_fallocate, zarr.storage.LocalStore.set
+
+        def fallocate_on_the_disk(fd, offset, length):
+            check(os.readlink(f"/proc/self/fd/{fd}"), offset + length)  # "dir/#123 (deleted)"
+            posix_fallocate(fd, offset, length)
+
+        async def set_on_the_disk(store, key, value):
+            check(os.path.join(str(store.root), key), len(value))
+            await store_set(store, key, value)
+
+        monkeypatch.setattr(os, "posix_fallocate", fallocate_on_the_disk)
+        monkeypatch.setattr(zarr.storage.LocalStore, "set", set_on_the_disk)
+        return directory
+
+    return make
 
 
 def used_nbytes(directory) -> int:

@@ -193,10 +193,8 @@ def test_help_explains_every_option_with_its_default(capsys):
         assert default in text
 
 
-def test_full_nvme_disk_is_refused(tmp_path, capsys, small_tmpfs):
-    disk = small_tmpfs("2m")
-    if disk is None:
-        pytest.skip("needs root to mount a small tmpfs")
+def test_full_nvme_disk_is_refused(tmp_path, capsys, small_disk):
+    disk = small_disk("2m")
     code, out, err = run_main(capsys, "--steps", "1", "--nvme-path", str(disk), "--output", str(tmp_path / "out"))
     assert code == 2
     lines = err.strip().splitlines()
