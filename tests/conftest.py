@@ -157,7 +157,7 @@ def run_unprivileged(readable_packages):
             "if os.geteuid() == 0:\n    os.setgid(65534); os.setuid(65534)\n"
         )
         return subprocess.run([sys.executable, "-c", prologue + code], capture_output=True,
-                              text=True, timeout=60, cwd=readable_packages,
+                              text=True, timeout=300, cwd=readable_packages,
                               env={**os.environ, "PYTHONPATH": str(readable_packages)})
 
     return run
@@ -234,21 +234,37 @@ def used_nbytes(directory) -> int:
     return (st.f_blocks - st.f_bfree) * st.f_frsize
 
 
+def unlinked_files_nbytes(pid: int, directory) -> int:
+    """Bytes allocated to the unlinked files under `directory` that process `pid` holds open."""
+    sizes = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith(f"{directory}{os.sep}") and target.endswith(" (deleted)"):
+                st = os.stat(f"/proc/{pid}/fd/{fd}")
+                sizes[st.st_ino] = st.st_blocks * 512
+        except FileNotFoundError:  # closed meanwhile
+            pass
+    return sum(sizes.values())
+
+
 @pytest.fixture
 def sigkilled_child_frees(small_tmpfs, tmp_path):
     """check(code, size, nbytes): `code` (DIRECTORY in it names the directory) runs in a child
     that makes a swap file of at least `nbytes`, prints one line when it holds it, then sleeps
     until it is killed with SIGKILL (no handler, no atexit runs). Asserts the file took its
-    space, no name is left, and the file system's used space returns to what it was.
+    space (the child's unlinked files there, seen through /proc), no name is left, and the
+    space comes back.
 
-    The directory is a private tmpfs of `size` where this process may mount, else tmp_path's
-    shared file system (others may use it: 16 MiB of slack). Space freed by the kernel after
-    death may show up a moment later, so "after" is polled until it is back (or 10 s pass).
+    The directory is a private tmpfs of `size` where this process may mount: its used space
+    returns to what it was. Else tmp_path's shared file system, which others write meanwhile:
+    its used space drops by the file's size (16 MiB of slack) when the child dies. Space freed
+    by the kernel after death may show up a moment later, so it is polled (up to 60 s).
     """
     def check(code: str, size: str, nbytes: int) -> None:
-        directory, slack = small_tmpfs(size), 0
-        if directory is None:
-            directory, slack = tmp_path, 16 << 20
+        directory = small_tmpfs(size)
+        private = directory is not None
+        directory = directory if private else tmp_path
         before = used_nbytes(directory)
         code = code.replace("DIRECTORY", repr(str(directory)))
         child = subprocess.Popen([sys.executable, "-c", code + "\nimport time\ntime.sleep(600)\n"],
@@ -256,19 +272,24 @@ def sigkilled_child_frees(small_tmpfs, tmp_path):
                                  stderr=subprocess.PIPE, text=True)
         try:
             line = child.stdout.readline()
-            alive = used_nbytes(directory)
             assert line, child.stderr.read()
+            held = unlinked_files_nbytes(child.pid, directory)
+            alive = used_nbytes(directory)
         finally:
             child.kill()
             child.wait(timeout=60)
             child.stdout.close()
             child.stderr.close()
-        deadline = time.monotonic() + 10
-        while (after := used_nbytes(directory)) > before and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert alive - before >= nbytes - slack, "the child's swap file took no space: test broken"
+        assert held >= nbytes, "the child's swap file took no space: test broken"
         assert sorted(os.listdir(directory)) == []
-        assert after <= before + slack, f"{after - before} bytes still used after the child died"
+
+        def freed(after: int) -> bool:
+            return after <= before if private else alive - after >= held - (16 << 20)
+
+        deadline = time.monotonic() + 60
+        while not freed(after := used_nbytes(directory)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert freed(after), f"{after - before} bytes still used after the child died"
 
     return check
 
