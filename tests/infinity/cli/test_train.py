@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
@@ -108,15 +107,14 @@ def interrupted_run(*args):
                              env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         seen = b""
-        deadline = time.monotonic() + 60
-        while b"loss" not in seen and time.monotonic() < deadline:
+        while b"loss" not in seen:  # however long start-up takes on a busy machine
             chunk = child.stderr.read1(4096)
             if not chunk:
                 break
             seen += chunk
         assert b"loss" in seen, seen
         child.send_signal(signal.SIGINT)
-        out, err = child.communicate(timeout=60)
+        out, err = child.communicate(timeout=240)
     finally:
         if child.poll() is None:
             child.kill()
