@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import torch
+import transformers
 
 import infinity
 from infinity import BudgetError, ConfigError
@@ -25,7 +26,6 @@ def mlp() -> torch.nn.Module:
 
 
 def llama() -> torch.nn.Module:
-    transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                    num_attention_heads=2, num_key_value_heads=1,

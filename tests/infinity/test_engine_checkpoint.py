@@ -5,6 +5,7 @@ schedule); client_state comes back; a checkpoint without moments needs an explic
 
 import pytest
 import torch
+import transformers
 from children import python_child
 
 import infinity
@@ -163,7 +164,6 @@ def test_a_failed_background_save_is_raised_by_the_next_call(tmp_path):
 def test_a_transformers_model_saved_by_the_engine_converts_to_hf_alone(tmp_path):
     """The engine keeps the model's config, so `infinity-convert --to hf` needs nothing else and
     from_pretrained gives the logits of the trained model."""
-    transformers = pytest.importorskip("transformers")
     from infinity.cli.convert import main
 
     cfg = transformers.LlamaConfig(vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=2,

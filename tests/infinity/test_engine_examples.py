@@ -13,6 +13,7 @@ import pathlib
 
 import pytest
 import torch
+import transformers
 
 import infinity
 
@@ -21,7 +22,6 @@ STEPS = 3  # a WarmupLR of the docs updates at lr 0 twice (min lr, then log(1) o
 
 
 def _tiny_llama():
-    transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -58,7 +58,6 @@ def _child(mode: str, tmp_path) -> dict:
 
 
 def test_peak_rss_stays_within_the_budget_plus_the_baseline(tmp_path):
-    pytest.importorskip("transformers")
     baseline = _child("baseline", tmp_path)
     run = _child("engine", tmp_path)
     assert 500e6 <= 16 * run["numel"] <= 800e6  # a budget of 100-200 MB: large against the noise

@@ -20,7 +20,6 @@ TINY = ["--layers", "1", "--d-model", "32", "--vocab", "64", "--seq", "8", "--su
 
 @pytest.mark.parametrize("config", ["nvme", "torch", "torch-default"])
 def test_a_child_reports_its_figures(tmp_path, config):
-    pytest.importorskip("transformers")
     args = bench_step.parse_args(["--path", str(tmp_path), *TINY, "--steps", "2", "--warmup", "1"])
     result = bench_step.run_child(args, config, str(tmp_path))
     assert result["step_s"] > 0 and result["cpu_s"] > 0 and result["peak_rss"] > 0 and result["params"] > 0
@@ -31,7 +30,6 @@ def test_a_child_reports_its_figures(tmp_path, config):
 
 
 def test_main_runs_each_config_in_a_child(tmp_path):
-    pytest.importorskip("transformers")
     out = tmp_path / "out.json"
     assert bench_step.main(["--path", str(tmp_path), *TINY, "--steps", "2", "--warmup", "1", "--configs", "none",
                             "--json", str(out)]) == 0
@@ -40,7 +38,6 @@ def test_main_runs_each_config_in_a_child(tmp_path):
 
 
 def test_pair_runs_the_engine_and_pytorch_in_turn_in_one_child(tmp_path):
-    pytest.importorskip("transformers")
     out = tmp_path / "out.json"
     assert bench_step.main(["--path", str(tmp_path), *TINY, "--steps", "4", "--warmup", "1", "--configs", "pair",
                             "--json", str(out)]) == 0

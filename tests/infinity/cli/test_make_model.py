@@ -7,8 +7,6 @@ import pytest
 
 from infinity.cli import make_model
 
-pytest.importorskip("transformers")
-
 SHAPE = ["--layers", "2", "--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv-heads", "2",
          "--vocab", "320", "--max-positions", "128"]
 

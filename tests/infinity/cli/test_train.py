@@ -44,7 +44,6 @@ def test_default_run_learns_and_reports(tmp_path, capsys):
 
 
 def test_model_data_and_lora_runs_export_loadable_models(tmp_path, capsys, tiny_hf_model):
-    transformers = pytest.importorskip("transformers")
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"text": f"line {i} of the test text. " * 3}) + "\n" for i in range(40)))
     for extra, name in (((), "full"), (("--lora", "2"), "lora")):
@@ -68,7 +67,6 @@ def test_model_streams_into_the_store_never_through_from_pretrained(tmp_path, ca
     """--model goes through infinity.models.load (the model initialize gets is the one load
     placed), with and without --lora; from_pretrained, which reads the whole model into RAM,
     is never called."""
-    transformers = pytest.importorskip("transformers")
     from infinity.train import job, models
 
     def whole_model_read(*args, **kwargs):

@@ -9,12 +9,11 @@ import textwrap
 
 import pytest
 import torch
+import transformers
 from children import python_child
 
 import infinity
 from infinity.zero import Init, is_deferred
-
-transformers = pytest.importorskip("transformers")
 
 MiB = 1 << 20
 
