@@ -98,6 +98,27 @@ def assert_parity(model, reference, losses, ref_losses):
         assert (p - want[name]).abs().max().item() <= 1e-5 * scale, name
 
 
+def stepped_after_backward(model, tmp_path, data, **extra):
+    """Train `model` on `data` (NVMe, as config's) with every unit stepped after backward
+    (overlap_optimizer false): the (losses, parameters) an overlapped run must equal exactly,
+    as [Note: optimizer overlapped with backward] says (the same kernel calls)."""
+    extra["infinity"] = {"host_memory_budget": "1GB", **extra.get("infinity", {}),
+                         "overlap_optimizer": False}
+    engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme", **extra))
+    assert not engine.overlap
+    losses = train_engine(engine, data)
+    engine.close()
+    return losses, dict(model.named_parameters())
+
+
+def assert_identical(model, losses, other):
+    """Bit for bit: the same losses and parameters as `other` = (losses, parameters)."""
+    other_losses, other_params = other
+    assert losses == other_losses
+    for name, p in model.named_parameters():
+        assert torch.equal(p, other_params[name]), name
+
+
 @pytest.mark.parametrize("optimizer", DEVICES)
 @pytest.mark.parametrize("param", DEVICES)
 @pytest.mark.parametrize("make, batches", [(mlp, mlp_batches), (llama, llama_batches)], ids=["mlp", "llama"])
@@ -393,18 +414,25 @@ def test_a_unit_backward_let_go_is_kept_in_ram_for_its_step_and_its_gradient_fre
     assert math.inf in after  # stepped during backward: needed last
 
 
-@pytest.mark.parametrize("asked", ["auto", True, False])
-def test_overlap_optimizer_auto_steps_after_backward_when_everything_is_in_ram(tmp_path, asked):
-    """On the CPU with nothing on NVMe, "auto" steps after backward; asked for, the units are
-    stepped during backward; the result is the same either way."""
-    model, reference, data = mlp(), mlp(), mlp_batches(2)
-    engine = infinity.initialize(model, config(tmp_path, "cpu", "cpu", infinity={
-        "host_memory_budget": "1GB", "overlap_optimizer": asked}))
-    assert engine.overlap is (asked is True)
-    losses = train_engine(engine, data)
-    assert engine.units_stepped_in_backward == (6 if asked is True else 0)
-    engine.close()
-    assert_parity(model, reference, losses, train_reference(reference, data))
+def test_overlap_optimizer_steps_the_same_during_or_after_backward(tmp_path):
+    """Nothing on NVMe: "auto" steps after backward on the CPU (during it on an accelerator);
+    asked for, the units are stepped during backward; the result is the same bit for bit."""
+    data, runs = mlp_batches(2), {}
+    for asked in ("auto", True, False):
+        model = mlp()
+        engine = infinity.initialize(model, config(tmp_path, "cpu", "cpu", infinity={
+            "host_memory_budget": "1GB", "overlap_optimizer": asked}))
+        overlaps = asked is True or (asked == "auto" and engine.device.type != "cpu")
+        assert engine.overlap is overlaps
+        losses = train_engine(engine, data)
+        assert engine.units_stepped_in_backward == (6 if overlaps else 0)
+        engine.close()
+        runs[asked] = model, losses
+    after, after_losses = runs[False]
+    reference = mlp()
+    assert_parity(after, reference, after_losses, train_reference(reference, data))
+    for asked in ("auto", True):
+        assert_identical(*runs[asked], (after_losses, dict(after.named_parameters())))
 
 
 def test_overlap_optimizer_true_with_clipping_is_refused(tmp_path):
@@ -469,6 +497,8 @@ def test_the_steps_tail_runs_into_the_next_forward(tmp_path):
         opt.zero_grad()
     assert lrs[1] < lrs[2] < lrs[3]  # the schedule moved on while the tails ran
     assert_parity(model, reference, losses, ref_losses)
+    after = stepped_after_backward(mlp(), tmp_path, data, scheduler=schedule)
+    assert_identical(model, losses, after)
 
 
 def test_the_tail_with_gradient_accumulation_matches_pytorch(tmp_path):
@@ -481,6 +511,8 @@ def test_the_tail_with_gradient_accumulation_matches_pytorch(tmp_path):
     assert engine.global_steps == 3 and engine.stats()["optimizer"]["units_left_to_forward"] > 0
     engine.close()
     assert_parity(model, reference, losses, train_reference(reference, data, gas=2))
+    assert_identical(model, losses, stepped_after_backward(mlp(), tmp_path, data,
+                                                           gradient_accumulation_steps=2))
 
 
 def test_a_tail_unit_that_failed_on_the_worker_is_stepped_again_before_its_use(tmp_path):
@@ -492,6 +524,7 @@ def test_a_tail_unit_that_failed_on_the_worker_is_stepped_again_before_its_use(t
     losses = train_engine(engine, data)
     engine.close()
     assert_parity(model, reference, losses, train_reference(reference, data))
+    assert_identical(model, losses, stepped_after_backward(mlp(), tmp_path, data))
 
 
 def test_a_tail_unit_that_keeps_failing_fails_the_next_forward_until_it_steps(tmp_path):
@@ -520,6 +553,7 @@ def test_a_tail_unit_that_keeps_failing_fails_the_next_forward_until_it_steps(tm
     losses = [loss.item(), *train_engine(engine, data[1:])]
     engine.close()
     assert_parity(model, reference, losses, train_reference(reference, data))
+    assert_identical(model, losses, stepped_after_backward(mlp(), tmp_path, data))
 
 
 def test_with_clipping_the_optimizer_runs_after_backward(tmp_path):
@@ -553,7 +587,8 @@ def test_a_failed_initialize_leaves_the_model_as_it_was(tmp_path, monkeypatch):
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_activation_checkpointing_matches_pytorch(tmp_path, reentrant):
     """Hugging Face gradient checkpointing recomputes forwards inside backward (and the
-    non-reentrant kind stops a recompute early by raising): values stay right, nothing leaks."""
+    non-reentrant kind stops a recompute early by raising): values stay right, bit for bit
+    those of the same training without it, and nothing leaks."""
     model = llama()
     reference = copy.deepcopy(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
@@ -561,6 +596,11 @@ def test_activation_checkpointing_matches_pytorch(tmp_path, reentrant):
     engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme"))
     losses = train_engine(engine, data)
     engine.close()
+    plain = llama()
+    engine = infinity.initialize(plain, config(tmp_path, "nvme", "nvme"))
+    plain_losses = train_engine(engine, data)
+    engine.close()
+    assert_identical(model, losses, (plain_losses, dict(plain.named_parameters())))
     assert_parity(model, reference, losses, train_reference(reference, data))
 
 

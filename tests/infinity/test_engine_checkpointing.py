@@ -111,8 +111,9 @@ def test_recompute_is_on_the_trace_prefetched_and_training_matches_no_checkpoint
     plain_stats: list[dict] = []
     (tmp_path / "plain").mkdir()
     (tmp_path / "ckpt").mkdir()
-    plain = infinity.initialize(copy.deepcopy(model), engine_config(tmp_path / "plain", "nvme"))
-    train_with(plain, data, plain_stats)
+    plain_model = copy.deepcopy(model)
+    plain = infinity.initialize(plain_model, engine_config(tmp_path / "plain", "nvme"))
+    plain_losses = train_with(plain, data, plain_stats)
     plain.close()
 
     model.checkpointing = {"use_reentrant": reentrant}
@@ -120,6 +121,10 @@ def test_recompute_is_on_the_trace_prefetched_and_training_matches_no_checkpoint
     per_step: list[dict] = []
     losses = train_with(engine, data, per_step)
     engine.close()
+    assert losses == plain_losses  # bit for bit what the same training without checkpointing gives
+    checkpointed = dict(model.named_parameters())
+    for name, p in plain_model.named_parameters():
+        assert torch.equal(checkpointed[name], p), name
     assert_parity(model, reference, losses, train_plain(reference, data))
 
     recomputed = [a - b for a, b in zip(step_deltas(per_step, "acquires"), step_deltas(plain_stats, "acquires"))]
