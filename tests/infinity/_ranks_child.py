@@ -89,6 +89,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
                 record["draw"] = torch.rand(4)
         params = dict(engine.named_parameters())
         stats = {**engine.stats()["optimizer"], "skipped_steps": engine.skipped_steps,
+                 "device": engine.device.type,
                  "loss_scale": engine.stats()["loss_scale"],
                  "gathered_ahead": engine.stats()["prefetch"]["gathered_ahead"]}
         # What this rank holds: the optimizer's (numel, offset) per unit, gradient buffer sizes.

@@ -225,11 +225,13 @@ def test_close_removes_every_hook_and_restores_parameters(tmp_path):
 
 @pytest.mark.parametrize("param", ["none", "cpu"])
 def test_parameters_not_offloaded_stay_bound_with_no_hook_per_module(tmp_path, param):
-    """offload_param none on one process: the values never leave the tier modules compute from,
-    so every unit is resident (bound from the first forward to the step, no fetch per use, no
-    saved-tensor hooks); offloaded ones are released after each use (placeholders)."""
+    """offload_param none on one process, the optimizer stepped after backward ("auto" on the
+    CPU): the values never leave the tier modules compute from, so every unit is resident
+    (bound from the first forward to the step, no fetch per use, no saved-tensor hooks);
+    offloaded ones are released after each use (placeholders)."""
     model = llama()
-    engine = infinity.initialize(model, config(tmp_path, param, "none"))
+    engine = infinity.initialize(model, config(tmp_path, param, "none", infinity={
+        "host_memory_budget": "1GB", "overlap_optimizer": False}))
     hooked = [m for m in model.modules() if m._forward_pre_hooks and m is not model]
     assert all(u.persistent for u in engine.units) == (param == "none")
     assert bool(hooked) == (param == "cpu")
