@@ -26,7 +26,8 @@ def test_a_child_reports_its_figures(tmp_path, config):
     if config == "nvme":
         assert result["bytes_per_step"] > 0 and result["raw_gbps"] > 0
         assert result["on_demand_nvme_after_step_1"] == 0  # the trace prefetches every unit
-        assert result["compactions_per_step"] >= 0 and result["compaction_s_per_step"] >= 0
+        # a tiny model in a budget that holds it: the host tier never needs compacting
+        assert result["compactions_per_step"] == 0 and result["compaction_s_per_step"] == 0
 
 
 def test_main_runs_each_config_in_a_child(tmp_path):

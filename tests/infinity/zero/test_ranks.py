@@ -13,7 +13,9 @@ def test_shards_cover_the_unit_once_with_equal_padded_sizes(numel, world):
     assert {s.numel for s in shards} == {-(-numel // world)}
     covered = [i for s in shards for i in range(s.start, s.stop)]
     assert covered == list(range(numel))  # in rank order, no gap, no overlap
-    assert all(0 <= s.real_numel <= s.numel for s in shards)
+    per = -(-numel // world)
+    real = [max(0, min(per, numel - r * per)) for r in range(world)]  # the last ones padded
+    assert [s.real_numel for s in shards] == real
 
 
 def test_a_shard_may_be_all_padding():
