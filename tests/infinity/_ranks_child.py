@@ -12,8 +12,8 @@ rank 1 sleeps `stall_s` there instead (a stuck rank), then exits. `zero_init`: b
 under infinity.zero.Init. `overflow_at_step`: rank 1's gradient of layer 0's bias is multiplied
 by inf there.
 
-Checkpoints: `load` (a directory) restores before training, which then runs from the loaded
-step to `steps` (the parameters right after loading are recorded as "loaded");
+Checkpoints: `load` (a directory, or one per rank) restores before training, which then runs
+from the loaded step to `steps` (the parameters right after loading are recorded as "loaded");
 `save`+`save_after`: save there after that many steps (parameters then recorded as "saved").
 Both record "draw", four numbers from torch's RNG right after the save / the load.
 `data_world` (default: the world) is the number of ranks whose rows the whole job trains on,
@@ -66,7 +66,8 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     losses, record = [], {}
     try:
         if "load" in case:
-            engine.load_checkpoint(case["load"])
+            load = case["load"]
+            engine.load_checkpoint(load[rank] if isinstance(load, list) else load)
             record["loaded"] = dict(engine.named_parameters())
             record["draw"] = torch.rand(4)  # the RNG state comes back with the checkpoint
         for step in range(engine.global_steps, case["steps"]):

@@ -194,6 +194,38 @@ def test_prefetch_leaves_no_on_demand_fetch_after_the_first_step(tmp_path):
     engine.close()
 
 
+class _WithUnused(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.used, self.unused = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])  # stepped after backward / during it
+def test_a_unit_without_a_gradient_is_stepped_with_a_zero_gradient(tmp_path, offload):
+    """As DeepSpeed (torch's AdamW skips a parameter without .grad): weight decay and the
+    moments' decay apply to the unused module too."""
+    model, reference, data = _WithUnused(), _WithUnused(), mlp_batches(3)
+    engine = infinity.initialize(model, config(tmp_path, offload, offload))
+    losses = train_engine(engine, data)
+    engine.close()
+    opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WD)
+    ref_losses = []
+    for (x,), _ in data:
+        loss = reference(x).square().mean()
+        loss.backward()
+        for p in reference.unused.parameters():
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    assert not torch.equal(model.unused.weight, _WithUnused().unused.weight)  # decayed
+    assert_parity(model, reference, losses, ref_losses)
+
+
 def test_lr_schedule_follows_deepspeed_warmup(tmp_path):
     engine = infinity.initialize(mlp(), config(tmp_path, scheduler={
         "type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,

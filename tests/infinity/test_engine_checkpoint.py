@@ -213,6 +213,49 @@ def test_frozen_and_resident_parameters_resume_too(tmp_path):
     assert all(torch.equal(got[n], t) for n, t in expected.items())
 
 
+def test_a_deepspeed_checkpoint_converted_to_infinity_resumes_with_weights_and_moments(tmp_path):
+    """`infinity-convert --to infinity` of a 2-rank ZeRO-3 DeepSpeed checkpoint: load_checkpoint
+    gives its fp32 weights and step count, and the next step is AdamW's from its moments at
+    Adam step 7 (as DeepSpeed would go on)."""
+    import deepspeed_layout
+
+    from infinity.cli.convert import main
+
+    def model():
+        torch.manual_seed(5)  # other values than the checkpoint's
+        return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+    g = torch.Generator().manual_seed(3)
+    weights = {name: torch.randn(p.shape, generator=g) for name, p in model().named_parameters()}
+    deepspeed_layout.write(tmp_path / "ds", weights, stage=3, precision="fp32")
+    assert main([str(tmp_path / "ds"), str(tmp_path / "run"), "--to", "infinity"]) == 0
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    cfg = config(swap, "nvme")
+    del cfg["scheduler"]
+    engine = infinity.initialize(model(), cfg)
+    engine.load_checkpoint(tmp_path / "run")
+    assert engine.global_steps == 7
+    loaded = dict(engine.named_parameters())
+    assert loaded.keys() == weights.keys()
+    assert all(torch.equal(loaded[name], w) for name, w in weights.items())
+    x = torch.randn(2, 8, generator=g)
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    got = dict(engine.named_parameters())
+    engine.close()
+
+    reference = model()
+    reference.load_state_dict(weights)
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    for name, p in reference.named_parameters():
+        opt.state[p] = {"step": torch.tensor(7.0), **deepspeed_layout.moments(weights[name])}
+    reference(x).square().mean().backward()
+    opt.step()
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-7)
+
+
 LOAD_CHILD = r"""
 import sys
 import torch

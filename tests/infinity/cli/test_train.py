@@ -130,6 +130,24 @@ def test_sigint_finishes_the_step_and_exits_0(tmp_path):
     assert (out_dir / "model.safetensors.index.json").exists()
 
 
+def test_a_second_ctrl_c_aborts_at_once_with_exit_130(capsys, monkeypatch):
+    """The first SIGINT asks the loop to stop after its step (GracefulStop, as the job uses it);
+    a second one interrupts there and then, and infinity-train exits 130."""
+    from infinity.train.loop import GracefulStop
+
+    def interrupted_twice(options, on_step):
+        with GracefulStop() as stop:
+            signal.raise_signal(signal.SIGINT)
+            assert stop.requested  # the first one only asked
+            signal.raise_signal(signal.SIGINT)
+        raise AssertionError("the second SIGINT did not interrupt")
+
+    monkeypatch.setattr(train, "run", interrupted_twice)
+    code, out, err = run_main(capsys, "--steps", "1")
+    assert code == 130
+    assert err.strip().splitlines()[-1] == "infinity-train: aborted", err
+
+
 @pytest.mark.parametrize("args, message", [
     (["--model", "{tmp}/nowhere"], "--model {tmp}/nowhere: no such directory"),
     (["--data", "{tmp}/empty.txt"], "--data {tmp}/empty.txt: no text"),
@@ -270,6 +288,10 @@ def test_checkpoint_options_bad_input(tmp_path, capsys):
         (("--steps", "1", "--resume"), "--resume: the checkpoint is at step 1, --steps 1"),
         (("--steps", "3", "--resume", "--batch-size", "3"),
          "--resume: the checkpoint at step 1 was made with batch_size 2, this run has 3"),
+        (("--steps", "3", "--resume", "--seed", "1"),
+         "--resume: the checkpoint at step 1 was made with seed 0, this run has 1"),
+        (("--steps", "3", "--resume", "--seq-len", "16"),  # the rows are cut anew: more of them
+         "--resume: the checkpoint at step 1 was made with rows 4988, this run has 9977"),
         (("--steps", "3", "--resume", "--lora", "2"), f"--resume: checkpoint {run_dir / 'checkpoints' / 'step1'} "
                                                       "has no parameter"),  # another model
         (("--steps", "3"), f"--output {run_dir}: exists and is not an empty directory (it holds checkpoints: "
