@@ -496,6 +496,7 @@ class StoreCore:
                 return
             self._closed = True
             moves = [*self._moving, *self._putting.values()]
+        self._room_changed()  # threads waiting for room find the store closed, not their deadline
         errors = []
         try:
             for move in moves:
