@@ -119,9 +119,15 @@ def assert_identical(model, losses, other):
         assert torch.equal(p, other_params[name]), name
 
 
-@pytest.mark.parametrize("optimizer", DEVICES)
-@pytest.mark.parametrize("param", DEVICES)
-@pytest.mark.parametrize("make, batches", [(mlp, mlp_batches), (llama, llama_batches)], ids=["mlp", "llama"])
+# Every offload pair on the MLP; on the Llama (a transformers model, tied embeddings) each
+# device of each kind and all on NVMe: its other pairs run the same code paths again.
+PARITY = [(mlp, mlp_batches, param, optimizer) for param in DEVICES for optimizer in DEVICES] + [
+    (llama, llama_batches, param, optimizer)
+    for param, optimizer in (("none", "none"), ("cpu", "nvme"), ("nvme", "cpu"), ("nvme", "nvme"))]
+
+
+@pytest.mark.parametrize("make, batches, param, optimizer", PARITY,
+                         ids=[f"{make.__name__}-{p}-{o}" for make, _, p, o in PARITY])
 def test_training_matches_pytorch(tmp_path, make, batches, param, optimizer):
     model = make()
     reference = copy.deepcopy(model)

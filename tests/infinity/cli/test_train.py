@@ -120,16 +120,6 @@ def interrupted_run(*args):
     return child.returncode, out, err
 
 
-def test_sigint_finishes_the_step_and_exits_0(tmp_path):
-    out_dir = tmp_path / "run"
-    code, out, err = interrupted_run("--steps", "2000", "--output", str(out_dir))
-    assert code == 0, err
-    assert b"stopped early by Ctrl-C" in out
-    steps = len((out_dir / "metrics.jsonl").read_text().splitlines())
-    assert 1 <= steps < 2000
-    assert (out_dir / "model.safetensors.index.json").exists()
-
-
 def test_a_second_ctrl_c_aborts_at_once_with_exit_130(capsys, monkeypatch):
     """The first SIGINT asks the loop to stop after its step (GracefulStop, as the job uses it);
     a second one interrupts there and then, and infinity-train exits 130."""
@@ -252,15 +242,19 @@ def test_save_every_and_resume_equals_one_run(tmp_path, capsys):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
-def test_sigint_saves_a_checkpoint_that_resume_continues(tmp_path, capsys):
+def test_sigint_finishes_the_step_saves_exports_and_resume_continues(tmp_path, capsys):
+    """One child serves both claims: Ctrl-C finishes the step, saves a checkpoint, exports the
+    model and exits 0; --resume then continues from that checkpoint."""
     out_dir = tmp_path / "run"
     code, out, err = interrupted_run("--steps", "2000", "--batch-size", "2", "--seq-len", "32",
                                      "--output", str(out_dir))
     assert code == 0, err
+    assert b"stopped early by Ctrl-C" in out
     stopped = len(losses(out_dir))
     assert f"last checkpoint {out_dir / 'checkpoints' / f'step{stopped}'} (continue".encode() in out
     assert 1 <= stopped < 2000
     assert (out_dir / "checkpoints" / "latest").read_text().strip() == f"step{stopped}"
+    assert (out_dir / "model.safetensors.index.json").exists()
     code, out, err = run_main(capsys, "--steps", str(stopped + 2), "--batch-size", "2", "--seq-len", "32",
                               "--output", str(out_dir), "--resume")
     assert code == 0, err
