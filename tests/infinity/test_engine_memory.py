@@ -6,11 +6,10 @@ RSS of the same work without the engine plus the budget plus a small slack (docs
 Each figure comes from a fresh child process (VmHWM cannot be reset)."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
+from children import python_child
 
 from infinity import BudgetError
 from infinity.engine._plan import plan_memory
@@ -53,14 +52,12 @@ print(json.dumps(result))
 
 
 def _child(mode: str, tmp_path) -> dict:
-    done = subprocess.run([sys.executable, "-c", _CHILD, mode, str(tmp_path)], capture_output=True,
-                          text=True, timeout=300)
+    done = python_child(["-c", _CHILD, mode, str(tmp_path)], timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_peak_rss_stays_within_the_budget_plus_the_baseline(tmp_path):
-    pytest.importorskip("transformers")
     baseline = _child("baseline", tmp_path)
     run = _child("engine", tmp_path)
     assert 500e6 <= 16 * run["numel"] <= 800e6  # a budget of 100-200 MB: large against the noise
