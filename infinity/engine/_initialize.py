@@ -10,6 +10,7 @@ import torch
 from infinity import checkpointing
 from infinity.config import ActivationCheckpointingConfig, load_config
 from infinity.engine._engine import Engine
+from infinity.engine._threads import check_wait_policy
 from infinity.zero import environment_world_size
 
 
@@ -32,6 +33,7 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"initialize() needs a torch.nn.Module, got {type(model).__name__}")
+    check_wait_policy()
     loaded = load_config(config, model=model, world_size=environment_world_size())
     if loaded.activation_checkpointing != ActivationCheckpointingConfig():
         checkpointing.configure(deepspeed_config=loaded.activation_checkpointing)
