@@ -100,7 +100,8 @@ def test_sub_group_size_is_an_upper_bound_the_plan_shrinks_to_fit(caplog):
     assert plan.budgets[Tier.HOST] + plan.outside_store_nbytes <= 1 << 30
     assert plan.grads_tier is None  # 256 MiB of gradients stay in RAM: the tiles made room
     assert 1 << 18 <= plan.tile_numel < 1 << 24 and plan.tile_numel % 4096 == 0
-    assert f"optimizer tiles of {plan.tile_numel} elements (sub_group_size 1000000000" in caplog.text
+    chose = f"optimizer tiles of {plan.tile_numel} elements (sub_group_size 1000000000"
+    assert chose in caplog.text
     one_more = plan_memory(units, host_memory_budget=1 << 30, tile_numel=plan.tile_numel + 4096,
                            **kwargs)
     assert one_more.tile_numel == plan.tile_numel  # the largest that fits was picked
@@ -117,8 +118,9 @@ def test_below_the_smallest_plan_the_error_names_the_budget_that_works():
               "prefetch_numel": 0, "tile_numel": 1_000_000_000}
     least = plan_memory(units, host_memory_budget=None, **kwargs).min_host_budget
     assert least < 3 * 12 * (1 << 24)  # less than three whole-unit tiles alone
-    with pytest.raises(BudgetError, match=rf"host_memory_budget {least - 1} bytes .* at least {least} bytes"
-                                          rf".*set infinity.host_memory_budget to at least {least}$"):
+    message = rf"host_memory_budget {least - 1} bytes .* at least {least} bytes" \
+        rf".*set infinity.host_memory_budget to at least {least}$"
+    with pytest.raises(BudgetError, match=message):
         plan_memory(units, host_memory_budget=least - 1, **kwargs)
     fits = plan_memory(units, host_memory_budget=least, **kwargs)
     assert fits.budgets[Tier.HOST] + fits.outside_store_nbytes <= least

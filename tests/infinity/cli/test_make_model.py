@@ -48,10 +48,11 @@ def test_an_existing_directory_is_refused(tmp_path, capsys):
 def test_the_default_vocab_holds_every_token_of_its_tokenizer(tmp_path, capsys):
     """<pad> (258) was beyond the default vocab of 258: padding a batch was an IndexError."""
     transformers = pytest.importorskip("transformers")
-    assert make_model.main([str(tmp_path / "m"), "--layers", "1", "--hidden", "32", "--intermediate",
-                            "64", "--heads", "4"]) == 0
+    assert make_model.main([str(tmp_path / "m"), "--layers", "1", "--hidden", "32",
+                            "--intermediate", "64", "--heads", "4"]) == 0
     count = 32 * 32 * 4 + 3 * 32 * 64 + 2 * 32 + 2 * 259 * 32 + 32  # one layer, two embeddings
-    assert f"Llama of {count / 1e3:.3g} K parameters ({count})" in capsys.readouterr().out  # not 0.000 B
+    out = capsys.readouterr().out
+    assert f"Llama of {count / 1e3:.3g} K parameters ({count})" in out  # not "0.000 B"
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "m")
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     assert config["vocab_size"] == len(tokenizer) == 259 and config["pad_token_id"] == 258
