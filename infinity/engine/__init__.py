@@ -11,6 +11,7 @@ from infinity.engine._placement import (
     lay_out,
     open_store,
 )
+from infinity.engine._precision import cpu_has_bf16_units
 
-__all__ = ["Engine", "Layout", "ParamSpec", "Placed", "attach_placed", "choose_model_precision", "initialize",
-           "lay_out", "open_store", "parameter_specs"]
+__all__ = ["Engine", "Layout", "ParamSpec", "Placed", "attach_placed", "choose_model_precision",
+           "cpu_has_bf16_units", "initialize", "lay_out", "open_store", "parameter_specs"]

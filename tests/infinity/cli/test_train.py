@@ -276,7 +276,7 @@ def test_checkpoint_options_bad_input(tmp_path, capsys):
     for args, message in [
         (("--steps", "1", "--resume"), "--resume: the checkpoint is at step 1, --steps 1"),
         (("--steps", "3", "--resume", "--batch-size", "3"),
-         "--resume: the checkpoint at step 1 was made with batch_size 2, this run has 3"),
+         "--resume: the checkpoint at step 1 was made with --batch-size 2, this run has 3"),
         (("--steps", "3", "--resume", "--lora", "2"), f"--resume: checkpoint {run_dir / 'checkpoints' / 'step1'} "
                                                       "has no parameter"),  # another model
         (("--steps", "3"), f"--output {run_dir}: exists and is not an empty directory (it holds checkpoints: "
