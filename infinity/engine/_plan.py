@@ -222,10 +222,10 @@ def _refusal(budget: int, min_budget: int, tiles_from: int | bool, smallest_tile
     tiles = f", optimizer tiles as small as {smallest_tiles} elements (zero_optimization." \
             f"sub_group_size {tiles_from} is the most)" if tiles_from else ""
     more = "" if offloaded else " or offload more (offload_param/offload_optimizer device 'nvme')"
-    return (f"host_memory_budget {budget} bytes ({budget / 1e9:.3g} GB) cannot hold this "
-            f"model's plan: it needs at least {min_budget} bytes ({min_budget / 1e9:.3g} GB), "
-            f"with the largest unit {largest} bytes{tiles}; set infinity.host_memory_budget "
-            f"to at least {min_budget}{more}")
+    least = f"{min_budget / 1e9:.3g} GB" if min_budget >= 1e8 else f"{min_budget / 1e6:.3g} MB"
+    return (f"host_memory_budget {budget} bytes cannot hold this model's plan: it needs at least "
+            f"{min_budget} bytes ({least}), with the largest unit {largest} bytes{tiles}; set "
+            f"infinity.host_memory_budget to at least {min_budget}{more}")
 
 
 def _log_choice(budget: int, asked_tiles: int, tiles: int, grads_on_nvme: bool) -> None:

@@ -185,9 +185,13 @@ def test_help_explains_every_option_with_its_default(capsys):
         train.main(["--help"])
     assert exit_info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    for option in ("--model DIR", "--data FILE|DIR", "--config JSON", "--nvme-path DIR", "--output DIR",
-                   "--steps N", "--seq-len N", "--batch-size N", "--lr X", "--save-every N", "--resume",
-                   "--lora R", "--report"):
+    for option in ("--model DIR", "--data PATH|ID", "--config JSON", "--nvme-path DIR",
+                   "--output DIR", "--steps N", "--seq-len N", "--batch-size N", "--lr X",
+                   "--save-every N", "--resume", "--lora R", "--report", "--host-memory SIZE",
+                   "--text-field NAME", "--eval-data PATH|ID", "--eval-split RATIO",
+                   "--eval-every N", "--warmup N|RATIO", "--schedule {constant,linear,cosine}",
+                   "--grad-accum N", "--gradient-checkpointing", "--weight-decay X", "--clip X",
+                   "--bf16", "--fp32", "--report-to {tensorboard}"):
         assert option in text
     for default in ("(default: 100)", "(default: 128)", "(default: 0)", "(default: 2G)", "else 8",
                     "infinity.models.load", "infinity-train --model"):

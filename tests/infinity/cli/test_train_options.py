@@ -206,7 +206,8 @@ def test_resume_takes_the_cached_tokens_and_names_a_changed_seq_len(tmp_path, ca
         raise AssertionError("tokenized again")
 
     monkeypatch.setattr(train_data, "tokenize", no_tokenizing)
-    code, _, err = run_main(capsys, "--steps", "2", *SMALL, "--output", out, "--resume")
+    code, _, err = run_main(capsys, "--steps", "2", *SMALL, "--save-every", "1", "--output", out,
+                            "--resume")
     assert code == 0, err
     monkeypatch.undo()
     code, _, err = run_main(capsys, "--steps", "3", "--batch-size", "2", "--seq-len", "16",
