@@ -54,7 +54,7 @@ def train_one_step(model_dir, config):
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
-        return engine.plan, float(loss)
+        return engine.plan, loss.item()
 
 
 def test_a_vocab_32000_model_trains_with_no_config(tmp_path, wide_vocab):
