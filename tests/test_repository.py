@@ -22,7 +22,7 @@ LAYERS: dict[str, set[str]] = {
     "tools": {"infinity", "aio"},
     # the console scripts' faces over the library
     "infinity.cli": {"infinity.train", "infinity.models", "infinity.checkpoint", "infinity.memory",
-                     "infinity.errors", "aio"},
+                     "infinity.config", "infinity.errors", "aio"},  # config: its size parser
     "infinity.train": {"infinity.engine", "infinity.models", "infinity.checkpoint", "infinity.zero",
                        "infinity.optim", "infinity.config", "infinity.store", "infinity.memory",
                        "infinity.errors", "aio"},

@@ -10,6 +10,7 @@ import torch
 from infinity import recompute
 from infinity.config import ActivationCheckpointingConfig, load_config
 from infinity.engine._engine import Engine
+from infinity.engine._threads import check_wait_policy
 from infinity.zero import environment_world_size
 
 
@@ -37,6 +38,7 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"initialize() needs a torch.nn.Module, got {type(model).__name__}")
+    check_wait_policy()
     loaded = load_config(config, model=model, world_size=environment_world_size())
     if loaded.activation_checkpointing != ActivationCheckpointingConfig():
         recompute.configure(deepspeed_config=loaded.activation_checkpointing)

@@ -23,8 +23,10 @@ from infinity.train.data import Batches
 logger = logging.getLogger(__name__)
 
 SUBDIR = "checkpoints"
-# what the data position means only together with: a resume with other values is refused
-FIXED = ("rows", "seq_len", "batch_size", "seed")
+# what the data position means only together with: a resume with other values is refused,
+# naming the option that sets each (the row count follows from the data and --seq-len)
+FIXED = {"seq_len": "--seq-len", "batch_size": "--batch-size", "seed": "--seed",
+         "rows": "the data's row count"}
 
 
 @dataclass
@@ -82,11 +84,11 @@ def data_state(batches: Batches, seq_len: int) -> dict[str, int]:
 
 def check_same_data(point: ResumePoint, now: dict[str, int]) -> None:
     """InputError naming the first setting that differs from the checkpoint's."""
-    for key in FIXED:
+    for key, option in FIXED.items():
         if point.data.get(key) != now[key]:
-            raise InputError(f"--resume: the checkpoint at step {point.step} was made with {key} "
-                             f"{point.data.get(key)}, this run has {now[key]} (use the same model, "
-                             f"data, --seq-len, --batch-size and --seed)")
+            raise InputError(f"--resume: the checkpoint at step {point.step} was made with "
+                             f"{option} {point.data.get(key)}, this run has {now[key]} (use the "
+                             "same model, data, --seq-len, --batch-size, --seed and eval split)")
 
 
 class Saver:

@@ -43,13 +43,17 @@ def run(capsys, *argv):
 
 @pytest.mark.parametrize("text, nbytes", [
     ("4096", 4096), ("256K", 256 << 10), ("1M", 1 << 20), ("2G", 2 << 30), ("2g", 2 << 30),
-    ("1GiB", 1 << 30), ("8MB", 8 << 20), ("1T", 1 << 40),
+    ("1GiB", 1 << 30), ("1T", 1 << 40), ("1.5G", 3 << 29), ("8MB", 8_000_000), ("2GB", 2 * 10**9),
 ])
-def test_sizes_accept_binary_suffixes(text, nbytes):
+def test_sizes_mean_what_the_config_means(text, nbytes):
+    """One parser: a size on a command line is what the same text means in a config."""
+    from infinity.config import parse_bytes
+
+    assert cli.parse_size(text) == nbytes == parse_bytes(text)
     assert cli.parse_size(text) == nbytes
 
 
-@pytest.mark.parametrize("text", ["", "G", "1.5G", "-1M", "0", "3X", "1MM"])
+@pytest.mark.parametrize("text", ["", "G", "1.3B", "-1M", "0", "3X", "1MM"])
 def test_bad_sizes_are_refused(text):
     with pytest.raises(argparse.ArgumentTypeError, match="is not a size"):
         cli.parse_size(text)

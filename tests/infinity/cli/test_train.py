@@ -188,9 +188,13 @@ def test_help_explains_every_option_with_its_default(capsys):
         train.main(["--help"])
     assert exit_info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    for option in ("--model DIR", "--data FILE|DIR", "--config JSON", "--nvme-path DIR", "--output DIR",
-                   "--steps N", "--seq-len N", "--batch-size N", "--lr X", "--save-every N", "--resume",
-                   "--lora R", "--report"):
+    for option in ("--model DIR", "--data PATH|ID", "--config JSON", "--nvme-path DIR",
+                   "--output DIR", "--steps N", "--seq-len N", "--batch-size N", "--lr X",
+                   "--save-every N", "--resume", "--lora R", "--report", "--host-memory SIZE",
+                   "--text-field NAME", "--eval-data PATH|ID", "--eval-split RATIO",
+                   "--eval-every N", "--warmup N|RATIO", "--schedule {constant,linear,cosine}",
+                   "--grad-accum N", "--gradient-checkpointing", "--weight-decay X", "--clip X",
+                   "--bf16", "--fp32", "--report-to {tensorboard}"):
         assert option in text
     for default in ("(default: 100)", "(default: 128)", "(default: 0)", "(default: 2G)", "else 8",
                     "infinity.models.load", "infinity-train --model"):
@@ -238,7 +242,8 @@ def test_save_every_and_resume_equals_one_run(tmp_path, capsys):
     assert losses(halves) == losses(whole)  # exactly: the second half took the same batches
     assert list(losses(halves)) == [1, 2, 3, 4]
     assert_same_weights(halves, whole)
-    assert sorted(os.listdir(halves / "checkpoints")) == ["latest", "step1", "step2", "step3"]
+    # every 3rd step and the last: a run that ends leaves a checkpoint of where it ended
+    assert sorted(os.listdir(halves / "checkpoints")) == ["latest", "step1", "step2", "step3", "step4"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
@@ -281,11 +286,11 @@ def test_checkpoint_options_bad_input(tmp_path, capsys):
     for args, message in [
         (("--steps", "1", "--resume"), "--resume: the checkpoint is at step 1, --steps 1"),
         (("--steps", "3", "--resume", "--batch-size", "3"),
-         "--resume: the checkpoint at step 1 was made with batch_size 2, this run has 3"),
+         "--resume: the checkpoint at step 1 was made with --batch-size 2, this run has 3"),
         (("--steps", "3", "--resume", "--seed", "1"),
-         "--resume: the checkpoint at step 1 was made with seed 0, this run has 1"),
+         "--resume: the checkpoint at step 1 was made with --seed 0, this run has 1"),
         (("--steps", "3", "--resume", "--seq-len", "16"),  # the rows are cut anew: more of them
-         "--resume: the checkpoint at step 1 was made with rows 4988, this run has 9977"),
+         "--resume: the checkpoint at step 1 was made with --seq-len 32, this run has 16"),
         (("--steps", "3", "--resume", "--lora", "2"), f"--resume: checkpoint {run_dir / 'checkpoints' / 'step1'} "
                                                       "has no parameter"),  # another model
         (("--steps", "3"), f"--output {run_dir}: exists and is not an empty directory (it holds checkpoints: "
