@@ -42,7 +42,8 @@ def locate(file: FileLike) -> tuple[str, str]:
         path = os.fspath(file)
         return path, path
     if not hasattr(file, "fileno"):
-        raise TypeError(f"expected a path or an open file (with fileno()), got {type(file).__name__}")
+        raise TypeError("expected a path or an open file (with fileno()), "
+                        f"got {type(file).__name__}")
     fd = file.fileno()
     return f"/proc/self/fd/{fd}", str(getattr(file, "name", f"file descriptor {fd}"))
 

@@ -57,7 +57,8 @@ def dio_alignment(fd: int) -> tuple[int, int] | None:
 def crc32c(address: int, nbytes: int, crc: int, implementation: str) -> int:
     """CRC-32C of nbytes at address, continuing from crc (the GIL is released meanwhile)."""
     out = ffi.new("uint32_t *")
-    _check(lib.inf_crc32c(ffi.cast("void *", address), nbytes, crc, CRC32C_IDS[implementation], out),
+    _check(lib.inf_crc32c(ffi.cast("void *", address), nbytes, crc, CRC32C_IDS[implementation],
+                          out),
            f"crc32c with the {implementation} implementation")
     return out[0]
 

@@ -20,7 +20,10 @@ from aio.handle import Handle
 
 async def read(path: str | os.PathLike[str], buffer: Any, offset: int = 0, *,
                handle: Handle | None = None) -> int:
-    """Fill `buffer` from `path` at `offset`; bytes read. Raises AIOError (ENODATA at end of file)."""
+    """Fill `buffer` from `path` at `offset`; bytes read.
+
+    Raises AIOError (ENODATA at end of file).
+    """
     if handle is not None:
         request = handle.read(buffer, path, offset)
         return await asyncio.get_running_loop().run_in_executor(None, request.wait)

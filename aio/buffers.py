@@ -26,7 +26,8 @@ def _huge_page_nbytes() -> int:
 HUGE_PAGE_NBYTES = _huge_page_nbytes()
 
 
-def aligned_empty(nbytes: int, alignment: int = PAGE_NBYTES, *, pin: bool | None = None) -> torch.Tensor:
+def aligned_empty(nbytes: int, alignment: int = PAGE_NBYTES, *,
+                  pin: bool | None = None) -> torch.Tensor:
     """A 1D torch.uint8 CPU tensor of `nbytes` whose address is a multiple of `alignment`.
 
     Aligned buffers let O_DIRECT move data without a bounce copy. With CUDA present (or
@@ -63,7 +64,7 @@ def aligned_empty(nbytes: int, alignment: int = PAGE_NBYTES, *, pin: bool | None
 
 
 def _huge_page_backed(nbytes: int) -> torch.Tensor:
-    """`nbytes` of fresh anonymous memory starting on a huge-page boundary, advised for huge pages."""
+    """`nbytes` of fresh anonymous memory on a huge-page boundary, advised for huge pages."""
     region = mmap.mmap(-1, nbytes + HUGE_PAGE_NBYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         region.madvise(mmap.MADV_HUGEPAGE)

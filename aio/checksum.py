@@ -30,7 +30,8 @@ def crc32c(buffer: Any, crc: int = 0, *, implementation: str = "auto") -> int:
     if not isinstance(crc, int) or not 0 <= crc < 1 << 32:
         raise ValueError(f"crc must be an int in 0..2**32-1, got {crc!r}")
     raw = raw_buffer(buffer, writable=False)
-    return _native.crc32c(raw.address, raw.nbytes, crc, implementation)  # raw keeps the memory alive
+    # raw keeps the memory alive
+    return _native.crc32c(raw.address, raw.nbytes, crc, implementation)
 
 
 def crc32c_hardware_available() -> bool:

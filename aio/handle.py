@@ -24,7 +24,10 @@ _auto_choice: str | None = None
 
 
 def available_backends() -> list[str]:
-    """The backends this process may use, fastest first (io_uring may be forbidden, e.g. by seccomp)."""
+    """The backends this process may use, fastest first.
+
+    io_uring may be forbidden, e.g. by seccomp.
+    """
     return [name for name in BACKENDS if _native.probe(name) == 0]
 
 
@@ -59,19 +62,21 @@ class Handle:
     Notes
     -----
     Files are opened on first use (O_DIRECT where the file system allows) and kept open until
-    close() or forget(file). Pieces that are aligned to the file system's direct-I/O alignment (at least a
-    page) go through O_DIRECT; unaligned heads, tails and buffers go through the page cache,
-    so nothing is ever written short. Use `aligned_empty` buffers and aligned offsets for full
-    speed. Thread-safe.
+    close() or forget(file). Pieces that are aligned to the file system's direct-I/O alignment
+    (at least a page) go through O_DIRECT; unaligned heads, tails and buffers go through the
+    page cache, so nothing is ever written short. Use `aligned_empty` buffers and aligned
+    offsets for full speed. Thread-safe.
     """
 
     def __init__(self, block_size: int = 1 << 20, queue_depth: int = 32, threads: int = 1,
                  backend: str = "auto", *, faults: Iterable[Fault] = ()) -> None:
-        for name, value in (("block_size", block_size), ("queue_depth", queue_depth), ("threads", threads)):
+        for name, value in (("block_size", block_size), ("queue_depth", queue_depth),
+                            ("threads", threads)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {value!r}")
         if not (0 < block_size <= 1 << 30 and block_size % 4096 == 0):
-            raise ValueError(f"block_size must be a multiple of 4096 bytes up to 1 GiB, got {block_size}")
+            raise ValueError("block_size must be a multiple of 4096 bytes up to 1 GiB, "
+                             f"got {block_size}")
         if not 0 < queue_depth <= 4096:
             raise ValueError(f"queue_depth must be in 1..4096, got {queue_depth}")
         if not 0 < threads <= 64:
@@ -124,7 +129,8 @@ class Handle:
                 native = self._native.submit(op, opened.target, raw.address, raw.nbytes, offset)
             except OSError as exc:
                 self._files.release(opened)
-                raise AIOError(exc.errno, exc.strerror, name, op=op, offset=offset, nbytes=raw.nbytes) from None
+                raise AIOError(exc.errno, exc.strerror, name, op=op, offset=offset,
+                               nbytes=raw.nbytes) from None
             request = Request(self, native, raw.keepalive, opened, op, name, offset, raw.nbytes)
             self._in_flight.add(request)
         return request

@@ -86,7 +86,8 @@ class Request:
         if status.error == errno.ENODATA:
             try:
                 size = os.fstat(self._file.buffered_fd).st_size
-                message = f"end of file: the file has {size} bytes, the read needs {self.offset + self.nbytes}"
+                message = (f"end of file: the file has {size} bytes, "
+                           f"the read needs {self.offset + self.nbytes}")
             except OSError:
                 message = "end of file before the read was satisfied"
         elif status.error == errno.ECANCELED:
@@ -96,4 +97,5 @@ class Request:
 
     def __repr__(self) -> str:
         state = "in flight" if self._outcome is None else "done"
-        return f"<aio.Request {self.op} {self.path!r} offset={self.offset} nbytes={self.nbytes} {state}>"
+        return (f"<aio.Request {self.op} {self.path!r} offset={self.offset} "
+                f"nbytes={self.nbytes} {state}>")

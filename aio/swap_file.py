@@ -49,13 +49,15 @@ class SwapFile:
     Allocation is thread-safe.
     """
 
-    def __init__(self, path: str | os.PathLike[str], nbytes: int, *, alignment: int | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], nbytes: int, *,
+                 alignment: int | None = None) -> None:
         if nbytes <= 0:
             raise ValueError(f"swap file size must be > 0 bytes, got {nbytes}")
         self.directory = os.path.dirname(os.path.abspath(os.fspath(path)))
         self.name = f"{self.directory} (unlinked swap file)"  # what messages call it
         if not os.path.isdir(self.directory):
-            raise AIOError(errno.ENOENT, "the directory does not exist", self.directory, op="create swap file")
+            raise AIOError(errno.ENOENT, "the directory does not exist", self.directory,
+                           op="create swap file")
         self._fd = self._create(os.fspath(path), nbytes)
         try:
             found = _native.dio_alignment(self._fd)
@@ -77,12 +79,14 @@ class SwapFile:
     def _create(self, path: str, nbytes: int) -> int:
         free = _free_bytes(self.directory)
         if free is not None and free < nbytes:
-            raise AIOError(errno.ENOSPC, f"needs {nbytes} bytes but the file system has {free} free",
+            raise AIOError(errno.ENOSPC,
+                           f"needs {nbytes} bytes but the file system has {free} free",
                            self.name, op="create swap file", nbytes=nbytes)
         try:
             fd = _open_unlinked(self.directory, path)
         except OSError as exc:
-            raise AIOError(exc.errno or errno.EIO, exc.strerror, self.name, op="create swap file") from None
+            raise AIOError(exc.errno or errno.EIO, exc.strerror, self.name,
+                           op="create swap file") from None
         try:
             os.posix_fallocate(fd, 0, nbytes)
         except OSError as exc:
@@ -100,7 +104,10 @@ class SwapFile:
     # -- extents ------------------------------------------------------------------------------
 
     def allocate(self, nbytes: int) -> Extent:
-        """Reserve an aligned extent for `nbytes` (best fit). Raises AIOError(ENOSPC) if no hole fits."""
+        """Reserve an aligned extent for `nbytes` (best fit).
+
+        Raises AIOError(ENOSPC) if no hole fits.
+        """
         if nbytes < 0:
             raise ValueError(f"extent size must be >= 0, got {nbytes}")
         capacity = max(self.alignment, -(-nbytes // self.alignment) * self.alignment)
@@ -110,7 +117,8 @@ class SwapFile:
             if offset is None:
                 raise AIOError(errno.ENOSPC,
                                f"swap file full: asked {capacity} bytes, largest hole "
-                               f"{self._free.largest_nbytes}, {self._free.free_nbytes} free of {self.nbytes}",
+                               f"{self._free.largest_nbytes}, {self._free.free_nbytes} free "
+                               f"of {self.nbytes}",
                                self.name, op="allocate", nbytes=nbytes)
             extent = Extent(offset, nbytes, capacity)
             self._live[offset] = extent

@@ -6,7 +6,7 @@ class ConfigError(ValueError):
 
 
 class BudgetError(MemoryError):
-    """A memory budget (arena, tier, pool) cannot hold what was asked; the message carries the stats."""
+    """A memory budget (arena, tier, pool) cannot hold what was asked; the message has the stats."""
 
 
 class ConfigPathError(OSError, ConfigError):
@@ -58,7 +58,8 @@ class RankError(RuntimeError):
     not answering; empty when unknown).
     """
 
-    def __init__(self, message: str, *, rank: int, collective: str, peers: tuple[int, ...] = ()) -> None:
+    def __init__(self, message: str, *, rank: int, collective: str,
+                 peers: tuple[int, ...] = ()) -> None:
         super().__init__(message)
         self.rank = rank
         self.collective = collective

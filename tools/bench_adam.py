@@ -11,10 +11,11 @@ bf16 copy are 30 bytes per parameter. GB/s is those bytes over the median step t
 
 The memory bound is the fastest of three streaming references timed in the same run, counting
 bytes read + written: torch `copy_` between two large fp32 buffers, an in-place `mul_` of one,
-and libc memcpy (numpy `copyto`) split over the kernel's thread count. "of bound" is a row's GB/s over it, i.e. how close a step comes to moving its bytes once at
-the speed memory allows. All rows are timed in turns (one step of each, repeated), so a change in
-machine load hits every row alike. torch rows always use fp32 grads (torch needs grad dtype ==
-param dtype); the "+ copy_" row adds the separate bf16/fp16 copy our kernel fuses.
+and libc memcpy (numpy `copyto`) split over the kernel's thread count. "of bound" is a row's
+GB/s over it, i.e. how close a step comes to moving its bytes once at the speed memory allows.
+All rows are timed in turns (one step of each, repeated), so a change in machine load hits
+every row alike. torch rows always use fp32 grads (torch needs grad dtype == param dtype); the
+"+ copy_" row adds the separate bf16/fp16 copy our kernel fuses.
 """
 
 import argparse

@@ -28,10 +28,12 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bench_compute", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="Hugging Face model directory (only config.json is read)")
+    p.add_argument("--model", required=True,
+                   help="Hugging Face model directory (only config.json is read)")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--dtype", choices=DTYPES, default="bf16", help="compute dtype (the engine's choice)")
+    p.add_argument("--dtype", choices=DTYPES, default="bf16",
+                   help="compute dtype (the engine's choice)")
     p.add_argument("--repeat", type=int, default=5, help="timed forward+backward passes per depth")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     return p
@@ -70,11 +72,13 @@ def measure(directory: str, seq_len: int, batch_size: int, dtype: torch.dtype, r
     config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
     layers = config.num_hidden_layers
     with torch.device("meta"):
-        params = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+        params = sum(p.numel()
+                     for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
     small = config.__class__.from_dict({**config.to_dict(), "num_hidden_layers": 2})
     model = transformers.AutoModelForCausalLM.from_config(small, dtype=dtype)
     clock = LayerClock(decoder_layers(model, 2))
-    ids = torch.randint(0, config.vocab_size, (batch_size, seq_len), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, config.vocab_size, (batch_size, seq_len),
+                        generator=torch.Generator().manual_seed(0))
     passes, per_layer = [], []
     for i in range(repeat + 1):
         clock.seconds = [0.0, 0.0]
@@ -90,7 +94,8 @@ def measure(directory: str, seq_len: int, batch_size: int, dtype: torch.dtype, r
     flop = 6 * params * batch_size * seq_len
     return {"layers": layers, "parameters": params, "rest_s": rest, "layer_s": layer,
             "layer_s_range": [min(per_layer), max(per_layer)], "floor_s": floor,
-            "floor_s_range": [min(passes) + layers * min(per_layer), max(passes) + layers * max(per_layer)],
+            "floor_s_range": [min(passes) + layers * min(per_layer),
+                              max(passes) + layers * max(per_layer)],
             "flop": flop,
             "gflops": flop / floor / 1e9, "threads": torch.get_num_threads()}
 
@@ -98,13 +103,15 @@ def measure(directory: str, seq_len: int, batch_size: int, dtype: torch.dtype, r
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     result = measure(args.model, args.seq_len, args.batch_size, DTYPES[args.dtype], args.repeat)
-    print(f"{args.model}: {result['parameters'] / 1e9:.3f} B parameters, {result['layers']} layers, "
-          f"{args.batch_size} x {args.seq_len} tokens, {args.dtype}, {result['threads']} threads")
+    print(f"{args.model}: {result['parameters'] / 1e9:.3f} B parameters, "
+          f"{result['layers']} layers, {args.batch_size} x {args.seq_len} tokens, {args.dtype}, "
+          f"{result['threads']} threads")
     low, high = result["layer_s_range"]
-    print(f"forward+backward: one decoder layer {result['layer_s']:.3f} s (median, {low:.3f}-{high:.3f}), the "
-          f"rest {result['rest_s']:.3f} s -> compute floor {result['floor_s']:.2f} s per step "
-          f"({result['floor_s_range'][0]:.2f}-{result['floor_s_range'][1]:.2f} from the fastest and slowest) "
-          f"({result['gflops']:.1f} GFLOP/s at 6 N tokens)")
+    print(f"forward+backward: one decoder layer {result['layer_s']:.3f} s "
+          f"(median, {low:.3f}-{high:.3f}), the rest {result['rest_s']:.3f} s -> compute floor "
+          f"{result['floor_s']:.2f} s per step "
+          f"({result['floor_s_range'][0]:.2f}-{result['floor_s_range'][1]:.2f} from the fastest "
+          f"and slowest) ({result['gflops']:.1f} GFLOP/s at 6 N tokens)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

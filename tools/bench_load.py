@@ -24,8 +24,8 @@ import tempfile
 
 from infinity.cli.args import parse_size
 
-TINYLLAMA = {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
-             "num_attention_heads": 32, "num_key_value_heads": 4}
+TINYLLAMA = {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632,
+             "num_hidden_layers": 22, "num_attention_heads": 32, "num_key_value_heads": 4}
 
 _CHILD = """
 import json, sys, time
@@ -69,7 +69,8 @@ def write_checkpoint(directory: str, shape: dict[str, int], seed: int = 0) -> in
         shards[f"layer{i}.safetensors"] = {
             p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
             p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
-            p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f),
+            p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+            p + "mlp.down_proj.weight": (h, f),
             p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
     g = torch.Generator().manual_seed(seed)
     weight_map, total = {}, 0
@@ -88,7 +89,8 @@ def run_child(directory: str, nvme: str, what: str, *, window: int, host_budget:
     """Peak RSS (and, loading, stored bytes and host tier) of a child that builds the model on
     meta (`what` "meta") or loads it ("load": fp32 parameters, "load-bf16": bf16)."""
     argv = [directory, nvme, what, str(window), str(host_budget), str(sub_group_size)]
-    out = subprocess.run([sys.executable, "-c", _CHILD, *argv], capture_output=True, text=True, timeout=1800,
+    out = subprocess.run([sys.executable, "-c", _CHILD, *argv], capture_output=True, text=True,
+                         timeout=1800,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if out.returncode != 0:
         raise RuntimeError(f"the {what} child failed:\n{out.stderr[-3000:]}")
@@ -97,14 +99,17 @@ def run_child(directory: str, nvme: str, what: str, *, window: int, host_budget:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--path", default=tempfile.gettempdir(), help="scratch directory (checkpoint, swap file)")
+    parser.add_argument("--path", default=tempfile.gettempdir(),
+                        help="scratch directory (checkpoint, swap file)")
     parser.add_argument("--window", type=parse_size, default=256 << 20)
-    parser.add_argument("--host-budget", type=parse_size, default=800 << 20, help="infinity.host_memory_budget")
+    parser.add_argument("--host-budget", type=parse_size, default=800 << 20,
+                        help="infinity.host_memory_budget")
     parser.add_argument("--layers", type=int, default=TINYLLAMA["num_hidden_layers"])
     parser.add_argument("--hidden", type=int, default=TINYLLAMA["hidden_size"])
     parser.add_argument("--intermediate", type=int, default=TINYLLAMA["intermediate_size"])
     parser.add_argument("--vocab", type=int, default=TINYLLAMA["vocab_size"])
-    parser.add_argument("--sub-group-size", type=int, default=1 << 22, help="optimizer tile, elements")
+    parser.add_argument("--sub-group-size", type=int, default=1 << 22,
+                        help="optimizer tile, elements")
     args = parser.parse_args(argv)
     shape = {**TINYLLAMA, "num_hidden_layers": args.layers, "hidden_size": args.hidden,
              "intermediate_size": args.intermediate, "vocab_size": args.vocab}
@@ -115,18 +120,19 @@ def main(argv: list[str] | None = None) -> int:
         nbytes = write_checkpoint(checkpoint, shape)
         base = run_child(checkpoint, nvme, "meta", window=args.window, host_budget=args.host_budget,
                          sub_group_size=args.sub_group_size)
-        run = run_child(checkpoint, nvme, "load-bf16", window=args.window, host_budget=args.host_budget,
-                        sub_group_size=args.sub_group_size)
+        run = run_child(checkpoint, nvme, "load-bf16", window=args.window,
+                        host_budget=args.host_budget, sub_group_size=args.sub_group_size)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     mib = 1 << 20
     growth = run["peak"] - base["peak"]
     print(f"checkpoint {nbytes / mib:.0f} MiB bf16, window {args.window / mib:.0f} MiB, host tier "
           f"{run['host_tier'] / mib:.0f} MiB")
-    print(f"peak RSS: {base['peak'] / mib:.0f} MiB building on meta, {run['peak'] / mib:.0f} MiB loading "
+    print(f"peak RSS: {base['peak'] / mib:.0f} MiB building on meta, "
+          f"{run['peak'] / mib:.0f} MiB loading "
           f"(+{growth / mib:.0f} MiB = host tier + {(growth - run['host_tier']) / mib:.0f} MiB)")
-    print(f"load {run['seconds']:.1f} s ({nbytes / run['seconds'] / 1e6:.0f} MB/s of checkpoint, build and "
-          "index included)")
+    print(f"load {run['seconds']:.1f} s ({nbytes / run['seconds'] / 1e6:.0f} MB/s of checkpoint, "
+          "build and index included)")
     return 0
 
 

@@ -71,11 +71,13 @@ def _nvme_bytes(stats: dict) -> int:
     return sum(m["nbytes"] for d, m in stats["store"]["moves"].items() if "nvme" in d)
 
 
-def raw_stream_gbps(directory: str, options: dict, nbytes: int = 32 << 20, count: int = 16) -> float:
+def raw_stream_gbps(directory: str, options: dict, nbytes: int = 32 << 20,
+                    count: int = 16) -> float:
     """The raw aio read+write stream (window 2) on `directory`, with the engine's aio options."""
     import aio
     from infinity.cli.nvme_measure import window_stream
-    with aio.Handle(**options) as handle, aio.SwapFile(f"{directory}/raw.swap", count * nbytes) as swap:
+    with aio.Handle(**options) as handle, \
+            aio.SwapFile(f"{directory}/raw.swap", count * nbytes) as swap:
         extents = [swap.allocate(nbytes) for _ in range(count)]
         fill = aio.aligned_empty(nbytes).fill_(1)
         for e in extents:
@@ -129,7 +131,8 @@ def run_child(args: argparse.Namespace, config: str, directory: str) -> dict:
             marks.append((time.perf_counter(), time.process_time()))
             stats = engine.stats()
             room = stats["store"]["room"]
-            counts.append({"bytes": _nvme_bytes(stats), "on_demand": stats["prefetch"]["on_demand_nvme"],
+            counts.append({"bytes": _nvme_bytes(stats),
+                           "on_demand": stats["prefetch"]["on_demand_nvme"],
                            "compactions": sum(room["compactions"].values()),
                            "compaction_s": sum(room["compaction_s"].values())})
 
@@ -148,7 +151,8 @@ def run_child(args: argparse.Namespace, config: str, directory: str) -> dict:
         result["optimizer"] = engine.stats()["optimizer"]
         if args.trace:
             engine.write_trace(f"{args.trace}.{config}.json")
-        options = {**engine.config.aio.handle_options(), "backend": engine.config.infinity.aio_backend}
+        options = {**engine.config.aio.handle_options(),
+                   "backend": engine.config.infinity.aio_backend}
         engine.close(restore_params=False)
         if config == "nvme":
             def per_timed_step(key: str) -> float:
@@ -205,7 +209,8 @@ def report(runs: dict[str, list[dict]]) -> dict:
         return f"{min(values):.3g}-{max(values):.3g}"
 
     out = {c: {"step_s": med(c, "step_s"), "step_range": rng(c, "step_s"), "cpu_s": med(c, "cpu_s"),
-               "cpu_range": rng(c, "cpu_s"), "peak_rss_gb": med(c, "peak_rss") / GB} for c in runs if c != "pair"}
+               "cpu_range": rng(c, "cpu_s"), "peak_rss_gb": med(c, "peak_rss") / GB}
+           for c in runs if c != "pair"}
     if "pair" in runs:
         out["none over torch, interleaved"] = {
             "ratio": med("pair", "ratio"), "cpu_ratio": med("pair", "cpu_ratio"),
@@ -213,8 +218,10 @@ def report(runs: dict[str, list[dict]]) -> dict:
             "pair_ratio_range": ",".join(r["ratio_range"] for r in runs["pair"])}
     if "nvme" in runs:
         nvme = out["nvme"]
-        nvme.update(bytes_per_step_gb=med("nvme", "bytes_per_step") / GB, raw_gbps=med("nvme", "raw_gbps"),
-                    on_demand_nvme_after_step_1=max(r["on_demand_nvme_after_step_1"] for r in runs["nvme"]),
+        nvme.update(bytes_per_step_gb=med("nvme", "bytes_per_step") / GB,
+                    raw_gbps=med("nvme", "raw_gbps"),
+                    on_demand_nvme_after_step_1=max(r["on_demand_nvme_after_step_1"]
+                                                    for r in runs["nvme"]),
                     compactions_per_step=med("nvme", "compactions_per_step"),
                     compaction_s_per_step=med("nvme", "compaction_s_per_step"))
         io_s = nvme["bytes_per_step_gb"] / nvme["raw_gbps"]
@@ -258,14 +265,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=5, help="steps per child")
     parser.add_argument("--warmup", type=int, default=2,
-                        help="steps not timed (the engine records its trace in step 1; torch and the "
-                             "allocator touch their memory for the first time in steps 1-2)")
+                        help="steps not timed (the engine records its trace in step 1; torch and "
+                             "the allocator touch their memory for the first time in steps 1-2)")
     parser.add_argument("--rounds", type=int, default=1, help="rounds of all configs, alternating")
-    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="subset of " + ",".join(CONFIGS))
-    parser.add_argument("--sub-group-size", type=int, default=2_000_000, help="elements per optimizer tile (sub_group_size)")
-    parser.add_argument("--omp-wait-policy", choices=("passive", "active", "inherit"), default="passive",
-                        help="OMP_WAIT_POLICY of the children ('inherit': this process's environment)")
-    parser.add_argument("--trace", help="write each engine child's Perfetto trace to TRACE.<config>.json")
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                        help="subset of " + ",".join(CONFIGS))
+    parser.add_argument("--sub-group-size", type=int, default=2_000_000,
+                        help="elements per optimizer tile (sub_group_size)")
+    parser.add_argument("--omp-wait-policy", choices=("passive", "active", "inherit"),
+                        default="passive",
+                        help="OMP_WAIT_POLICY of the children "
+                             "('inherit': this process's environment)")
+    parser.add_argument("--trace",
+                        help="write each engine child's Perfetto trace to TRACE.<config>.json")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -292,8 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for r in range(args.rounds):
             for config in configs if r % 2 == 0 else configs[::-1]:
-                done = subprocess.run([sys.executable, "-m", "tools.bench_step", *argv, "--path", directory,
-                                       "--child", config], capture_output=True, text=True, env=child_env(args))
+                done = subprocess.run([sys.executable, "-m", "tools.bench_step", *argv,
+                                       "--path", directory, "--child", config],
+                                      capture_output=True, text=True, env=child_env(args))
                 if done.returncode != 0:
                     print(f"error: {config} child failed:\n{done.stderr[-4000:]}", file=sys.stderr)
                     return 1

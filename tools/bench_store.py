@@ -33,7 +33,8 @@ from infinity.store import TensorStore
 GB = bench.GB
 
 
-def store_stream(store: TensorStore, keys: list[str], nbytes: int, window: int, modify: bool) -> float:
+def store_stream(store: TensorStore, keys: list[str], nbytes: int, window: int,
+                 modify: bool) -> float:
     """The same pattern through the store's fetch / prefetch / release; GB/s."""
     start = time.perf_counter()
     for i, key in enumerate(keys):
@@ -79,7 +80,8 @@ def bench_stream(args: argparse.Namespace, directory: str) -> dict:
             "raw_gbps": statistics.median(p[0] for p in pairs),
             "store_gbps": statistics.median(p[1] for p in pairs),
             "ratio": statistics.median(p[1] / p[0] for p in pairs),
-            "ratio_range": f"{min(p[1] / p[0] for p in pairs):.2f}-{max(p[1] / p[0] for p in pairs):.2f}",
+            "ratio_range": (f"{min(p[1] / p[0] for p in pairs):.2f}-"
+                            f"{max(p[1] / p[0] for p in pairs):.2f}"),
         }
     return results
 
@@ -153,24 +155,29 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--path", required=True, help="directory on the disk to measure")
     parser.add_argument("--mode", choices=["stream", "optimizer"], default="stream",
-                        help="stream: store vs raw aio; optimizer: SwappedOptimizer step vs the I/O floor")
+                        help="stream: store vs raw aio; "
+                             "optimizer: SwappedOptimizer step vs the I/O floor")
     parser.add_argument("--tensors", type=int, default=16, help="tensors streamed (stream mode)")
     parser.add_argument("--tensor-size", type=parse_size, default="64M", help="bytes per tensor")
     parser.add_argument("--window", type=int, default=2, help="tensors read ahead")
-    parser.add_argument("--params", type=parse_size, default="50M", help="parameters (optimizer mode)")
+    parser.add_argument("--params", type=parse_size, default="50M",
+                        help="parameters (optimizer mode)")
     parser.add_argument("--tile", type=parse_size, default="4M", help="elements per optimizer tile")
     parser.add_argument("--checksum", choices=["on", "off", "ab"], default="off",
-                        help="the store's crc32c of NVMe data (off, as the store defaults); ab: on and off in turns (optimizer mode)")
+                        help="the store's crc32c of NVMe data (off, as the store defaults); "
+                             "ab: on and off in turns (optimizer mode)")
     parser.add_argument("--block-size", type=parse_size, default="1M", help="aio block size")
     parser.add_argument("--queue-depth", type=int, default=32, help="aio queue depth")
     parser.add_argument("--threads", type=int, default=1, help="aio queues")
     parser.add_argument("--backend", default="auto", help="aio backend")
-    parser.add_argument("--repeat", type=int, default=4, help="rounds per figure (stream: medians; optimizer: best)")
+    parser.add_argument("--repeat", type=int, default=4,
+                        help="rounds per figure (stream: medians; optimizer: best)")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
     if args.mode == "stream" and args.tensors <= 2 * (args.window + 2):
-        parser.error(f"--tensors must be more than twice --window + 2 ({2 * (args.window + 2)}): with "
-                     f"fewer, the store's host tier holds them all and serves repeats from memory")
+        parser.error(f"--tensors must be more than twice --window + 2 ({2 * (args.window + 2)}): "
+                     f"with fewer, the store's host tier holds them all and serves repeats "
+                     f"from memory")
     if args.mode == "stream" and args.checksum == "ab":
         parser.error("--checksum ab is for --mode optimizer")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -45,7 +45,8 @@ def write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...], torc
             start = f.tell()
             for piece in pieces(name):
                 if piece.dtype != dtype:
-                    raise CheckpointError(f"tensor {name!r}: piece of {piece.dtype}, expected {dtype}")
+                    raise CheckpointError(f"tensor {name!r}: piece of {piece.dtype}, "
+                                          f"expected {dtype}")
                 data = to_storage(piece)
                 f.write(data.reshape(-1).view("u1"))
                 if on_progress is not None:
@@ -56,7 +57,8 @@ def write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...], torc
                                       f"needs {end - begin}")
 
 
-def read_safetensors(path: Path, block_nbytes: int) -> Iterator[tuple[str, list[int], torch.dtype, Iterator[np.ndarray]]]:
+def read_safetensors(path: Path, block_nbytes: int
+                     ) -> Iterator[tuple[str, list[int], torch.dtype, Iterator[np.ndarray]]]:
     """(name, shape, dtype, raw byte blocks of at most `block_nbytes`) of every tensor in the
     file at `path`, in file order. The safetensors library opens the file first, so a header it
     would refuse fails here; the bytes are then read block by block, never the whole shard."""
@@ -71,7 +73,8 @@ def read_safetensors(path: Path, block_nbytes: int) -> Iterator[tuple[str, list[
         base = 8 + length
         for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
             begin, end = info["data_offsets"]
-            yield name, info["shape"], torch_dtype(_NAMES[info["dtype"]]), _blocks(f, base + begin, end - begin, block_nbytes)
+            yield (name, info["shape"], torch_dtype(_NAMES[info["dtype"]]),
+                   _blocks(f, base + begin, end - begin, block_nbytes))
 
 
 def _blocks(f, offset: int, nbytes: int, block_nbytes: int) -> Iterator[np.ndarray]:

@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 
 
-def plan_shards(sizes: dict[str, int], max_nbytes: int, stem: str, suffix: str) -> list[tuple[str, list[str]]]:
+def plan_shards(sizes: dict[str, int], max_nbytes: int, stem: str,
+                suffix: str) -> list[tuple[str, list[str]]]:
     """Names in order, cut into shards of at most `max_nbytes` (a larger tensor gets a shard of
     its own); one shard is called `stem + suffix`, several `stem-0000i-of-0000n + suffix`."""
     shards: list[list[str]] = [[]]

@@ -47,8 +47,8 @@ class AsyncCheckpointWriter:
                  update_latest: bool = True) -> None:
         if budget_nbytes <= 0:
             raise CheckpointError(f"budget_nbytes must be positive, got {budget_nbytes}")
-        self._writer = CheckpointWriter(directory, tag, metadata=metadata, chunk_nbytes=chunk_nbytes,
-                                        update_latest=update_latest)
+        self._writer = CheckpointWriter(directory, tag, metadata=metadata,
+                                        chunk_nbytes=chunk_nbytes, update_latest=update_latest)
         self.metadata = self._writer.metadata  # change it until commit()
         self._budget = budget_nbytes
         self._queued = 0
@@ -58,7 +58,8 @@ class AsyncCheckpointWriter:
         self._done: Future[Path] = Future()
         self._error: BaseException | None = None
         self._finished = False
-        self._thread = threading.Thread(target=self._drain, name=f"infinity-save-{tag}", daemon=True)
+        self._thread = threading.Thread(target=self._drain, name=f"infinity-save-{tag}",
+                                        daemon=True)
         self._thread.start()
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
@@ -91,7 +92,8 @@ class AsyncCheckpointWriter:
         if self._error is not None:
             raise self._error
         if self._finished:
-            raise CheckpointError(f"checkpoint {self._writer.tag!r} was already committed or aborted")
+            raise CheckpointError(f"checkpoint {self._writer.tag!r} was already committed "
+                                  "or aborted")
 
     def _reserve(self, nbytes: int) -> None:
         with self._room:

@@ -160,7 +160,8 @@ class Conversion:
         """Bytes the output holds (verification reads as many again)."""
         return sum(self._nbytes(n) for n in self.dtypes)
 
-    def run(self, destination: str | Path, on_progress: ProgressCallback | None = None) -> ConversionResult:
+    def run(self, destination: str | Path,
+            on_progress: ProgressCallback | None = None) -> ConversionResult:
         """Write the output to `destination` (which must not exist; its parent must), verify it,
         publish it."""
         destination = Path(destination)
@@ -168,7 +169,8 @@ class Conversion:
             raise CheckpointError(f"{destination} exists; give a new output path")
         if not destination.parent.is_dir():  # made here, it would be debris after a failure
             raise CheckpointError(f"{destination.parent} does not exist; create it first")
-        staging = destination.parent / f"{TEMPORARY_PREFIX}{destination.name}-{uuid.uuid4().hex[:8]}"
+        staging = (destination.parent
+                   / f"{TEMPORARY_PREFIX}{destination.name}-{uuid.uuid4().hex[:8]}")
         staging.mkdir()
         try:
             with naming(destination):
@@ -180,7 +182,8 @@ class Conversion:
             shutil.rmtree(staging, ignore_errors=True)
         logger.info("converted %s to %s (%s, %d tensors)", self.source.path, destination,
                     self.format, len(self.dtypes))
-        return ConversionResult(destination, self.format, files, len(self.dtypes), self.total_nbytes)
+        return ConversionResult(destination, self.format, files, len(self.dtypes),
+                                self.total_nbytes)
 
     # -- planning --
     def _output_dtype(self, name: str, dtype: torch.dtype | None) -> torch.dtype:
@@ -190,7 +193,8 @@ class Conversion:
         return dtype
 
     def _nbytes(self, name: str) -> int:
-        return math.prod(self.source.shape(name)) * storage_dtype(dtype_name(self.dtypes[name])).itemsize
+        return (math.prod(self.source.shape(name))
+                * storage_dtype(dtype_name(self.dtypes[name])).itemsize)
 
     def _model_configs(self, directory: Path | None) -> dict[str, dict[str, Any]]:
         """config.json (and generation_config.json) for an hf output, from the first place
@@ -212,7 +216,8 @@ class Conversion:
                               f"{self.source.path} has none; give --model-config DIR")
 
     # -- writing --
-    def _write(self, staging: Path, on_progress: ProgressCallback | None) -> tuple[list[ConvertedFile], dict[str, int]]:
+    def _write(self, staging: Path, on_progress: ProgressCallback | None
+               ) -> tuple[list[ConvertedFile], dict[str, int]]:
         """Write every tensor; returns the files and each tensor's CRC-32C as written."""
         crcs: dict[str, int] = {}
 
@@ -248,8 +253,10 @@ class Conversion:
         return {**config, **{k: name for k in keys}}
 
     def _write_shards(self, staging: Path, checked, on_progress) -> list[ConvertedFile]:
-        stem, suffix = ("model", ".safetensors") if self.format != "torch" else ("pytorch_model", ".bin")
-        shards = plan_shards({n: self._nbytes(n) for n in self.dtypes}, self.max_shard_nbytes, stem, suffix)
+        stem, suffix = (("model", ".safetensors") if self.format != "torch"
+                        else ("pytorch_model", ".bin"))
+        shards = plan_shards({n: self._nbytes(n) for n in self.dtypes}, self.max_shard_nbytes,
+                             stem, suffix)
         for file, names in shards:
             if self.format == "torch":
                 tensors = {n: torch.cat(list(checked(n)) or [torch.empty(0, dtype=self.dtypes[n])])
@@ -263,13 +270,15 @@ class Conversion:
                 write_safetensors(staging / file, specs, checked, on_progress)
         if len(shards) > 1:
             write_index(staging / f"{stem}{suffix}.index.json", shards, self.total_nbytes)
-        return [ConvertedFile(file, len(names), sum(self._nbytes(n) for n in names)) for file, names in shards]
+        return [ConvertedFile(file, len(names), sum(self._nbytes(n) for n in names))
+                for file, names in shards]
 
     def _write_arrays(self, staging: Path, checked, on_progress) -> ConvertedFile:
         tag = getattr(self.source, "tag", None) or self.source.path.name
         if self.format == "infinity":
             metadata = {**self.source.metadata, "converted_from": str(self.source.path)}
-            with CheckpointWriter(staging, tag, metadata=metadata, on_progress=on_progress) as writer:
+            with CheckpointWriter(staging, tag, metadata=metadata,
+                                  on_progress=on_progress) as writer:
                 for name in self.dtypes:
                     sink = writer.open_tensor(name, self.source.shape(name), self.dtypes[name])
                     for piece in checked(name):
@@ -311,7 +320,8 @@ class Conversion:
                                       f"{got_dtype} crc {got_crc:#x}, wrote {shape} {dtype} crc "
                                       f"{crcs[name]:#x}")
 
-    def _read_back(self, staging: Path, files: list[ConvertedFile]) -> Iterator[tuple[str, Any, torch.dtype, Iterable]]:
+    def _read_back(self, staging: Path, files: list[ConvertedFile]
+                   ) -> Iterator[tuple[str, Any, torch.dtype, Iterable]]:
         """(name, shape, dtype, flat pieces) of each output tensor; pieces are bounded (a chunk
         or a read block) except for torch shards, which are loaded whole."""
         if self.format in ("hf", "safetensors"):
@@ -319,7 +329,8 @@ class Conversion:
                 yield from read_safetensors(staging / file.name, DEFAULT_CHUNK_NBYTES)
         elif self.format == "torch":
             for file in files:
-                for name, tensor in torch.load(staging / file.name, mmap=True, weights_only=True).items():
+                for name, tensor in torch.load(staging / file.name, mmap=True,
+                                               weights_only=True).items():
                     yield name, tensor.shape, tensor.dtype, [tensor]
         elif self.format == "infinity":
             reader = CheckpointReader(staging)
@@ -330,7 +341,8 @@ class Conversion:
             for name in self.dtypes:
                 array = group[name]
                 dtype = torch_dtype(array.attrs["dtype"])
-                yield name, array.shape if self.source.shape(name) else (), dtype, self._zarr_rows(array)
+                yield (name, array.shape if self.source.shape(name) else (), dtype,
+                       self._zarr_rows(array))
 
     @staticmethod
     def _zarr_rows(array: Any) -> Iterator[torch.Tensor]:

@@ -59,15 +59,16 @@ def find_deepspeed_tag(directory: str | Path, tag: str | None = None) -> Path:
             inside(directory, "latest", source=directory)
             tag = latest.read_bytes().decode().strip()
         except FileNotFoundError:
-            raise CheckpointError(f"{directory} is not a DeepSpeed checkpoint: no 'latest' file and "
-                                  f"no *_model_states.pt") from None
+            raise CheckpointError(f"{directory} is not a DeepSpeed checkpoint: no 'latest' file "
+                                  f"and no *_model_states.pt") from None
         except (OSError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{latest} cannot be read as a tag: {e}") from None
         path = inside(directory, tag, source=latest)
     else:
         path = inside(directory, tag, source=f"tag {tag!r}")
     if not _has_model_states(path):
-        raise CheckpointError(f"{path} is not a DeepSpeed checkpoint tag: no *_model_states.pt in it")
+        raise CheckpointError(f"{path} is not a DeepSpeed checkpoint tag: "
+                              "no *_model_states.pt in it")
     return path
 
 
@@ -174,7 +175,8 @@ def _whole(tensor: torch.Tensor) -> _Tensor:
     return _Tensor(tensor.shape, tensor.dtype, lambda: iter([tensor.reshape(-1)]))
 
 
-def _span(flat: _Flat, segments: list[tuple[int, int]], shape: torch.Size, dtype: torch.dtype) -> _Tensor:
+def _span(flat: _Flat, segments: list[tuple[int, int]], shape: torch.Size,
+          dtype: torch.dtype) -> _Tensor:
     return _Tensor(shape, dtype, lambda: (p for s, n in segments for p in flat.pieces(s, n)))
 
 
@@ -196,16 +198,19 @@ class DeepSpeedReader:
         zero = self._zero_state(self._load(optim_files[0]), optim_files[0])
         world_size = _partition_count(zero, optim_files[0])
         if world_size != len(optim_files):
-            missing = [f for f in self._expected_optim_names(world_size) if not (self.path / f).is_file()]
+            missing = [f for f in self._expected_optim_names(world_size)
+                       if not (self.path / f).is_file()]
             raise CheckpointError(f"{self.path}: partition_count is {world_size} but "
-                                  f"{len(optim_files)} optimizer files are there; missing: {missing}")
+                                  f"{len(optim_files)} optimizer files are there; "
+                                  f"missing: {missing}")
         zeros = [zero] + [self._zero_state(self._load(f), f) for f in optim_files[1:]]
         self.zero_stage = zero["zero_stage"]
         self.world_size = world_size
         self._files = optim_files
         self._tensors: dict[str, _Tensor] = {}
         if self.zero_stage == 3:
-            model_files = [self.path / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world_size)]
+            model_files = [self.path / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"
+                           for r in range(world_size)]
         else:
             model_files = [self.path / "mp_rank_00_model_states.pt"]
         models = [self._model_state(self._load(f), f) for f in model_files]
@@ -228,7 +233,8 @@ class DeepSpeedReader:
     def dtype(self, name: str) -> torch.dtype:
         return self._tensor(name).dtype
 
-    def iter_chunks(self, name: str, on_progress: ProgressCallback | None = None) -> Iterator[torch.Tensor]:
+    def iter_chunks(self, name: str,
+                    on_progress: ProgressCallback | None = None) -> Iterator[torch.Tensor]:
         """Tensor `name`'s elements as flat pieces in order (one per rank share or less)."""
         for piece in self._tensor(name).pieces():
             if on_progress is not None:
@@ -245,7 +251,8 @@ class DeepSpeedReader:
         try:
             return self._tensors[name]
         except KeyError:
-            raise CheckpointError(f"DeepSpeed checkpoint {self.path} holds no tensor {name!r}") from None
+            raise CheckpointError(f"DeepSpeed checkpoint {self.path} holds no tensor "
+                                  f"{name!r}") from None
 
     # -- finding and checking the files --
     def _rank_files(self) -> list[Path]:
@@ -270,8 +277,9 @@ class DeepSpeedReader:
         ranks = sorted(found)
         if ranks != list(range(len(ranks))):
             missing = sorted(set(range(ranks[-1] + 1)) - set(ranks))
-            raise CheckpointError(f"{self.path}: missing rank file(s) "
-                                  f"{[self._expected_optim_names(ranks[-1] + 1)[r] for r in missing]}")
+            raise CheckpointError(
+                f"{self.path}: missing rank file(s) "
+                f"{[self._expected_optim_names(ranks[-1] + 1)[r] for r in missing]}")
         return [found[r] for r in ranks]
 
     def _load(self, path: Path) -> Any:
@@ -279,7 +287,8 @@ class DeepSpeedReader:
         return load_pt(inside(self.path, path.name, source=self.path))
 
     def _expected_optim_names(self, world_size: int) -> list[str]:
-        return [f"{self._prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world_size)]
+        return [f"{self._prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+                for r in range(world_size)]
 
     @staticmethod
     def _zero_state(state: Any, path: Path) -> dict[str, Any]:
@@ -304,10 +313,12 @@ class DeepSpeedReader:
                                   f"{OFFLOAD_DIR}/ (NVMe optimizer offload), which this reader "
                                   f"reads only for ZeRO-3 checkpoints")
 
-    def _stage3_groups(self, zeros: list[dict], group_shapes: list[dict]) -> dict[str, list[list[torch.Tensor]]]:
+    def _stage3_groups(self, zeros: list[dict],
+                       group_shapes: list[dict]) -> dict[str, list[list[torch.Tensor]]]:
         """Per kind ("weight", "exp_avg", "exp_avg_sq" when present), per rank, the sub-group
         tensors: from the optimizer files, or from the swap files of an NVMe-offloaded run."""
-        numels = [sum(math.ceil(math.prod(s) / self.world_size) for s in g.values()) for g in group_shapes]
+        numels = [sum(math.ceil(math.prod(s) / self.world_size) for s in g.values())
+                  for g in group_shapes]
         stored = [_tensors(z.get("fp32_flat_groups"), f, "'fp32_flat_groups'")
                   for z, f in zip(zeros, self._files)]
         if sum(numels) and not any(t.numel() for groups in stored for t in groups):
@@ -347,7 +358,8 @@ class DeepSpeedReader:
                         f"groups hold {flat.numel} ({kind}, rank {rank}): files from different "
                         f"runs?")
 
-    def _gathered(self, flats: list[_Flat], offset: int, share: int, numel: int, shape: torch.Size) -> _Tensor:
+    def _gathered(self, flats: list[_Flat], offset: int, share: int, numel: int,
+                  shape: torch.Size) -> _Tensor:
         """Stage 3: `share` elements at `offset` of every rank, rank order, padding cut off."""
         def pieces() -> Iterator[torch.Tensor]:
             left = numel
@@ -473,7 +485,8 @@ class DeepSpeedReader:
         facts = {
             "source": "deepspeed", "zero_stage": self.zero_stage, "world_size": self.world_size,
             "bf16": self._prefix == "bf16_", "ds_version": model.get("ds_version"),
-            "global_steps": model.get("global_steps"), "global_samples": model.get("global_samples"),
+            "global_steps": model.get("global_steps"),
+            "global_samples": model.get("global_samples"),
             "skipped_steps": model.get("skipped_steps"),
             "loss_scale": getattr(scaler, "cur_scale", None), "ds_config": model.get("ds_config"),
             "optimizer_step": self._adam_step(zero), "lr_scheduler": model.get("lr_scheduler"),

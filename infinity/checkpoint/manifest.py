@@ -72,7 +72,8 @@ class TensorEntry:
 
     def chunk_file(self, tag_dir: Path, index: int) -> Path:
         """The file holding chunk `index` (zarr's default chunk key encoding, "/" separator)."""
-        return tag_dir / self.array / "c" / str(index) / Path(*(["0"] * (len(self.stored_shape) - 1)))
+        return (tag_dir / self.array / "c" / str(index)
+                / Path(*(["0"] * (len(self.stored_shape) - 1))))
 
 
 @dataclasses.dataclass(slots=True)
@@ -108,7 +109,8 @@ class Manifest:
             raise CheckpointError(f"{path} is not an Infinity checkpoint manifest")
         if body.get("version") != FORMAT_VERSION:
             raise CheckpointError(f"{path} has checkpoint format version {body.get('version')!r}; "
-                                  f"this Infinity reads version {FORMAT_VERSION} (upgrade Infinity)")
+                                  f"this Infinity reads version {FORMAT_VERSION} "
+                                  "(upgrade Infinity)")
         _check_checksum(path, body)
         unknown = set(body) - {"format", "version", "tag", "metadata", "tensors"}
         if unknown:

@@ -70,7 +70,8 @@ class CheckpointReader:
                 tag = latest_tag(directory)
                 if tag is None:
                     raise CheckpointError(f"{directory} holds no '{LATEST_NAME}' file and no "
-                                          f"{MANIFEST_NAME}: not an Infinity checkpoint (give a tag)")
+                                          f"{MANIFEST_NAME}: not an Infinity checkpoint "
+                                          "(give a tag)")
             self.path = inside(directory, check_tag(tag), source=f"tag {tag!r}")
         self.manifest = Manifest.read(inside(self.path, MANIFEST_NAME, source=self.path))
         self._entries = {entry.name: entry for entry in self.manifest.tensors}
@@ -115,7 +116,8 @@ class CheckpointReader:
         flat = self.read_flat(name, start * entry.row_numel, stop * entry.row_numel)
         return flat.reshape(stop - start, *entry.shape[1:])
 
-    def read_flat(self, name: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    def read_flat(self, name: str, start: int, stop: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
         """Elements [start, stop) of tensor `name` flattened, verified, reading only the chunks
         that hold them: a rank's ZeRO-3 partition (elements [r*p, (r+1)*p)) for any number of
         ranks, whatever partitioning wrote the checkpoint. They are copied chunk by chunk into
@@ -138,7 +140,8 @@ class CheckpointReader:
             out[lo - start:hi - start] = chunk[lo - base:hi - base]
         return out
 
-    def iter_chunks(self, name: str, on_progress: ProgressCallback | None = None) -> Iterator[torch.Tensor]:
+    def iter_chunks(self, name: str,
+                    on_progress: ProgressCallback | None = None) -> Iterator[torch.Tensor]:
         """Tensor `name`'s elements as flat, verified pieces of one chunk each, in order: a
         caller streaming the tensor elsewhere holds one chunk at a time."""
         entry = self.entry(name)

@@ -48,8 +48,8 @@ def rng_state() -> dict[str, Any]:
                      "python": [version, list(internal), gauss]}}
 
 
-def save_rng_state(writer: CheckpointWriter | AsyncCheckpointWriter, state: dict[str, Any] | None = None,
-                   *, rank: int = 0) -> None:
+def save_rng_state(writer: CheckpointWriter | AsyncCheckpointWriter,
+                   state: dict[str, Any] | None = None, *, rank: int = 0) -> None:
     """Add RNG states (default: this process's) to the checkpoint `writer` is writing, as those
     of data-parallel rank `rank`."""
     state = rng_state() if state is None else state
@@ -66,8 +66,9 @@ def load_rng_state(reader: CheckpointReader, *, rank: int = 0) -> None:
     (else logged and left as they are: another machine's devices)."""
     names = set(reader.names())
     if rank and f"{_prefix(rank)}torch" not in names:
-        logger.warning("checkpoint %s holds no RNG state of rank %d (it was written by fewer ranks): "
-                       "rank %d starts from rank 0's", reader.path, rank, rank)
+        logger.warning("checkpoint %s holds no RNG state of rank %d "
+                       "(it was written by fewer ranks): rank %d starts from rank 0's",
+                       reader.path, rank, rank)
         rank = 0
     saved = reader.metadata.get(_metadata_key(rank))
     if saved is None or f"{_prefix(rank)}torch" not in names:

@@ -28,7 +28,8 @@ class TensorSource(Protocol):
 
     def dtype(self, name: str) -> torch.dtype: ...
 
-    def iter_chunks(self, name: str, on_progress: ProgressCallback | None = None) -> Iterator[torch.Tensor]: ...
+    def iter_chunks(self, name: str,
+                    on_progress: ProgressCallback | None = None) -> Iterator[torch.Tensor]: ...
 
 
 def open_source(path: str | Path, tag: str | None = None) -> TensorSource:
@@ -37,7 +38,8 @@ def open_source(path: str | Path, tag: str | None = None) -> TensorSource:
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory, so not a checkpoint")
-    if (tag is None and is_infinity_checkpoint(path)) or (tag is not None and (path / tag / "manifest.json").is_file()):
+    if ((tag is None and is_infinity_checkpoint(path))
+            or (tag is not None and (path / tag / "manifest.json").is_file())):
         return CheckpointReader(path, tag)
     if tag is not None or is_deepspeed_checkpoint(path):
         return DeepSpeedReader(path, tag)

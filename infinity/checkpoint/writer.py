@@ -76,7 +76,8 @@ def retire_unpublished(directory: Path) -> None:
     if tag and tag != latest and (directory / tag).exists():
         aside = directory / f"{TEMPORARY_PREFIX}unpublished-{tag}-{uuid.uuid4().hex[:8]}"
         replace_durably(directory / tag, aside)
-        logger.warning("removing %s: its save was interrupted before latest named it", directory / tag)
+        logger.warning("removing %s: its save was interrupted before latest named it",
+                       directory / tag)
 
 
 def remove_debris(directory: Path) -> None:
@@ -115,7 +116,8 @@ class TensorSink:
     """Receives one tensor's elements in order, as flat pieces of any size, and writes whole
     chunks. Holds at most one chunk. Get one from CheckpointWriter.open_tensor."""
 
-    def __init__(self, array: Any, entry: TensorEntry, on_progress: ProgressCallback | None) -> None:
+    def __init__(self, array: Any, entry: TensorEntry,
+                 on_progress: ProgressCallback | None) -> None:
         self._array = array
         self._entry = entry
         self._on_progress = on_progress
@@ -205,7 +207,8 @@ class CheckpointWriter:
         """Where the tag lives once committed."""
         return self.directory / self.tag
 
-    def open_tensor(self, name: str, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> TensorSink:
+    def open_tensor(self, name: str, shape: tuple[int, ...] | torch.Size,
+                    dtype: torch.dtype) -> TensorSink:
         """A sink for tensor `name`; write its elements in order, then close() it."""
         if name in self._names:
             raise CheckpointError(f"tensor {name!r} is already in checkpoint {self.tag!r}")

@@ -1,7 +1,7 @@
 """infinity-convert: turn an Infinity or DeepSpeed checkpoint into Hugging Face, safetensors,
 torch, zarr or Infinity format, tensor by tensor, with memory bounded by --max-shard-size.
 
-    infinity-convert runs/llama/ out/llama-hf --to hf --dtype bf16            # from_pretrained loads it
+    infinity-convert runs/llama/ out/llama-hf --to hf --dtype bf16   # from_pretrained loads it
     infinity-convert ds_ckpt/ out/llama-hf --to hf --model-config hf/llama/   # DeepSpeed -> HF
     infinity-convert ds_ckpt/ out/st --to safetensors --max-shard-size 2G --tag global_step500
     infinity-convert ds_ckpt/ runs/resumed --to infinity   # weights and Adam moments, resumable
@@ -37,12 +37,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("src", metavar="SRC", help="Infinity or DeepSpeed checkpoint directory")
     p.add_argument("dst", metavar="DST", help="output directory (must not exist)")
-    p.add_argument("--to", required=True, choices=FORMATS, help="output format (required)%(default).0s")
+    p.add_argument("--to", required=True, choices=FORMATS,
+                   help="output format (required)%(default).0s")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="cast floating-point model weights to this; %(default)s keeps them as stored")
+                   help="cast floating-point model weights to this; "
+                        "%(default)s keeps them as stored")
     p.add_argument("--max-shard-size", type=parse_size, default="5G",
                    help="largest shard file of hf/safetensors/torch outputs; bounds peak memory")
-    p.add_argument("--tag", default=None, help="checkpoint tag inside SRC; %(default)s: the one SRC/latest names")
+    p.add_argument("--tag", default=None,
+                   help="checkpoint tag inside SRC; %(default)s: the one SRC/latest names")
     p.add_argument("--model-config", metavar="DIR", default=None,
                    help="directory with config.json (and generation_config.json) for --to hf; "
                         "%(default)s: the checkpoint's own, or config.json beside it")
@@ -55,7 +58,8 @@ def _summary(result) -> str:
     lines = [f"{'file':<{width}}  {'tensors':>7}  {'MiB':>10}"]
     lines += [f"{f.name:<{width}}  {f.tensors:>7}  {f.nbytes / 2**20:>10.2f}" for f in result.files]
     lines.append(f"{result.format} at {result.destination}: {result.tensors} tensors, "
-                 f"{result.nbytes / 2**20:.2f} MiB, verified against the source (shape, dtype, CRC-32C)")
+                 f"{result.nbytes / 2**20:.2f} MiB, verified against the source "
+                 "(shape, dtype, CRC-32C)")
     return "\n".join(lines)
 
 
@@ -68,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     set_mmap_threshold(1 << 20)  # freed tensors go back to the OS: infinity/memory/malloc.py
     try:
         conversion = Conversion(args.src, to=args.to, tag=args.tag, dtype=DTYPES.get(args.dtype),
-                                max_shard_nbytes=args.max_shard_size, model_config=args.model_config)
+                                max_shard_nbytes=args.max_shard_size,
+                                model_config=args.model_config)
         with tqdm(total=2 * conversion.total_nbytes, unit="B", unit_scale=True, desc="write+verify",
                   disable=None) as bar:
             result = conversion.run(args.dst, on_progress=bar.update)

@@ -52,7 +52,8 @@ def plan(nbytes: int) -> list[tuple[int, ...]]:
     scale = math.sqrt(nbytes / full)
     hidden, intermediate = (max(64, int(dim * scale) // 64 * 64) for dim in (HIDDEN, INTERMEDIATE))
     if sum(math.prod(s) * 2 for s in layer_shapes(hidden, intermediate)) * LAYERS > nbytes:
-        raise ValueError(f"{nbytes} bytes cannot hold {LAYERS} layers of 7 tensors of at least 64x64")
+        raise ValueError(f"{nbytes} bytes cannot hold {LAYERS} layers of 7 tensors "
+                         "of at least 64x64")
     return layer_shapes(hidden, intermediate)
 
 
@@ -263,7 +264,8 @@ def optimizer(files: LayerFiles) -> tuple[int, int]:
     return LAYERS * sum(files.sizes), LAYERS * sum(files.sizes)
 
 
-RUNNERS: dict[str, Callable[[LayerFiles], tuple[int, int]]] = {"fetch": fetch, "optimizer": optimizer}
+RUNNERS: dict[str, Callable[[LayerFiles], tuple[int, int]]] = {
+    "fetch": fetch, "optimizer": optimizer}
 
 
 def measure(config: bench.EngineConfig, directory: str, nbytes: int, rounds: int, *,
@@ -301,8 +303,8 @@ def measure(config: bench.EngineConfig, directory: str, nbytes: int, rounds: int
                     tool_files.check_slots(LAYERS - 1)
                     requests, moved = ((a - b for a, b in zip(after, before, strict=True))
                                        if before and after else (None, None))
-                    runs.append(Run(tool_files.tool.name, pattern, read_nbytes, write_nbytes, seconds,
-                                    requests, moved))
+                    runs.append(Run(tool_files.tool.name, pattern, read_nbytes, write_nbytes,
+                                    seconds, requests, moved))
                     if on_progress:
                         on_progress(1)
     finally:

@@ -37,15 +37,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=4, help="decoder layers (num_hidden_layers)")
     p.add_argument("--hidden", type=int, default=256, help="hidden_size")
     p.add_argument("--intermediate", type=int, default=688, help="MLP width (intermediate_size)")
-    p.add_argument("--heads", type=int, default=8, help="attention heads (hidden must divide by it)")
-    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (GQA). Default: --heads")
+    p.add_argument("--heads", type=int, default=8,
+                   help="attention heads (hidden must divide by it)")
+    p.add_argument("--kv-heads", type=int, default=None,
+                   help="key/value heads (GQA). Default: --heads")
     p.add_argument("--vocab", type=int, default=TOKENS, help=f"vocabulary size (at least {TOKENS}, "
                    "the byte tokenizer's tokens)")
     p.add_argument("--max-positions", type=int, default=2048, help="max_position_embeddings")
     p.add_argument("--tie", action="store_true", help="tie the output head to the embedding")
     p.add_argument("--dtype", choices=DTYPES, default="bf16", help="dtype of the stored weights")
     p.add_argument("--seed", type=int, default=0, help="random seed of the weights")
-    p.add_argument("--max-shard-size", type=parse_size, default="2G", help="largest safetensors shard")
+    p.add_argument("--max-shard-size", type=parse_size, default="2G",
+                   help="largest safetensors shard")
     p.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO)")
     return p
 
@@ -54,14 +57,15 @@ def llama_config(args: argparse.Namespace):
     """The LlamaConfig the options describe; ValueError naming the option that cannot work."""
     import transformers
 
-    for option, value in (("--layers", args.layers), ("--hidden", args.hidden), ("--intermediate", args.intermediate),
-                          ("--heads", args.heads), ("--max-positions", args.max_positions)):
+    for option, value in (("--layers", args.layers), ("--hidden", args.hidden),
+                          ("--intermediate", args.intermediate), ("--heads", args.heads),
+                          ("--max-positions", args.max_positions)):
         if value < 1:
             raise ValueError(f"{option} {value}: must be at least 1")
     kv_heads = args.kv_heads or args.heads
     if args.hidden % args.heads or args.heads % kv_heads:
-        raise ValueError(f"--hidden {args.hidden}, --heads {args.heads}, --kv-heads {kv_heads}: hidden must "
-                         "divide by heads, and heads by kv-heads")
+        raise ValueError(f"--hidden {args.hidden}, --heads {args.heads}, --kv-heads {kv_heads}: "
+                         "hidden must divide by heads, and heads by kv-heads")
     if args.vocab < TOKENS:
         raise ValueError(f"--vocab {args.vocab}: at least {TOKENS} (the byte tokenizer's tokens, "
                          "<pad> included)")

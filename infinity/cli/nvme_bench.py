@@ -2,7 +2,7 @@
 
     infinity-nvme-bench --path /tmp --size 2G --fio --repeat 4   # write, read, 4 KiB cost; vs fio
     infinity-nvme-bench --path /tmp --size 1G --sweep --json sweep.json   # best `aio` config block
-    infinity-nvme-bench --path /tmp --size 2G --mix --repeat 8     # layer fetch/optimizer vs DeepSpeed
+    infinity-nvme-bench --path /tmp --size 2G --mix --repeat 8  # layer fetch/optimizer vs DeepSpeed
     infinity-nvme-bench --path /mnt/nvme --read --block-size 4M --queue-depth 16 --threads 2
     infinity-nvme-bench --path /dev/shm --size 256M --fio          # tmpfs: software cost only
 
@@ -72,11 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=_listed(int), default="1", action=_Given,
                    help="queues, i.e. DeepSpeed intra_op_parallelism; comma list (--sweep: 1,2)")
     p.add_argument("--backend", type=_listed(str), default="auto", action=_Given,
-                   help=f"engine: auto or a comma list of {aio.available_backends()} (--sweep: all of them)")
-    p.add_argument("--sweep", action="store_true", help="try every combination of the four options "
-                   "above (the sweep grid for those not given); print a table and the best `aio` block")
-    p.add_argument("--fio", action="store_true", help="also run fio (ioengines io_uring and libaio, "
-                   "direct=1) with bs=block size, iodepth=queue depth, numjobs=threads; print ours/fio")
+                   help=f"engine: auto or a comma list of {aio.available_backends()} "
+                        "(--sweep: all of them)")
+    p.add_argument("--sweep", action="store_true",
+                   help="try every combination of the four options above (the sweep grid for "
+                        "those not given); print a table and the best `aio` block")
+    p.add_argument("--fio", action="store_true",
+                   help="also run fio (ioengines io_uring and libaio, direct=1) with bs=block "
+                        "size, iodepth=queue depth, numjobs=threads; print ours/fio")
     p.add_argument("--small-requests", type=int, default=20000, help="4 KiB random reads for the "
                    "per-request cost, queue_depth * threads in flight (0: skip)")
     p.add_argument("--repeat", type=int, default=1, help="measure each figure this many times, "
@@ -123,7 +126,8 @@ def _human(nbytes: int) -> str:
 
 def _fmt(values: list[float], scale: float = 1.0, digits: int = 2) -> str:
     med, low, high = (v * scale for v in bench.summarize(values))
-    return f"{med:.{digits}f}" if len(values) == 1 else f"{med:.{digits}f} [{low:.{digits}f}-{high:.{digits}f}]"
+    return (f"{med:.{digits}f}" if len(values) == 1
+            else f"{med:.{digits}f} [{low:.{digits}f}-{high:.{digits}f}]")
 
 
 def _sweep(args, configs, data, ops) -> tuple[bench.EngineConfig, list[dict]]:
@@ -138,7 +142,8 @@ def _sweep(args, configs, data, ops) -> tuple[bench.EngineConfig, list[dict]]:
                 if op == "read":
                     bench.drop_page_cache(data)
                 runs[op].append(bench.sequential(handle, data, args.size, op))
-        line = f"{config.backend:9}{config.block_size >> 10:>6}K{config.queue_depth:>4}{config.threads:>4}"
+        line = (f"{config.backend:9}{config.block_size >> 10:>6}K"
+                f"{config.queue_depth:>4}{config.threads:>4}")
         for op in ops:
             med = {k: bench.summarize(getattr(r, k) for r in runs[op]).median
                    for k in ("gbps", "p50_s", "p99_s")}
@@ -149,8 +154,8 @@ def _sweep(args, configs, data, ops) -> tuple[bench.EngineConfig, list[dict]]:
         rows.append({"config": dataclasses.asdict(config),
                      **{op: [r.as_dict() for r in runs[op]] for op in ops}})
     best = bench.pick_best(scored)
-    print(f"best: highest {'/'.join(ops)} GB/s, or among configs within 5% of it (noise) the one with "
-          "the least memory at the device:")
+    print(f"best: highest {'/'.join(ops)} GB/s, or among configs within 5% of it (noise) "
+          "the one with the least memory at the device:")
     print(json.dumps(best.aio_section(), indent=2))
     return best, rows
 
@@ -183,10 +188,12 @@ def _measure(args, config, data, ops, fio: str | None):
                     bench.run_fio(fio, data, op, args.size, config, tool.removeprefix("fio/")))
             for tool in order if args.small_requests else ():
                 small.setdefault(tool, []).append(
-                    bench.small_reads(handle, data, args.small_requests) if tool.startswith("aio/") else
+                    bench.small_reads(handle, data, args.small_requests)
+                    if tool.startswith("aio/") else
                     bench.run_fio(fio, data, "randread", args.size, small_config,
                                   tool.removeprefix("fio/"), requests=args.small_requests))
-    return config, {op: dict(sorted(by_tool.items())) for op, by_tool in seq.items()}, dict(sorted(small.items()))
+    return (config, {op: dict(sorted(by_tool.items())) for op, by_tool in seq.items()},
+            dict(sorted(small.items())))
 
 
 def _report(args, config, data, ops, fio: str | None) -> dict[str, Any]:
@@ -194,17 +201,19 @@ def _report(args, config, data, ops, fio: str | None) -> dict[str, Any]:
     ours = f"aio/{config.backend}"
     median = lambda runs, key: bench.summarize(getattr(r, key) for r in runs).median  # noqa: E731
     request_nbytes = next(iter(seq.values()))[ours][0].request_nbytes
-    print(f"\nsequential: {ours}, block {config.block_size >> 10} KiB, queue depth {config.queue_depth}, "
-          f"threads {config.threads}: {config.in_flight} blocks at the device (fio: bs, iodepth, "
-          f"numjobs); ours in {request_nbytes >> 20} MiB requests, about {bench.SUBMIT_AHEAD}x that "
-          f"submitted; GB/s = 1e9 bytes/s, median [min-max] of {args.repeat}; latency per request")
+    print(f"\nsequential: {ours}, block {config.block_size >> 10} KiB, "
+          f"queue depth {config.queue_depth}, threads {config.threads}: {config.in_flight} "
+          f"blocks at the device (fio: bs, iodepth, numjobs); ours in {request_nbytes >> 20} MiB "
+          f"requests, about {bench.SUBMIT_AHEAD}x that submitted; GB/s = 1e9 bytes/s, "
+          f"median [min-max] of {args.repeat}; latency per request")
     rows, ratios = [], {}
     for op, tools in seq.items():
         for tool, runs in tools.items():
             if tool != ours:
                 ratios.setdefault(op, {})[tool] = bench.summarize(  # paired: same round
                     a.gbps / b.gbps for a, b in zip(tools[ours], runs, strict=True)).median
-            rows.append([op, tool, _fmt([r.gbps for r in runs]), _fmt([r.p50_s for r in runs], 1e3, 1),
+            rows.append([op, tool, _fmt([r.gbps for r in runs]),
+                         _fmt([r.p50_s for r in runs], 1e3, 1),
                          _fmt([r.p99_s for r in runs], 1e3, 1),
                          f"{ratios[op][tool]:.2f}" if tool != ours else ""])
     _table(["op", "tool", "GB/s", "p50 ms", "p99 ms", "ours/fio"], rows)
@@ -216,21 +225,26 @@ def _report(args, config, data, ops, fio: str | None) -> dict[str, Any]:
                        for op, tools in seq.items()}}
     if not small:
         return result
-    print(f"\n4 KiB random reads (O_DIRECT): {args.small_requests} requests, {config.in_flight} at the "
-          f"device (ours: {bench.SMALL_AHEAD * config.in_flight} submitted, so ours' latency includes "
-          "time queued in the engine); us/req = wall time / requests; CPU = all threads")
+    print(f"\n4 KiB random reads (O_DIRECT): {args.small_requests} requests, "
+          f"{config.in_flight} at the device (ours: {bench.SMALL_AHEAD * config.in_flight} "
+          "submitted, so ours' latency includes time queued in the engine); "
+          "us/req = wall time / requests; CPU = all threads")
     _table(["tool", "", "us/req", "IOPS", "p50 us", "p99 us", "CPU us/req"], [
-        [tool, "", _fmt([r.us_per_request for r in runs], 1, 1), f"{1e6 / median(runs, 'us_per_request'):.0f}",
+        [tool, "", _fmt([r.us_per_request for r in runs], 1, 1),
+         f"{1e6 / median(runs, 'us_per_request'):.0f}",
          _fmt([r.p50_s for r in runs], 1e6, 0), _fmt([r.p99_s for r in runs], 1e6, 0),
-         _fmt([r.cpu_seconds / r.requests * 1e6 for r in runs], 1, 1)] for tool, runs in small.items()])
+         _fmt([r.cpu_seconds / r.requests * 1e6 for r in runs], 1, 1)]
+        for tool, runs in small.items()])
     result["small"] = {tool: [r.as_dict() for r in runs] for tool, runs in small.items()}
     if fio:
         ref = f"fio/{config.backend}" if f"fio/{config.backend}" in small else min(
             (t for t in small if t != ours), key=lambda t: median(small[t], "us_per_request"))
-        extra = [a.us_per_request - b.us_per_request for a, b in zip(small[ours], small[ref], strict=True)]
-        print(f"  per-request overhead = ours - {ref} us/req, same file, queue depth and jobs, so the "
-              f"device time cancels: {_fmt(extra, 1, 1)} us (target < 20 us)")
-        result["overhead_us"] = {"reference": ref, "values": extra, "median": bench.summarize(extra).median}
+        extra = [a.us_per_request - b.us_per_request
+                 for a, b in zip(small[ours], small[ref], strict=True)]
+        print(f"  per-request overhead = ours - {ref} us/req, same file, queue depth and jobs, "
+              f"so the device time cancels: {_fmt(extra, 1, 1)} us (target < 20 us)")
+        result["overhead_us"] = {"reference": ref, "values": extra,
+                                 "median": bench.summarize(extra).median}
     return result
 
 
@@ -248,8 +262,8 @@ def _layer_report(args, config: bench.EngineConfig, workdir: str) -> dict[str, A
     shapes = ", ".join("x".join(map(str, shape)) for shape in info["shapes"])
     print(f"layers: {info['layers']} layers of 7 bf16 tensors ({shapes}), one file per tensor, "
           f"{info['window']} layers in flight; block {config.block_size >> 10} KiB, queue depth "
-          f"{config.queue_depth}, threads {config.threads}; median [min-max] of {args.repeat} rounds, "
-          "tools alternating")
+          f"{config.queue_depth}, threads {config.threads}; median [min-max] of {args.repeat} "
+          "rounds, tools alternating")
     for tool, counts in info["extents"].items():
         if counts:
             print(f"  {tool}: files written in {min(counts)}-{max(counts)} extents "
@@ -258,13 +272,16 @@ def _layer_report(args, config: bench.EngineConfig, workdir: str) -> dict[str, A
         print(f"  deepspeed: not measured ({info['deepspeed_skipped']})")
     ours, rows, ratios = info["tools"][0], [], {}
     for pattern in layer_io.PATTERNS:
-        by_tool = {tool: [r for r in runs if r.tool == tool and r.pattern == pattern] for tool in info["tools"]}
+        by_tool = {tool: [r for r in runs if r.tool == tool and r.pattern == pattern]
+                   for tool in info["tools"]}
         for tool, mine in by_tool.items():
             if tool == "deepspeed":  # paired: the same round
                 ratios[pattern] = bench.summarize(
                     a.gbps / b.gbps for a, b in zip(by_tool[ours], mine, strict=True)).median
-            per_request = [r.device_nbytes / r.device_requests / 2**20 for r in mine if r.device_requests]
-            rows.append([pattern, tool, _fmt([r.seconds for r in mine], 1, 3), _fmt([r.gbps for r in mine]),
+            per_request = [r.device_nbytes / r.device_requests / 2**20
+                           for r in mine if r.device_requests]
+            rows.append([pattern, tool, _fmt([r.seconds for r in mine], 1, 3),
+                         _fmt([r.gbps for r in mine]),
                          _fmt(per_request, 1, 1) if per_request else "?",
                          f"{ratios[pattern]:.2f}" if tool == "deepspeed" else ""])
     _table(["pattern", "tool", "seconds", "GB/s", "MiB/device request", "ours/deepspeed"], rows)
@@ -292,13 +309,16 @@ def _run(args: argparse.Namespace, workdir: str, fio: str | None) -> dict[str, A
                     for _ in range(args.repeat)]
         results["mix"] = [run.as_dict() for run in runs]
         first = results["mix"][0]
-        print(f"mix: {first['backend']}, {first['layers']} layers of {_human(first['layer_nbytes'])} in "
-              f"one SwapFile: " + ", ".join(f"{t['name']} {'x'.join(map(str, t['shape']))} {t['dtype']}"
-                                             for t in first["tensors"]))
-        print(f"  {MIX_PASSES} training steps: forward reads each layer, backward reads it again and "
-              f"writes it back; reads run {first['window']} layers ahead of use, writes overlap them")
+        print(f"mix: {first['backend']}, {first['layers']} layers of "
+              f"{_human(first['layer_nbytes'])} in one SwapFile: "
+              + ", ".join(f"{t['name']} {'x'.join(map(str, t['shape']))} {t['dtype']}"
+                          for t in first["tensors"]))
+        print(f"  {MIX_PASSES} training steps: forward reads each layer, backward reads it "
+              f"again and writes it back; reads run {first['window']} layers ahead of use, "
+              "writes overlap them")
         for key in ("read_gbps", "write_gbps", "combined_gbps"):
-            print(f"  {key.replace('_gbps', ''):9} GB/s  {_fmt([run[key] for run in results['mix']])}")
+            print(f"  {key.replace('_gbps', ''):9} GB/s  "
+                  f"{_fmt([run[key] for run in results['mix']])}")
         return results
     data = os.path.join(workdir, "data")
     ops = ["read"] if args.read else ["write"] if args.write else ["write", "read"]

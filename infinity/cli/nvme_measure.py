@@ -107,7 +107,8 @@ class Throughput:
         return self.seconds / self.requests * 1e6 if self.requests else 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "gbps": self.gbps, "us_per_request": self.us_per_request}
+        return {**dataclasses.asdict(self), "gbps": self.gbps,
+                "us_per_request": self.us_per_request}
 
 
 class Summary(NamedTuple):
@@ -238,7 +239,8 @@ def small_reads(handle: Handle, path: str, count: int, *, request_nbytes: int = 
             done, started, request = pending.popleft()
             request.wait()
             latencies[done] = time.perf_counter() - started
-        pending.append((index, time.perf_counter(), handle.read(views[index % in_flight], path, offset)))
+        pending.append((index, time.perf_counter(),
+                        handle.read(views[index % in_flight], path, offset)))
     while pending:
         done, started, request = pending.popleft()
         request.wait()
@@ -248,9 +250,11 @@ def small_reads(handle: Handle, path: str, count: int, *, request_nbytes: int = 
                       request_nbytes, *np.percentile(latencies, [50, 99]).tolist(), cpu)
 
 
-def pick_best(scored: Sequence[tuple[EngineConfig, float]], tolerance: float = 0.05) -> EngineConfig:
+def pick_best(scored: Sequence[tuple[EngineConfig, float]],
+              tolerance: float = 0.05) -> EngineConfig:
     """The config with the highest score, or, among those within `tolerance` of it (noise), the
-    one with the least memory in flight (block_size * queue_depth * threads), then fewest threads."""
+    one with the least memory in flight (block_size * queue_depth * threads), then fewest
+    threads."""
     if not scored:
         raise ValueError("nothing to pick from")
     top = max(score for _, score in scored)
@@ -276,7 +280,7 @@ class TensorSpec(NamedTuple):
 
 
 def layer_tensors(hidden: int = HIDDEN, intermediate: int = INTERMEDIATE) -> list[TensorSpec]:
-    """The weights of one decoder layer (torch Linear layout [out, in]): bf16 matrices, fp32 norms."""
+    """One decoder layer's weights (torch Linear layout [out, in]): bf16 matrices, fp32 norms."""
     bf16, fp32 = torch.bfloat16, torch.float32
     return [
         TensorSpec("input_layernorm", (hidden,), fp32),
@@ -356,7 +360,8 @@ def mix(handle: Handle, directory: str, nbytes: int, *, window: int = 2, passes:
         extents = [[swap.allocate(spec.nbytes) for spec in specs] for _ in range(layers)]
         starts = np.cumsum([0] + [extent.capacity for extent in extents[0]]).tolist()
         buffers = [_pattern_buffer(starts[-1]) for _ in range(slots)]
-        views = [[buf[start:start + spec.nbytes] for start, spec in zip(starts, specs, strict=False)]
+        views = [[buf[start:start + spec.nbytes]
+                  for start, spec in zip(starts, specs, strict=False)]
                  for buf in buffers]
 
         def start(op: str, layer: int, slot: int) -> list[Any]:
@@ -388,8 +393,9 @@ def mix(handle: Handle, directory: str, nbytes: int, *, window: int = 2, passes:
         handle.wait_all()
         seconds = time.perf_counter() - begin
     layer_nbytes = sum(spec.nbytes for spec in specs)
-    tensors = [{"name": s.name, "shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch."),
-                "nbytes": s.nbytes} for s in specs]
+    tensors = [{"name": s.name, "shape": list(s.shape),
+                "dtype": str(s.dtype).removeprefix("torch."), "nbytes": s.nbytes}
+               for s in specs]
     written = sum(write_back for _, write_back in schedule)
     return MixResult(handle.backend, layers, layer_nbytes, tensors, window, passes,
                      len(schedule) * layer_nbytes, written * layer_nbytes, seconds)
@@ -453,7 +459,8 @@ def run_fio(fio: str, path: str, op: str, nbytes: int, config: EngineConfig, ioe
     logger.debug("running %s", " ".join(cmd))
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
     if done.returncode != 0:
-        raise RuntimeError(f"fio failed ({done.returncode}): {done.stderr.strip() or done.stdout.strip()}"
+        raise RuntimeError(f"fio failed ({done.returncode}): "
+                           f"{done.stderr.strip() or done.stdout.strip()}"
                            f"\ncommand: {' '.join(cmd)}")
     job = json.loads(done.stdout[done.stdout.index("{"):])["jobs"][0]
     side = job["read" if op != "write" else "write"]
@@ -461,5 +468,5 @@ def run_fio(fio: str, path: str, op: str, nbytes: int, config: EngineConfig, ioe
     seconds = side["io_bytes"] / side["bw_bytes"] if side["bw_bytes"] else 0.0
     cpu = (job["usr_cpu"] + job["sys_cpu"]) / 100 * job["job_runtime"] / 1e3
     return Throughput(f"fio/{ioengine}", op, side["io_bytes"], seconds, side["total_ios"],
-                      config.block_size, pct.get("50.000000", 0) / 1e9, pct.get("99.000000", 0) / 1e9,
-                      cpu)
+                      config.block_size, pct.get("50.000000", 0) / 1e9,
+                      pct.get("99.000000", 0) / 1e9, cpu)

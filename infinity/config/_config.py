@@ -30,7 +30,8 @@ from infinity.config._sections import (
 from infinity.config._values import FieldError, check
 from infinity.config._zero import ZeroConfig
 
-_SUMMED_ONCE = "gradients are summed over the ranks in their own dtype, then divided once (docs/scale.md, Ranks)"
+_SUMMED_ONCE = ("gradients are summed over the ranks in their own dtype, then divided once "
+                "(docs/scale.md, Ranks)")
 _OPAQUE_FEATURE = "a DeepSpeed feature Infinity does not have; the section is not read"
 
 

@@ -277,8 +277,8 @@ class BF16Config(Section):
 
     NOT_HONOURED: ClassVar[dict[str, str]] = {
         "immediate_grad_update": "gradients go to the optimizer when their unit's backward ends",
-        "check_grad_overflow": "every gradient is always checked for inf/nan, and a non-finite one fails "
-                               "the step (as in fp32) instead of skipping it",
+        "check_grad_overflow": "every gradient is always checked for inf/nan, and a non-finite "
+                               "one fails the step (as in fp32) instead of skipping it",
         "bf16_master_weights_and_grads": "the master weights are always fp32",
         "bf16_optimizer_states": "the Adam moments are always fp32",
     }
@@ -383,7 +383,8 @@ class InfinityConfig(Section):
     def __post_init__(self) -> None:
         budget = self.host_memory_budget
         check(budget is None or budget > 0, "host_memory_budget", budget, "a byte count > 0")
-        check(self.collective_timeout > 0, "collective_timeout", self.collective_timeout, "seconds > 0")
+        check(self.collective_timeout > 0, "collective_timeout", self.collective_timeout,
+              "seconds > 0")
         threshold = self.mmap_threshold
         check(threshold in (None, "auto") or 0 < threshold <= 32 << 20, "mmap_threshold", threshold,
               'a byte count in (0, "32MiB"], "auto" or null')

@@ -15,7 +15,8 @@ from infinity.config._values import check
 
 Device = Literal["none", "cpu", "nvme"]
 
-_PER_UNIT = "one collective per unit, issued when the unit needs it: nothing to bucket or tune (docs/scale.md, Ranks)"
+_PER_UNIT = ("one collective per unit, issued when the unit needs it: nothing to bucket or tune "
+             "(docs/scale.md, Ranks)")
 _POOL = "the host_memory_budget sizes Infinity's arena and I/O buffers, not per-buffer counts"
 
 
@@ -211,7 +212,8 @@ class ZeroConfig(Section):
         "elastic_checkpoint": "checkpoints are rank-independent by design",
         "load_from_fp32_weights": "a checkpoint always restores the fp32 master",
         "pipeline_loading_checkpoint": "checkpoints stream with bounded memory anyway",
-        "ignore_unused_parameters": "unused parameters are fine when every rank leaves the same ones unused (docs/scale.md, Ranks)",
+        "ignore_unused_parameters": "unused parameters are fine when every rank leaves the same "
+                                    "ones unused (docs/scale.md, Ranks)",
         "memory_efficient_linear": "ordinary autograd; hooks fetch parameters per module",
         "override_module_apply": "Infinity does not patch module.apply",
         "stage3_module_granularity_threshold": "the fetch unit is one module's parameters",

@@ -1,4 +1,5 @@
-"""Preallocated memory: an arena that defragments itself, and the worker threads native kernels borrow."""
+"""Preallocated memory: an arena that defragments itself, and the worker threads native
+kernels borrow."""
 
 from infinity.memory.arena import Arena, ArenaStats, Block
 from infinity.memory.malloc import set_mmap_threshold

@@ -323,7 +323,8 @@ class Arena:
             if not distance:
                 continue
             last = runs[-1][0][-1] if runs else None
-            if last is not None and runs[-1][1] == distance and last._offset + last._span == block._offset:
+            if (last is not None and runs[-1][1] == distance
+                    and last._offset + last._span == block._offset):
                 runs[-1][0].append(block)
                 nbytes[-1] = block._offset + block.nbytes - src[-1]  # the last padding stays
                 continue

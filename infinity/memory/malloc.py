@@ -28,7 +28,8 @@ def set_mmap_threshold(nbytes: int) -> bool:
         raise ValueError(f"mmap threshold must be in (0, {MAX_MMAP_THRESHOLD}] bytes, got {nbytes}")
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is None or not mallopt(M_MMAP_THRESHOLD, int(nbytes)):
-        logger.info("malloc: no glibc mallopt here; freed memory is returned as the C library decides")
+        logger.info("malloc: no glibc mallopt here; "
+                    "freed memory is returned as the C library decides")
         return False
     logger.debug("malloc: allocations of %d bytes and more are mapped on their own", nbytes)
     return True

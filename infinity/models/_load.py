@@ -71,7 +71,8 @@ def load(path: str | os.PathLike[str], config: dict[str, Any] | str | os.PathLik
     """
     directory = os.fspath(path)
     if not os.path.isdir(directory):
-        raise CheckpointError(f"{directory}: not a directory (only local checkpoints are loaded)", path=directory)
+        raise CheckpointError(f"{directory}: not a directory (only local checkpoints are loaded)",
+                              path=directory)
     if window < _MIN_WINDOW:
         raise ValueError(f"window = {window} bytes; at least {_MIN_WINDOW} (1 MiB)")
     records = index_checkpoint(directory)
@@ -95,7 +96,8 @@ def load(path: str | os.PathLike[str], config: dict[str, Any] | str | os.PathLik
         store.close()
         raise
     nbytes = sum(u.nbytes for u in layout.units)
-    logger.info("models: %s loaded into the %s tier (%d bytes, %d units) in %.1f s through a %d-byte window",
+    logger.info("models: %s loaded into the %s tier (%d bytes, %d units) in %.1f s "
+                "through a %d-byte window",
                 directory, layout.plan.param_home.label, nbytes, len(layout.units),
                 time.perf_counter() - started, window)
     model.infinity_placed = Placed(layout, store)  # for initialize: [Note: placed models]
@@ -126,8 +128,9 @@ def _match(model: torch.nn.Module, records: dict[str, TensorRecord], directory: 
             p = params[name]
             if record.shape != p.shape:
                 raise CheckpointError(
-                    f"{record.path}: tensor {name!r} has shape {tuple(record.shape)}, the model built from "
-                    f"{config_json} has {tuple(p.shape)}", path=record.path, tensor=name)
+                    f"{record.path}: tensor {name!r} has shape {tuple(record.shape)}, "
+                    f"the model built from {config_json} has {tuple(p.shape)}",
+                    path=record.path, tensor=name)
             _check_kind(record, p.dtype)
             sources.setdefault(id(p), record)
         elif name in buffer_names:
@@ -135,18 +138,21 @@ def _match(model: torch.nn.Module, records: dict[str, TensorRecord], directory: 
             found = model.get_submodule(module_name)._buffers[buffer]
             if found is None or found.shape != record.shape:
                 raise CheckpointError(
-                    f"{record.path}: tensor {name!r} has shape {tuple(record.shape)}, the model's buffer has "
-                    f"{None if found is None else tuple(found.shape)}", path=record.path, tensor=name)
+                    f"{record.path}: tensor {name!r} has shape {tuple(record.shape)}, "
+                    f"the model's buffer has {None if found is None else tuple(found.shape)}",
+                    path=record.path, tensor=name)
             _check_kind(record, found.dtype)
             buffers.append((model.get_submodule(module_name), buffer, record))
         elif not any(pattern.search(name) for pattern in ignore_unexpected):
-            raise CheckpointError(f"{record.path}: tensor {name!r} is not a parameter of the model built from "
-                                  f"{config_json} ({type(model).__name__})", path=record.path, tensor=name)
+            raise CheckpointError(f"{record.path}: tensor {name!r} is not a parameter of the "
+                                  f"model built from {config_json} ({type(model).__name__})",
+                                  path=record.path, tensor=name)
     ignore_missing = _patterns(model, "_keys_to_ignore_on_load_missing")
     for key, names in aliases.items():
         if key not in sources and not any(pat.search(n) for n in names for pat in ignore_missing):
-            raise CheckpointError(f"{directory}: the checkpoint has no tensor for parameter {names[0]!r} of "
-                                  f"{type(model).__name__}" + (f" (nor {names[1:]})" if len(names) > 1 else ""),
+            raise CheckpointError(f"{directory}: the checkpoint has no tensor for parameter "
+                                  f"{names[0]!r} of {type(model).__name__}"
+                                  + (f" (nor {names[1:]})" if len(names) > 1 else ""),
                                   path=directory, tensor=names[0])
     return sources, buffers
 
@@ -167,8 +173,8 @@ def _prepared(model: torch.nn.Module, prepare: Callable[[torch.nn.Module], torch
     prepared = prepare(model)
     for name, p in prepared.named_parameters():
         if id(p) not in before and id(p) not in sources and p.device.type == "meta":
-            raise ValueError(f"prepare added parameter {name!r} on the meta device: it has no values to load "
-                             f"(give the parameters it adds real values)")
+            raise ValueError(f"prepare added parameter {name!r} on the meta device: it has no "
+                             f"values to load (give the parameters it adds real values)")
     return prepared
 
 
@@ -185,7 +191,8 @@ def _stream(layout: Layout, store: TensorStore, sources: dict[int, TensorRecord]
         for unit in layout.units:
             out = converted[:chunk_numel * unit.dtype.itemsize].view(unit.dtype)
             store.put_chunks(unit.key, (unit.numel,), unit.dtype,
-                             _unit_chunks(unit, sources, reader, out, staging), layout.plan.param_home)
+                             _unit_chunks(unit, sources, reader, out, staging),
+                             layout.plan.param_home)
             progress(unit.nbytes)
     finally:
         reader.close()
@@ -203,8 +210,10 @@ def _unit_chunks(unit: FetchUnit, sources: dict[int, TensorRecord], reader: Shar
             if lo >= hi:
                 continue
             record = sources.get(id(slot.param))
-            if record is None and slot.param.device.type != "meta":  # added by `prepare`: its own values
-                out[lo - first:hi - first].copy_(slot.param.detach().reshape(-1)[lo - slot.offset:hi - slot.offset])
+            # added by `prepare`: its own values
+            if record is None and slot.param.device.type != "meta":
+                out[lo - first:hi - first].copy_(
+                    slot.param.detach().reshape(-1)[lo - slot.offset:hi - slot.offset])
                 continue
             if record is None:  # a parameter the model may leave uninitialised: zeros
                 out[lo - first:hi - first].zero_()
@@ -222,9 +231,11 @@ def _replace_meta(model: torch.nn.Module, layout: Layout) -> None:
     fresh: dict[int, torch.nn.Parameter] = {}
     for unit in layout.units:
         if unit.compute_dtype not in placeholders:
-            placeholders[unit.compute_dtype] = torch.empty(0, dtype=unit.compute_dtype, device=layout.device)
+            placeholders[unit.compute_dtype] = torch.empty(0, dtype=unit.compute_dtype,
+                                                           device=layout.device)
         for slot in unit.slots:
-            new = torch.nn.Parameter(placeholders[unit.compute_dtype], requires_grad=slot.param.requires_grad)
+            new = torch.nn.Parameter(placeholders[unit.compute_dtype],
+                                     requires_grad=slot.param.requires_grad)
             fresh[id(slot.param)] = new
             slot.param = new
     for module in model.modules():

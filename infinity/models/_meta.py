@@ -19,7 +19,8 @@ def build_on_meta(directory: str, dtype: torch.dtype) -> torch.nn.Module:
 
     config_path = os.path.join(directory, "config.json")
     if not os.path.isfile(config_path):
-        raise CheckpointError(f"{config_path}: missing (a Hugging Face model directory needs its config.json)",
+        raise CheckpointError(f"{config_path}: missing "
+                              "(a Hugging Face model directory needs its config.json)",
                               path=config_path)
     inside(directory, "config.json", source=directory)
     try:

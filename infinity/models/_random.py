@@ -38,7 +38,8 @@ def byte_tokenizer() -> Any:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>",
-                                                eos_token="</s>", pad_token="<pad>", split_special_tokens=True)
+                                                eos_token="</s>", pad_token="<pad>",
+                                                split_special_tokens=True)
 
 
 def _byte_level_chars() -> list[str]:
@@ -50,8 +51,9 @@ def _byte_level_chars() -> list[str]:
     return [chr(b) if b in printable else chr(next(spare)) for b in range(BYTE_TOKENS)]
 
 
-def write_random_model(directory: str | os.PathLike[str], config: Any, *, dtype: torch.dtype = torch.bfloat16,
-                       seed: int = 0, max_shard_bytes: int = 2 << 30) -> int:
+def write_random_model(directory: str | os.PathLike[str], config: Any, *,
+                       dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                       max_shard_bytes: int = 2 << 30) -> int:
     """Write a `transformers` model of `config` (a PretrainedConfig, e.g. LlamaConfig) with
     random weights into `directory` (must not exist; made complete or not at all); returns its
     parameter count. Matrices and embeddings are normal(0, config.initializer_range), norm
@@ -60,7 +62,8 @@ def write_random_model(directory: str | os.PathLike[str], config: Any, *, dtype:
 
     target = pathlib.Path(directory)
     if target.exists():
-        raise FileExistsError(errno.EEXIST, "exists (a new model directory is written, never over another)",
+        raise FileExistsError(errno.EEXIST,
+                              "exists (a new model directory is written, never over another)",
                               str(target))
     with parameters_on_meta():
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -69,7 +72,8 @@ def write_random_model(directory: str | os.PathLike[str], config: Any, *, dtype:
     staging = target.parent / f".{target.name}.partial-{os.getpid()}"
     staging.mkdir(parents=True)
     try:
-        write_shards(staging, specs, _random_tensors(specs, std, seed), max_shard_bytes=max_shard_bytes)
+        write_shards(staging, specs, _random_tensors(specs, std, seed),
+                     max_shard_bytes=max_shard_bytes)
         model.config.architectures = [type(model).__name__]
         model.config.dtype = dtype
         model.config.save_pretrained(staging)

@@ -79,11 +79,12 @@ def read_header(path: str) -> dict[str, TensorRecord]:
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                raise CheckpointError(f"{path}: truncated ({size} bytes, not even a header length)", path=path)
+                raise CheckpointError(f"{path}: truncated ({size} bytes, not even a header length)",
+                                      path=path)
             (length,) = struct.unpack("<Q", head)
             if length > _MAX_HEADER or 8 + length > size:
-                raise CheckpointError(f"{path}: truncated or corrupt: header of {length} bytes in a file of "
-                                      f"{size} bytes", path=path)
+                raise CheckpointError(f"{path}: truncated or corrupt: header of {length} bytes "
+                                      f"in a file of {size} bytes", path=path)
             header = json.loads(f.read(length), object_pairs_hook=_no_duplicates)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot be read: {exc.strerror}", path=path) from None
@@ -112,8 +113,9 @@ def read_header(path: str) -> dict[str, TensorRecord]:
         shape = torch.Size(shape)
         nbytes = math.prod(shape) * dtype.itemsize
         if end - begin != nbytes:
-            raise CheckpointError(f"{path}: tensor {name!r} has {end - begin} bytes for shape {tuple(shape)} "
-                                  f"{dtype} ({nbytes} bytes)", path=path, tensor=name)
+            raise CheckpointError(f"{path}: tensor {name!r} has {end - begin} bytes for shape "
+                                  f"{tuple(shape)} {dtype} ({nbytes} bytes)",
+                                  path=path, tensor=name)
         records[name] = TensorRecord(name, path, dtype, shape, 8 + length + begin, nbytes)
     _check_tiling(path, records, size - 8 - length, 8 + length)
     return records
@@ -148,8 +150,8 @@ def index_checkpoint(directory: str) -> dict[str, TensorRecord]:
     single = os.path.join(directory, SINGLE_FILE)
     if not os.path.exists(index_path):
         if not os.path.exists(single):
-            raise CheckpointError(f"{directory}: no {SINGLE_FILE} nor {INDEX_FILE} (only local safetensors "
-                                  "checkpoints are read)", path=directory)
+            raise CheckpointError(f"{directory}: no {SINGLE_FILE} nor {INDEX_FILE} "
+                                  "(only local safetensors checkpoints are read)", path=directory)
         return read_header(os.fspath(inside(directory, SINGLE_FILE, source=directory)))
     inside(directory, INDEX_FILE, source=directory)
     try:
@@ -158,9 +160,11 @@ def index_checkpoint(directory: str) -> dict[str, TensorRecord]:
         if not isinstance(weight_map, dict):
             raise TypeError
     except OSError as exc:
-        raise CheckpointError(f"{index_path}: cannot be read: {exc.strerror}", path=index_path) from None
+        raise CheckpointError(f"{index_path}: cannot be read: {exc.strerror}",
+                              path=index_path) from None
     except (ValueError, KeyError, TypeError, RecursionError):
-        raise CheckpointError(f"{index_path}: corrupt index (no weight_map object)", path=index_path) from None
+        raise CheckpointError(f"{index_path}: corrupt index (no weight_map object)",
+                              path=index_path) from None
     by_file: dict[str, list[str]] = {}
     for name, file in weight_map.items():
         if not isinstance(file, str):
@@ -171,13 +175,14 @@ def index_checkpoint(directory: str) -> dict[str, TensorRecord]:
     for file, names in by_file.items():
         path = os.fspath(inside(directory, file, source=index_path))
         if not os.path.isfile(path):
-            raise CheckpointError(f"{path}: shard missing; {INDEX_FILE} names it for {len(names)} tensors "
-                                  f"({names[0]!r} first)", path=path, tensor=names[0])
+            raise CheckpointError(f"{path}: shard missing; {INDEX_FILE} names it for "
+                                  f"{len(names)} tensors ({names[0]!r} first)",
+                                  path=path, tensor=names[0])
         found = read_header(path)
         for name in names:
             if name not in found:
-                raise CheckpointError(f"{path}: tensor {name!r} is not in this shard, but {INDEX_FILE} "
-                                      "says it is", path=path, tensor=name)
+                raise CheckpointError(f"{path}: tensor {name!r} is not in this shard, "
+                                      f"but {INDEX_FILE} says it is", path=path, tensor=name)
             records[name] = found[name]
     return records
 
@@ -199,8 +204,9 @@ class ShardReader:
         while done < len(view):
             n = os.preadv(fd, [view[done:]], offset + done)
             if n == 0:
-                raise CheckpointError(f"{record.path}: truncated while reading tensor {record.name!r} (at byte "
-                                      f"{offset + done})", path=record.path, tensor=record.name)
+                raise CheckpointError(f"{record.path}: truncated while reading tensor "
+                                      f"{record.name!r} (at byte {offset + done})",
+                                      path=record.path, tensor=record.name)
             done += n
 
     def close(self) -> None:

@@ -37,7 +37,8 @@ def plan_shards(specs: Sequence[Spec], max_shard_bytes: int) -> list[list[Spec]]
 
 
 def write_shards(directory: str | os.PathLike[str], specs: Sequence[Spec],
-                 tensors: Iterator[tuple[str, torch.Tensor]], *, max_shard_bytes: int) -> list[pathlib.Path]:
+                 tensors: Iterator[tuple[str, torch.Tensor]], *,
+                 max_shard_bytes: int) -> list[pathlib.Path]:
     """Write `tensors` (name, values), which must come in the order, shapes and dtypes of
     `specs`, into shards of at most `max_shard_bytes` plus the index; returns the files."""
     directory = pathlib.Path(directory)
@@ -57,12 +58,14 @@ def write_shards(directory: str | os.PathLike[str], specs: Sequence[Spec],
     return files + [index]
 
 
-def _write_shard(path: pathlib.Path, shard: list[Spec], tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+def _write_shard(path: pathlib.Path, shard: list[Spec],
+                 tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape, dtype in shard:
         nbytes = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": dtype_name(dtype), "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {"dtype": dtype_name(dtype), "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as the format asks
@@ -71,7 +74,8 @@ def _write_shard(path: pathlib.Path, shard: list[Spec], tensors: Iterator[tuple[
         for want, shape, dtype in shard:
             name, values = next(tensors)
             if (name, values.shape, values.dtype) != (want, torch.Size(shape), dtype):
-                raise RuntimeError(f"{path}: got tensor {name!r} {tuple(values.shape)} {values.dtype} where the "
-                                   f"plan has {want!r} {tuple(shape)} {dtype}")
+                raise RuntimeError(f"{path}: got tensor {name!r} {tuple(values.shape)} "
+                                   f"{values.dtype} where the plan has {want!r} {tuple(shape)} "
+                                   f"{dtype}")
             f.write(values.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
             del values  # released before the next tensor is made

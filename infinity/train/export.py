@@ -5,8 +5,9 @@ safetensors shards (`model-0000i-of-0000N.safetensors`) + `model.safetensors.ind
 out (`adapter_model.safetensors` + `adapter_config.json`), for `PeftModel.from_pretrained`.
 
 Shards are planned from the parameter specs before any value is read and written tensor by
-tensor (`infinity.models.write_shards`), so at most one unit's values are held at a time. A LoRA model (peft) is exported merged:
-W + scaling * B @ A per adapted layer, under the base model's names, loadable without peft.
+tensor (`infinity.models.write_shards`), so at most one unit's values are held at a time. A
+LoRA model (peft) is exported merged: W + scaling * B @ A per adapted layer, under the base
+model's names, loadable without peft.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ from infinity.train import bars
 logger = logging.getLogger(__name__)
 
 DEFAULTS = resources.files("infinity.train") / "default"
-LORA_TARGETS = "all-linear"  # peft: every Linear but the output head (attention and MLP projections)
+# peft: every Linear but the output head (attention and MLP projections)
+LORA_TARGETS = "all-linear"
 
 
 def default_model(seed: int = 0) -> tuple[torch.nn.Module, Any]:
@@ -29,7 +30,8 @@ def default_model(seed: int = 0) -> tuple[torch.nn.Module, Any]:
     import transformers
 
     fields = json.loads((DEFAULTS / "model_config.json").read_text())
-    config = transformers.LlamaConfig(**{k: v for k, v in fields.items() if k not in ("architectures", "model_type")})
+    config = transformers.LlamaConfig(**{k: v for k, v in fields.items()
+                                         if k not in ("architectures", "model_type")})
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(config), byte_tokenizer()
 
@@ -48,7 +50,8 @@ def load_model(directory: str | pathlib.Path, config: dict[str, Any], *, lora: i
                 _config_notes_muted():
             return load(directory, config, window=window, prepare=prepare, progress=bar.update)
     except CheckpointError as e:
-        raise InputError(f"--model {directory}: cannot load a causal LM ({_first_line(e)})") from None
+        raise InputError(f"--model {directory}: cannot load a causal LM "
+                         f"({_first_line(e)})") from None
 
 
 @contextlib.contextmanager

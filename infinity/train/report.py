@@ -70,7 +70,8 @@ def summary(records: Sequence[StepRecord], *, peak_rss_bytes: int, requested_ste
         ("steps", f"{last.step} of {requested_steps}" + (
             f" ({len(records)} in this run)" if first.step > 1 else "")),
         ("loss", f"{first.loss:.4f} -> {last.loss:.4f} (fell by {fall:.4f}, "
-                 f"{100 * fall / first.loss:.1f}%)" if first.loss else f"{first.loss} -> {last.loss}"),
+                 f"{100 * fall / first.loss:.1f}%)"
+                 if first.loss else f"{first.loss} -> {last.loss}"),
     ]
     evals = _evals(records)
     if evals:

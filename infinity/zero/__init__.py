@@ -10,7 +10,8 @@ from infinity.zero.ranks import Partition, Ranks, Shard, environment_world_size
 from infinity.zero.trace import Trace, TraceBook
 from infinity.zero.unit import FetchUnit, ParamSlot, place_units, plan_units
 
-__all__ = ["FetchUnit", "FlatGrad", "GradBuffer", "HeldGrad", "Init", "ModelHooks", "ParamCoordinator", "ParamSlot",
-           "Partition", "PrefetchStats", "RamGrad", "Ranks", "Shard", "StoredGrad", "Trace", "TraceBook", "UnitState",
-           "buffers_to", "create_units", "environment_world_size", "is_deferred", "parameters_on_meta",
-           "place_units", "plan_units"]
+__all__ = ["FetchUnit", "FlatGrad", "GradBuffer", "HeldGrad", "Init", "ModelHooks",
+           "ParamCoordinator", "ParamSlot", "Partition", "PrefetchStats", "RamGrad", "Ranks",
+           "Shard", "StoredGrad", "Trace", "TraceBook", "UnitState", "buffers_to", "create_units",
+           "environment_world_size", "is_deferred", "parameters_on_meta", "place_units",
+           "plan_units"]

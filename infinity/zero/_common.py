@@ -22,7 +22,7 @@ class PrefetchStats:
     prefetch_hits: int = 0  # the unit was already prefetched (in flight or landed) by the trace
     kept: int = 0  # the unit was still resident: kept for reuse, or used by another module
     on_demand: int = 0  # the unit had to be fetched when needed
-    on_demand_nvme: int = 0  # ... and its bytes were only on NVMe (a full read on the critical path)
+    on_demand_nvme: int = 0  # ... its bytes only on NVMe (a full read on the critical path)
     after_optimizer: int = 0  # fetched when needed because the optimizer was still updating it
     stall_s: float = 0.0  # seconds spent waiting for bytes inside hooks
     trace_switches: int = 0  # passes that started on a memoised trace

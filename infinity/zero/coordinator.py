@@ -105,7 +105,8 @@ class ParamCoordinator:
         self._views = ViewIndex()  # READY units by address; see [Note: saved parameter views]
         self._resident = [u for u in self.units if u.persistent]
         self._resident_ready = False
-        self._gathers: dict[FetchUnit, PendingGather] = {}  # see [Note: gathers in step on every rank]
+        # see [Note: gathers in step on every rank]
+        self._gathers: dict[FetchUnit, PendingGather] = {}
         self._not_ready: set[FetchUnit] = set()  # prefetch stopped at them: `ready` said no
         self.in_backward = False  # between the first backward acquire of a pass and its end
         self._lock = threading.RLock()
@@ -361,7 +362,8 @@ class ParamCoordinator:
             return
         if v.state is UnitState.RELEASED:
             self._start(v, next_use=1.0, make_room=True)
-        self._gathers[v] = self.gather.all_gather_start(v.future.result(), v.numel, f"parameters {v.key}")
+        self._gathers[v] = self.gather.all_gather_start(v.future.result(), v.numel,
+                                                        f"parameters {v.key}")
         self.stats.gathered_ahead += 1
 
     def _release_unit(self, u: FetchUnit) -> None:
@@ -391,7 +393,8 @@ class ParamCoordinator:
         if self.gather is not None:  # See [Note: gathers in step on every rank]
             return False
         trace = self._cursor.trace if self._cursor is not None else None
-        if trace is None or not 0 <= u.last_pos < len(trace) or self._live_numel > self.max_live_numel:
+        if (trace is None or not 0 <= u.last_pos < len(trace)
+                or self._live_numel > self.max_live_numel):
             return False
         nxt = trace.next_pos[u.last_pos]
         return nxt < len(trace) and trace.numel_between(u.last_pos + 1, nxt) <= self.max_reuse_numel

@@ -216,7 +216,8 @@ class HeldGrad(GradBuffer):
             g = g.view(-1)
             held = self._pieces[k] if self.has_grad else None
             if held is None:
-                self._pieces[k] = held = g  # autograd gave it to .grad alone: ours to keep and add into
+                # autograd gave it to .grad alone: ours to keep and add into
+                self._pieces[k] = held = g
             else:
                 held.add_(g)
             self._unchecked.add(k)
@@ -236,7 +237,8 @@ class HeldGrad(GradBuffer):
     @contextlib.contextmanager
     def read_pieces(self) -> Iterator[list[torch.Tensor]]:
         held = self._pieces if self.has_grad else [None] * len(self._numels)
-        yield [torch.zeros(n, dtype=self.dtype) if g is None else g for g, n in zip(held, self._numels)]
+        yield [torch.zeros(n, dtype=self.dtype) if g is None else g
+               for g, n in zip(held, self._numels)]
 
     def zero(self) -> None:
         super().zero()

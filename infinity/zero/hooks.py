@@ -31,7 +31,8 @@ from infinity.zero.unit import FetchUnit
 class _ModuleState:
     """The forward hooks of one module that uses fetch units, and their handles."""
 
-    def __init__(self, module: torch.nn.Module, units: Sequence[FetchUnit], coordinator: ParamCoordinator) -> None:
+    def __init__(self, module: torch.nn.Module, units: Sequence[FetchUnit],
+                 coordinator: ParamCoordinator) -> None:
         self.units = list(units)
         self.coordinator = coordinator
         self._acquired: list[bool] = []  # per call in progress: whether its acquire succeeded
@@ -60,13 +61,15 @@ class _ModuleState:
     def _register_frozen_release(self, args: Any) -> None:
         """Frozen units are let go once the gradients of the module's inputs exist."""
         frozen = [u for u in self.units if not u.requires_grad]
-        inputs = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        inputs = [t for t in tree_flatten(args)[0]
+                  if isinstance(t, torch.Tensor) and t.requires_grad]
         if frozen and inputs:
             torch.autograd.graph.register_multi_grad_hook(
                 inputs, lambda grads: self.coordinator.frozen_backward_done(frozen), mode="all")
 
     def _register_pre_backward(self, output: Any) -> None:
-        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        tensors = [t for t in tree_flatten(output)[0]
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
         if not tensors:
             return
         fired = False
@@ -85,7 +88,8 @@ class ModelHooks:
     """Installs every hook the coordinator needs on `model`; `remove()` takes them all off."""
 
     def __init__(self, model: torch.nn.Module, units: Sequence[FetchUnit],
-                 uses: Mapping[torch.nn.Module, Sequence[FetchUnit]], coordinator: ParamCoordinator) -> None:
+                 uses: Mapping[torch.nn.Module, Sequence[FetchUnit]],
+                 coordinator: ParamCoordinator) -> None:
         self.coordinator = coordinator
         self._saved_views: list[torch.autograd.graph.saved_tensors_hooks] = []
         # Resident units stay bound until the step: what autograd saves of them stays valid.
@@ -111,7 +115,8 @@ class ModelHooks:
         if not self._save_by_position:
             return
         # See [Note: saved parameter views]; left in _end_forward, which runs even on an error.
-        views = torch.autograd.graph.saved_tensors_hooks(self.coordinator.pack, self.coordinator.unpack)
+        views = torch.autograd.graph.saved_tensors_hooks(self.coordinator.pack,
+                                                         self.coordinator.unpack)
         views.__enter__()
         self._saved_views.append(views)
 

@@ -88,8 +88,10 @@ def create_units(model: torch.nn.Module, units: list[FetchUnit], store: TensorSt
 
     Raises ValueError naming a module that has deferred parameters but no initialiser.
     """
-    holders: dict[int, list[tuple[torch.nn.Module, str]]] = {}  # meta param -> where it is registered
-    owner: dict[int, torch.nn.Module] = {}  # meta param -> first module holding it (its initialiser)
+    # meta param -> where it is registered
+    holders: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    # meta param -> first module holding it (its initialiser)
+    owner: dict[int, torch.nn.Module] = {}
     for module in model.modules():
         for name, p in module._parameters.items():
             if p is not None:
@@ -101,8 +103,9 @@ def create_units(model: torch.nn.Module, units: list[FetchUnit], store: TensorSt
     names = {m: n for n, m in model.named_modules()}
     for module in {m for _, modules in order for m in modules}:
         if initialise is None and not hasattr(module, "reset_parameters"):
-            raise ValueError(f"module {names[module] or '<root>'!r} ({type(module).__name__}) was built under "
-                             "zero.Init but has no reset_parameters(): its parameters cannot be created")
+            raise ValueError(f"module {names[module] or '<root>'!r} ({type(module).__name__}) "
+                             "was built under zero.Init but has no reset_parameters(): "
+                             "its parameters cannot be created")
     placeholders: dict[torch.dtype, torch.Tensor] = {}
     for unit, modules in order:
         for module in modules:
@@ -116,7 +119,8 @@ def create_units(model: torch.nn.Module, units: list[FetchUnit], store: TensorSt
         put_unit(store, unit, flat, home, partition)
         del flat
         if unit.compute_dtype not in placeholders:
-            placeholders[unit.compute_dtype] = torch.empty(0, dtype=unit.compute_dtype, device=device)
+            placeholders[unit.compute_dtype] = torch.empty(0, dtype=unit.compute_dtype,
+                                                           device=device)
         unit.unbind(placeholders[unit.compute_dtype])
     logger.info("zero.Init: %d units created into the %s tier", len(units), home.label)
 
@@ -128,7 +132,8 @@ def _materialise(module: torch.nn.Module, holders: dict[int, list[tuple[torch.nn
     False when it had none left (its parameters were created with an earlier unit)."""
     metas = [p for p in module._parameters.values() if p is not None and p.device.type == "meta"]
     for p in metas:
-        fresh = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
+        fresh = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
+                                   requires_grad=p.requires_grad)
         for holder, name in holders.pop(id(p), []):
             holder._parameters[name] = fresh
         slot = slot_of.pop(id(p), None)

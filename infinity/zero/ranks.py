@@ -40,7 +40,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _ROLL_CALL_S = 2.0  # how long a rank that saw a collective fail waits for the others to answer
-_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what torchrun sets (env:// rendezvous)
+# what torchrun sets (env:// rendezvous)
+_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +91,8 @@ class PendingGather:
 
     def __init__(self, ranks: Ranks, work: Any, src: torch.Tensor, out: torch.Tensor, numel: int,
                  device: torch.device, collective: str) -> None:
-        self._ranks, self._work, self._src, self._out = ranks, work, src, out  # src: alive until done
+        # src: alive until done
+        self._ranks, self._work, self._src, self._out = ranks, work, src, out
         self._numel, self._device, self._collective = numel, device, collective
 
     def wait(self) -> torch.Tensor:
@@ -137,8 +139,9 @@ class Ranks:
         elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
             missing = [k for k in _ENV if k not in os.environ]
             if missing:
-                raise ConfigError(f"WORLD_SIZE is {os.environ['WORLD_SIZE']} but {', '.join(missing)} "
-                                  "is not set: launch with torchrun, or initialise torch.distributed first")
+                raise ConfigError(f"WORLD_SIZE is {os.environ['WORLD_SIZE']} but "
+                                  f"{', '.join(missing)} is not set: launch with torchrun, "
+                                  "or initialise torch.distributed first")
             ranks = cls._start_group(timeout_s)
         else:
             return cls.single()
@@ -155,11 +158,13 @@ class Ranks:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         try:
-            dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s))
+            dist.init_process_group(backend, init_method="env://",
+                                    timeout=datetime.timedelta(seconds=timeout_s))
         except Exception as exc:  # noqa: BLE001 - the store and backends raise many kinds
             raise RankError(f"rank {rank} of {world}: init_process_group ({backend}, "
-                            f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}) failed within "
-                            f"{timeout_s:g} s: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                            f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}) "
+                            f"failed within {timeout_s:g} s: {type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0] if str(exc) else ''}",
                             rank=rank, collective="init_process_group") from exc
         return cls(dist.get_rank(), dist.get_world_size(), store=_default_store())
 
@@ -252,7 +257,8 @@ class Ranks:
 
     # -- failures --------------------------------------------------------------------------------
 
-    def _collective(self, collective: str, t: torch.Tensor, call: Callable[[torch.Tensor], Any]) -> None:
+    def _collective(self, collective: str, t: torch.Tensor,
+                    call: Callable[[torch.Tensor], Any]) -> None:
         """Run an in-place collective on `t`, staged through the backend's device (NCCL needs
         CUDA tensors; gloo takes CPU ones)."""
         device = self._device()
@@ -270,7 +276,8 @@ class Ranks:
             return call()
         except Exception as exc:  # noqa: BLE001 - gloo/NCCL raise RuntimeError subclasses of many kinds
             peers = self._silent_peers()
-            named = f"rank(s) {list(peers)} did not answer" if peers else "no rank missing from the roll call"
+            named = (f"rank(s) {list(peers)} did not answer" if peers
+                     else "no rank missing from the roll call")
             self._failed = RankError(
                 f"rank {self.rank} of {self.world}: {collective} failed ({named}): "
                 f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",

@@ -98,7 +98,8 @@ class FetchUnit:
         """Take the parameters' gradients into the unit's gradient (by default the tensors
         themselves, see HeldGrad) and set their `.grad` to None."""
         if self.grad is None:
-            self.grad = HeldGrad([s.shape.numel() for s in self.slots], self.compute_dtype, name=self.key)
+            self.grad = HeldGrad([s.shape.numel() for s in self.slots], self.compute_dtype,
+                                 name=self.key)
         self.grad.accumulate(self.slots)
 
 
@@ -110,11 +111,13 @@ def _groups(params: list[tuple[str, torch.nn.Parameter]]) -> dict[tuple[torch.dt
 
 
 def _suffix(dtype: torch.dtype, requires_grad: bool, several: bool) -> str:
-    return f"[{str(dtype).removeprefix('torch.')},{'train' if requires_grad else 'frozen'}]" if several else ""
+    return (f"[{str(dtype).removeprefix('torch.')},{'train' if requires_grad else 'frozen'}]"
+            if several else "")
 
 
-def plan_units(model: torch.nn.Module, *, persistence_numel: int, storage_dtype: torch.dtype | None = None,
-               prefix: str = "param", meta_ok: bool = False, resident_modules: bool = False,
+def plan_units(model: torch.nn.Module, *, persistence_numel: int,
+               storage_dtype: torch.dtype | None = None, prefix: str = "param",
+               meta_ok: bool = False, resident_modules: bool = False,
                ) -> tuple[list[FetchUnit], dict[torch.nn.Module, list[FetchUnit]]]:
     """Cut `model` into fetch units (nothing is moved yet; see `place_units`).
 
@@ -137,7 +140,8 @@ def plan_units(model: torch.nn.Module, *, persistence_numel: int, storage_dtype:
                 continue
             qualified = f"{mname}.{pname}" if mname else pname
             if p.device.type == "meta" and not meta_ok:
-                raise ValueError(f"parameter {qualified!r} is on the meta device; materialise the model first")
+                raise ValueError(f"parameter {qualified!r} is on the meta device; "
+                                 "materialise the model first")
             owner[id(p)] = None  # claimed here; its unit is filled in below
             if p.numel() <= persistence_numel:
                 resident.append((qualified, p))
@@ -150,13 +154,15 @@ def plan_units(model: torch.nn.Module, *, persistence_numel: int, storage_dtype:
     for name, params, persistent in batches:
         groups = _groups(params)
         for (dtype, requires_grad), members in groups.items():
-            suffixed = len(groups) > 1 or params is resident  # the resident unit's key names its kind
+            # the resident unit's key names its kind
+            suffixed = len(groups) > 1 or params is resident
             key = f"{prefix}/{name}{_suffix(dtype, requires_grad, suffixed)}"
             slots, offset = [], 0
             for qualified, p in members:
                 slots.append(ParamSlot(p, qualified, offset, p.shape))
                 offset += p.numel()
-            stored = storage_dtype if storage_dtype is not None and dtype.is_floating_point else dtype
+            stored = (storage_dtype if storage_dtype is not None and dtype.is_floating_point
+                      else dtype)
             units.append(FetchUnit(len(units), key, name, slots, offset, stored, requires_grad,
                                    persistent, compute_dtype=dtype))
             for s in slots:
@@ -194,9 +200,11 @@ def place_units(units: list[FetchUnit], store: TensorStore, *, home: Tier, devic
     tensors are freed unit by unit."""
     placeholders: dict[torch.dtype, torch.Tensor] = {}
     for unit in units:
-        flat = torch.cat([s.param.detach().reshape(-1).to("cpu") for s in unit.slots]).to(unit.dtype)
+        flat = torch.cat([s.param.detach().reshape(-1).to("cpu")
+                          for s in unit.slots]).to(unit.dtype)
         put_unit(store, unit, flat, home, partition)
         del flat
         if unit.compute_dtype not in placeholders:
-            placeholders[unit.compute_dtype] = torch.empty(0, dtype=unit.compute_dtype, device=device)
+            placeholders[unit.compute_dtype] = torch.empty(0, dtype=unit.compute_dtype,
+                                                           device=device)
         unit.unbind(placeholders[unit.compute_dtype])
