@@ -1,0 +1,143 @@
+"""Block-wise 8-bit codes of Adam's moments, in plain torch: the rules the native kernel
+(csrc/adam/adam_state_kernel.h) follows bit for bit, used where state leaves or enters the
+kernel's format (checkpoints, torch state dicts) and by the kernel's reference in the tests.
+
+[Note: 8-bit moments] A row of n moments is cut into blocks of `block` elements (the last may
+be short), each stored as one float32 scale and one byte per element:
+
+- scale = the largest power of two not above the block's largest magnitude (0 for an all-zero
+  block, NaN for a block holding an inf or NaN); every element is then y = x / scale, exact
+  but for underflow, with |y| < 2.
+- a byte is an 8-bit float without inf or NaN codes: `exp_bits` exponent bits, `man_bits`
+  mantissa bits, a sign bit for the signed map (exp_avg) and none for the unsigned one
+  (exp_avg_sq). Its largest binade is [1, 2), so the block's largest element always lands in
+  it; below the smallest binade are subnormal codes spaced like the smallest binade's.
+- y is rounded to the nearest code, ties to the even code; above the largest code it clamps.
+  With `keep_nonzero`, a positive y that would round to 0 gets the smallest positive code
+  instead (for exp_avg_sq: a zero there would turn m / sqrt(v) into m / eps).
+- a byte decodes to code_value * scale (one float32 multiply).
+
+The power-of-two scale makes encoding exact bit arithmetic on y (no reciprocal to round), and
+loses nothing against an absmax scale: a floating-point code has the same relative precision in
+every binade, so shifting the grid by a fraction of a binade changes no error bound.
+Why these maps and block size: docs/store.md "Optimizer state formats".
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+
+class Code8(NamedTuple):
+    """An 8-bit floating-point code map (see [Note: 8-bit moments])."""
+
+    exp_bits: int
+    man_bits: int
+    signed: bool
+    keep_nonzero: bool = False  # a positive value never rounds to code 0
+
+    @property
+    def bias(self) -> int:
+        """Exponent bias: the largest exponent field, 2**exp_bits - 1, is the binade [1, 2)."""
+        return (1 << self.exp_bits) - 1
+
+    @property
+    def magnitude_codes(self) -> int:
+        return 1 << (self.exp_bits + self.man_bits)
+
+    def magnitudes(self) -> torch.Tensor:
+        """Value of each magnitude code (float64, exact in float32), ascending."""
+        c = torch.arange(self.magnitude_codes, dtype=torch.float64)
+        frac = torch.remainder(c, 1 << self.man_bits) / (1 << self.man_bits)
+        exp = torch.div(c, 1 << self.man_bits, rounding_mode="floor")
+        sub = math.ldexp(1.0, 1 - self.bias)
+        return torch.where(exp == 0, frac * sub, (1 + frac) * torch.exp2(exp - self.bias))
+
+    def table(self) -> torch.Tensor:
+        """float32 value of each of the 256 byte values (sign in bit 7 for a signed map)."""
+        mags = self.magnitudes().float()
+        return torch.cat([mags, -mags]) if self.signed else mags
+
+
+EXP_AVG_CODE = Code8(exp_bits=4, man_bits=3, signed=True)
+EXP_AVG_SQ_CODE = Code8(exp_bits=5, man_bits=3, signed=False, keep_nonzero=True)
+DEFAULT_BLOCK = 256
+
+
+def _check_row(x: torch.Tensor, block: int) -> None:
+    if block < 1:
+        raise ValueError(f"block must be >= 1, got {block}")
+    if x.dim() != 1:
+        raise ValueError(f"expected a 1-D row, got shape {tuple(x.shape)}")
+
+
+def block_count(numel: int, block: int) -> int:
+    """Blocks (and scales) of a row of numel elements."""
+    return -(-numel // block)
+
+
+def _blocked(x: torch.Tensor, block: int, fill: float) -> torch.Tensor:
+    """x as (blocks, block), the short last block padded with `fill`."""
+    pad = block_count(x.numel(), block) * block - x.numel()
+    if pad:
+        x = torch.cat([x, x.new_full((pad,), fill)])
+    return x.view(-1, block)
+
+
+def block_scales(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Each block's scale: the power of two at or below its largest magnitude; 0 for an
+    all-zero block; NaN for one with an inf or NaN."""
+    _check_row(x, block)
+    blocks = _blocked(x.float(), block, 0.0)
+    amax = blocks.abs().amax(dim=1)
+    finite = blocks.isfinite().all(dim=1)
+    # in float64 every float32, subnormals included, is normal: frexp and the power are exact
+    _, exponent = torch.frexp(amax.double())  # amax = mantissa * 2**exponent, mantissa in [0.5, 1)
+    scales = torch.ldexp(torch.ones_like(amax, dtype=torch.float64), exponent - 1).float()
+    scales = torch.where(amax == 0, torch.zeros_like(amax), scales)
+    return torch.where(finite, scales, torch.full_like(amax, math.nan))
+
+
+def encode(y: torch.Tensor, code: Code8) -> torch.Tensor:
+    """Bytes (uint8) of y (float32, |y| < 2 or NaN-free clamped), round to nearest even."""
+    m = code.man_bits
+    mag = y.abs()
+    bits = mag.view(torch.int32).to(torch.int64)
+    shift = 23 - m
+    rounded = (bits + (1 << (shift - 1)) - 1 + ((bits >> shift) & 1)) >> shift
+    normal = rounded - ((127 - code.bias) << m)
+    subnormal = torch.round(mag * math.ldexp(1.0, code.bias - 1 + m)).to(torch.int64)
+    c = torch.where(mag >= math.ldexp(1.0, 1 - code.bias), normal, subnormal)
+    c = c.clamp(max=code.magnitude_codes - 1)
+    if code.keep_nonzero:
+        c = torch.where((c == 0) & (mag > 0), torch.ones_like(c), c)
+    if code.signed:
+        c = c | (y.signbit().to(torch.int64) << 7)
+    return c.to(torch.uint8)
+
+
+def quantize(x: torch.Tensor, block: int, code: Code8) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bytes, scales) of a 1-D float32 row; see [Note: 8-bit moments]."""
+    scales = block_scales(x, block)
+    usable = (scales > 0) & scales.isfinite()
+    blocks = _blocked(x.float(), block, 0.0)
+    y = blocks / torch.where(usable, scales, torch.ones_like(scales))[:, None]
+    codes = torch.where(usable[:, None], encode(y, code), torch.zeros_like(y, dtype=torch.uint8))
+    return codes.reshape(-1)[:x.numel()], scales
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, block: int, code: Code8
+               ) -> torch.Tensor:
+    """float32 row of `codes` (uint8) under their blocks' `scales`."""
+    _check_row(codes, block)
+    if codes.dtype != torch.uint8:
+        raise TypeError(f"codes must be uint8, got {codes.dtype}")
+    if scales.numel() != block_count(codes.numel(), block):
+        raise ValueError(f"{codes.numel()} codes in blocks of {block} need "
+                         f"{block_count(codes.numel(), block)} scales, got {scales.numel()}")
+    values = code.table()[codes.long()]
+    per_element = scales.float().repeat_interleave(block)[:codes.numel()]
+    return values * per_element
