@@ -6,15 +6,17 @@
  * -ffp-contract=off keeps the compiler from fusing any multiply and add.
  *
  * [Note: 8-bit moments] A block of moments is stored as one float scale and one byte per
- * element. The scale is the largest power of two at or below the block's largest magnitude
- * (0 for an all-zero block; NaN for a block holding an inf or NaN, whose bytes are then 0 and
- * decode to NaN). Each element is coded from y = x / scale (|y| < 2) as an 8-bit float without
- * inf or NaN codes, whose top binade is [1, 2): exp_avg with a sign bit, 4 exponent and 3
- * mantissa bits; exp_avg_sq without a sign, 5 exponent and 3 mantissa bits. y rounds to the
- * nearest code (ties to the even code; clamped at the top), and a positive exp_avg_sq never
- * rounds to 0 but to the smallest code: a zero there would turn m / sqrt(v) into m / eps.
- * A byte decodes to its value times the scale (one multiply). infinity/optim/_quant.py states
- * the same rules in torch; docs/store.md says why these maps and the block size.
+ * element. The scale is the block's largest magnitude (0 for an all-zero block; NaN for a block
+ * holding an inf or NaN, whose bytes are then 0 and decode to NaN). Each element is coded from
+ * y = x / scale (|y| <= 1, and 1 exactly for the largest) as an 8-bit float without inf or NaN
+ * codes whose top exponent is 1.0: exp_avg with a sign bit, 4 exponent and 3 mantissa bits;
+ * exp_avg_sq without a sign, 5 exponent and 3 mantissa bits (codes above 1.0 go unused). y
+ * rounds to the nearest code, ties to the even code, and a positive exp_avg_sq never rounds to
+ * 0 but to the smallest code: a zero there would turn m / sqrt(v) into m / eps. A byte decodes
+ * to its value times the scale (one multiply), so a block's largest element comes back exactly
+ * and its decay by beta2 is kept exactly in the float scale (8-bit codes alone could not hold
+ * a change of 0.1% a step). infinity/optim/_quant.py states the same rules in torch;
+ * docs/store.md says why these maps and the block size.
  *
  * [Note: stochastic rounding] Without a master, the new parameter p (float) is rounded to the
  * 16-bit values up or down at random, with the probability of rounding away from zero equal to
@@ -144,19 +146,10 @@ static inline uint16_t inf_adam__sr_f16(float p, uint32_t r)
     return inf_adam__f32_to_f16(copysignf(t, p));
 }
 
-/* The power of two at or below amax (> 0, finite): the exponent bits, or a subnormal's top
- * bit. */
+/* A block's scale: its largest magnitude, NaN if it holds an inf or NaN. */
 static inline float inf_adam__q8_scale(float amax, int bad)
 {
-    uint32_t u = inf_adam__f32_bits(amax);
-
-    if (bad)
-        return NAN;
-    if (u == 0)
-        return 0.0f;
-    if (u >= 0x00800000u)
-        return inf_adam__bits_f32(u & 0x7f800000u);
-    return inf_adam__bits_f32(1u << (31 - __builtin_clz(u)));
+    return bad ? NAN : amax;
 }
 
 /* Value of an 8-bit magnitude code with `man` mantissa bits and exponent bias `bias`. */
@@ -179,7 +172,8 @@ static inline float inf_adam__q8_decode_v(uint8_t code, float scale)
     return inf_adam__q8_magnitude(code, INF_ADAM__QV_MAN, INF_ADAM__QV_BIAS) * scale;
 }
 
-/* The magnitude code of |y| < 2 (nearest, ties to even, clamped to max_code). */
+/* The magnitude code of |y| <= 1 (nearest, ties to even; clamped to max_code, which only
+ * bounds a value the rules never make). */
 static inline uint32_t inf_adam__q8_encode_magnitude(float mag, int man, int bias,
                                                      uint32_t max_code)
 {

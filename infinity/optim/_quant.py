@@ -5,21 +5,20 @@ kernel's format (checkpoints, torch state dicts) and by the kernel's reference i
 [Note: 8-bit moments] A row of n moments is cut into blocks of `block` elements (the last may
 be short), each stored as one float32 scale and one byte per element:
 
-- scale = the largest power of two not above the block's largest magnitude (0 for an all-zero
-  block, NaN for a block holding an inf or NaN); every element is then y = x / scale, exact
-  but for underflow, with |y| < 2.
+- scale = the block's largest magnitude (0 for an all-zero block, NaN for a block holding an
+  inf or NaN); every element is coded from y = x / scale, so |y| <= 1 and the largest is 1.
 - a byte is an 8-bit float without inf or NaN codes: `exp_bits` exponent bits, `man_bits`
   mantissa bits, a sign bit for the signed map (exp_avg) and none for the unsigned one
-  (exp_avg_sq). Its largest binade is [1, 2), so the block's largest element always lands in
-  it; below the smallest binade are subnormal codes spaced like the smallest binade's.
-- y is rounded to the nearest code, ties to the even code; above the largest code it clamps.
-  With `keep_nonzero`, a positive y that would round to 0 gets the smallest positive code
-  instead (for exp_avg_sq: a zero there would turn m / sqrt(v) into m / eps).
+  (exp_avg_sq). Its top exponent is the binade of 1.0, of which only 1.0 itself is used;
+  below the smallest binade are subnormal codes spaced like the smallest binade's.
+- y is rounded to the nearest code, ties to the even code. With `keep_nonzero`, a positive y
+  that would round to 0 gets the smallest positive code instead (for exp_avg_sq: a zero there
+  would turn m / sqrt(v) into m / eps).
 - a byte decodes to code_value * scale (one float32 multiply).
 
-The power-of-two scale makes encoding exact bit arithmetic on y (no reciprocal to round), and
-loses nothing against an absmax scale: a floating-point code has the same relative precision in
-every binade, so shifting the grid by a fraction of a binade changes no error bound.
+The scale keeps the block's largest element exact, and with it the block's common decay: each
+step multiplies v by beta2 = 0.999, a change 8-bit codes cannot hold (their steps are 6%), so a
+scale rounded to a power of two, say, would freeze v and slow training (docs/store.md).
 Why these maps and block size: docs/store.md "Optimizer state formats".
 """
 
@@ -41,7 +40,7 @@ class Code8(NamedTuple):
 
     @property
     def bias(self) -> int:
-        """Exponent bias: the largest exponent field, 2**exp_bits - 1, is the binade [1, 2)."""
+        """Exponent bias: the largest exponent field, 2**exp_bits - 1, is the binade of 1."""
         return (1 << self.exp_bits) - 1
 
     @property
@@ -88,21 +87,15 @@ def _blocked(x: torch.Tensor, block: int, fill: float) -> torch.Tensor:
 
 
 def block_scales(x: torch.Tensor, block: int) -> torch.Tensor:
-    """Each block's scale: the power of two at or below its largest magnitude; 0 for an
-    all-zero block; NaN for one with an inf or NaN."""
+    """Each block's scale: its largest magnitude; NaN for a block with an inf or NaN."""
     _check_row(x, block)
     blocks = _blocked(x.float(), block, 0.0)
     amax = blocks.abs().amax(dim=1)
-    finite = blocks.isfinite().all(dim=1)
-    # in float64 every float32, subnormals included, is normal: frexp and the power are exact
-    _, exponent = torch.frexp(amax.double())  # amax = mantissa * 2**exponent, mantissa in [0.5, 1)
-    scales = torch.ldexp(torch.ones_like(amax, dtype=torch.float64), exponent - 1).float()
-    scales = torch.where(amax == 0, torch.zeros_like(amax), scales)
-    return torch.where(finite, scales, torch.full_like(amax, math.nan))
+    return torch.where(blocks.isfinite().all(dim=1), amax, torch.full_like(amax, math.nan))
 
 
 def encode(y: torch.Tensor, code: Code8) -> torch.Tensor:
-    """Bytes (uint8) of y (float32, |y| < 2 or NaN-free clamped), round to nearest even."""
+    """Bytes (uint8) of y (float32, |y| < 2), rounded to the nearest code, ties to even."""
     m = code.man_bits
     mag = y.abs()
     bits = mag.view(torch.int32).to(torch.int64)

@@ -92,15 +92,28 @@ def test_smallest_code_keeps_a_positive_second_moment_off_zero():
     assert codes.tolist()[1:] == [0, 0, 0]
 
 
-def test_block_scales_are_powers_of_two_zero_or_nan():
-    x = torch.tensor([3.0, -5.0, 0.0, 0.0, 1e-40, 3e-45, float("inf"), 1.0, 2.0**127 * 1.5, 7.0])
+def test_block_scales_are_the_largest_magnitude_zero_or_nan():
+    x = torch.tensor([3.0, -5.0, 0.0, 0.0, 1e-40, 3e-45, float("inf"), 1.0, 3e38, 7.0])
     scales = block_scales(x, 2)
-    assert scales[:2].tolist() == [4.0, 0.0]
-    assert scales[2].item() == 2.0**-133  # the top bit of the subnormal 1e-40
-    assert math.isnan(scales[3].item()) and scales[4].item() == 2.0**127
+    assert scales[:3].tolist() == [5.0, 0.0, torch.tensor(1e-40).item()]
+    assert math.isnan(scales[3].item()) and scales[4].item() == torch.tensor(3e38).item()
     codes, scales = quantize(x, 2, EXP_AVG_CODE)
     back = dequantize(codes, scales, 2, EXP_AVG_CODE)
+    assert back[[1, 4, 8]].tolist() == x[[1, 4, 8]].tolist()  # each block's largest is exact
     assert back[2:4].tolist() == [0.0, 0.0] and back[6:8].isnan().all()
+
+
+def test_a_block_decaying_by_beta2_keeps_decaying():
+    """v * 0.999 per step: a change far below the codes' 6% steps is kept by the scale, so the
+    block decays as in float32 instead of freezing at its codes."""
+    v = torch.rand(256, generator=torch.Generator().manual_seed(3)) + 0.5
+    codes, scales = quantize(v, 256, EXP_AVG_SQ_CODE)
+    start = dequantize(codes, scales, 256, EXP_AVG_SQ_CODE)
+    for _ in range(100):
+        decayed = dequantize(codes, scales, 256, EXP_AVG_SQ_CODE) * 0.999
+        codes, scales = quantize(decayed, 256, EXP_AVG_SQ_CODE)
+    ratio = dequantize(codes, scales, 256, EXP_AVG_SQ_CODE) / start
+    torch.testing.assert_close(ratio, torch.full_like(ratio, 0.999**100), rtol=1e-5, atol=0)
 
 
 def test_quantization_error_is_within_the_codes_spacing():
