@@ -12,29 +12,31 @@ void inf_adam__range_scalar(const struct inf_adam__coef *c, const struct inf_ada
         inf_adam__update_one(c, a, i);
 }
 
-static void state_convert(float *dst, const void *src, int dtype, size_t n, float scale)
+static void state_convert(float *dst, const void *src, int dtype, size_t n)
 {
     for (size_t k = 0; k < n; k++)
-        dst[k] = inf_adam__load_any(src, dtype, k) * scale;
+        dst[k] = inf_adam__load_any(src, dtype, k);
 }
 
 static void state_update(const struct inf_adam__state_coef *c, const struct inf_adam_segment *s,
                          const struct inf_adam__block *b, struct inf_adam__amax *amax)
 {
     for (size_t i = b->lo; i < b->hi; i++)
-        inf_adam__state_one(c, s, b, i, amax);
+        inf_adam__moments_one(c, s, b, i, amax);
+    for (size_t i = b->lo; i < b->hi; i++)
+        inf_adam__param_one(c, s, b, i);
 }
 
-static void state_encode_m(uint8_t *dst, const float *src, size_t n, float scale)
+static void state_encode_m(uint8_t *dst, const float *src, size_t n, float scale, float inv)
 {
     for (size_t k = 0; k < n; k++)
-        dst[k] = inf_adam__q8_encode_m(src[k], scale);
+        dst[k] = inf_adam__q8_encode_m(src[k], scale, inv);
 }
 
-static void state_encode_v(uint8_t *dst, const float *src, size_t n, float scale)
+static void state_encode_v(uint8_t *dst, const float *src, size_t n, float scale, float inv)
 {
     for (size_t k = 0; k < n; k++)
-        dst[k] = inf_adam__q8_encode_v(src[k], scale);
+        dst[k] = inf_adam__q8_encode_v(src[k], scale, inv);
 }
 
 const struct inf_adam__state_isa inf_adam__state_scalar = {

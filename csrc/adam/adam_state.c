@@ -51,7 +51,7 @@ static void inf_adam__state_coef_init(struct inf_adam__state_coef *c,
     c->one_minus_beta1 = (float)(1.0 - p->beta1);
     c->beta2 = (float)p->beta2;
     c->one_minus_beta2 = (float)(1.0 - p->beta2);
-    c->bc2_sqrt = (float)sqrt(1.0 - pow(p->beta2, step));
+    c->inv_bc2_sqrt = (float)(1.0 / sqrt(1.0 - pow(p->beta2, step)));
     c->eps = (float)p->eps;
     c->step_size = (float)(p->lr / (1.0 - pow(p->beta1, step)));
     c->l2 = !p->adamw && p->weight_decay != 0.0;
@@ -174,26 +174,46 @@ static void inf_adam__cursor_seek(struct inf_adam__grad_cursor *cur,
     }
 }
 
-/* g[0, hi - lo) = the scaled gradient of elements [lo, hi), from as many pieces as hold them. */
-static void inf_adam__gather(const struct inf_adam__state_job *job,
-                             struct inf_adam__grad_cursor *cur, size_t lo, size_t hi, float *g)
+/* Move past the piece that ends at element `at` (and any empty ones after it). */
+static void inf_adam__cursor_next(const struct inf_adam__state_job *job,
+                                  struct inf_adam__grad_cursor *cur, size_t at)
 {
-    size_t at = lo;
+    if (at == job->seg->n)
+        return;
+    cur->start = at;
+    cur->piece++;
+    while (cur->piece->n == 0)
+        cur->piece++;
+}
 
+/* Point b at the gradient of its elements: in place when one piece holds them all (the common
+ * case), else gathered into g as float from as many pieces as hold them. */
+static void inf_adam__gather(const struct inf_adam__state_job *job,
+                             struct inf_adam__grad_cursor *cur, struct inf_adam__block *b,
+                             float *g)
+{
+    size_t at = b->lo, lo = b->lo, hi = b->hi;
+
+    if (cur->start + cur->piece->n >= hi) {
+        b->grad = (const char *)cur->piece->data +
+                  (lo - cur->start) * inf_adam__dtype_size(cur->piece->dtype);
+        b->grad_dtype = cur->piece->dtype;
+        if (cur->start + cur->piece->n == hi)
+            inf_adam__cursor_next(job, cur, hi);
+        return;
+    }
+    b->grad = g;
+    b->grad_dtype = INF_ADAM_DTYPE_F32;
     while (at < hi) {
         const struct inf_adam_grad *piece = cur->piece;
         size_t end = cur->start + piece->n < hi ? cur->start + piece->n : hi;
         const char *src = (const char *)piece->data +
                           (at - cur->start) * inf_adam__dtype_size(piece->dtype);
 
-        job->isa->convert(g + (at - lo), src, piece->dtype, end - at, job->coef.grad_scale);
+        job->isa->convert(g + (at - lo), src, piece->dtype, end - at);
         at = end;
-        if (at == cur->start + piece->n && at < job->seg->n) {
-            cur->start = at;
-            cur->piece++;
-            while (cur->piece->n == 0)
-                cur->piece++;
-        }
+        if (at == cur->start + piece->n)
+            inf_adam__cursor_next(job, cur, at);
     }
 }
 
@@ -211,13 +231,44 @@ static void inf_adam__store_block(const struct inf_adam__state_job *job, size_t 
     s->exp_avg_scale[blk] = m_scale;
     s->exp_avg_sq_scale[blk] = v_scale;
     if (m_scale > 0.0f)
-        job->isa->encode_m(m_codes, m, hi - lo, m_scale);
+        job->isa->encode_m(m_codes, m, hi - lo, m_scale, inf_adam__q8_inverse(m_scale));
     else
         memset(m_codes, 0, hi - lo);
     if (v_scale > 0.0f)
-        job->isa->encode_v(v_codes, v, hi - lo, v_scale);
+        job->isa->encode_v(v_codes, v, hi - lo, v_scale, inf_adam__q8_inverse(v_scale));
     else
         memset(v_codes, 0, hi - lo);
+}
+
+/* Ask for the cache lines of bytes [from, from + bytes) of an array. A prefetch never faults;
+ * the addresses are formed as integers because such pointers need not be valid C. */
+static void inf_adam__prefetch_span(const void *base, size_t from, size_t bytes)
+{
+    uintptr_t at = (uintptr_t)base + from;
+
+    if (!base)
+        return;
+    for (uintptr_t line = at & ~(uintptr_t)63; line < at + bytes; line += 64)
+        __builtin_prefetch((const void *)line, 0, 3);
+}
+
+/* Ask for the next block's inputs, elements [lo, hi), while this one computes: with several
+ * passes over each block the core would otherwise find each new block's lines missing (the
+ * gradient's piece as the cursor stands: a guess where a piece ends in the block). */
+static void inf_adam__prefetch_block(const struct inf_adam__state_job *job,
+                                     const struct inf_adam__grad_cursor *cur, size_t lo,
+                                     size_t hi)
+{
+    const struct inf_adam_segment *s = job->seg;
+    size_t n = hi - lo, msize = s->moments == INF_ADAM_MOMENTS_F32 ? 4
+                                : s->moments == INF_ADAM_MOMENTS_BF16 ? 2 : 1;
+    size_t gsize = inf_adam__dtype_size(cur->piece->dtype);
+
+    inf_adam__prefetch_span(s->master, lo * 4, n * 4);
+    inf_adam__prefetch_span(s->values, lo * 2, n * 2);
+    inf_adam__prefetch_span(s->exp_avg, lo * msize, n * msize);
+    inf_adam__prefetch_span(s->exp_avg_sq, lo * msize, n * msize);
+    inf_adam__prefetch_span(cur->piece->data, (lo - cur->start) * gsize, n * gsize);
 }
 
 static void inf_adam__state_work(const void *ctx, size_t lo, size_t hi)
@@ -233,14 +284,17 @@ static void inf_adam__state_work(const void *ctx, size_t lo, size_t hi)
     inf_adam__cursor_seek(&cur, s, lo);
     for (size_t at = lo; at < hi; at += job->unit) {
         size_t end = hi - at < job->unit ? hi : at + job->unit;
-        struct inf_adam__block block = {at, end, g, m, v, 0.0f, 0.0f};
+        struct inf_adam__block block = {at, end, NULL, 0, m, v, 0.0f, 0.0f};
         struct inf_adam__amax amax = {0.0f, 0.0f, 0, 0};
 
         if (q8) {
             block.m_scale = s->exp_avg_scale[at / job->unit];
             block.v_scale = s->exp_avg_sq_scale[at / job->unit];
         }
-        inf_adam__gather(job, &cur, at, end, g);
+        inf_adam__gather(job, &cur, &block, g);
+        if (end < hi)
+            inf_adam__prefetch_block(job, &cur, end,
+                                     hi - end < job->unit ? hi : end + job->unit);
         job->isa->update(&job->coef, s, &block, &amax);
         if (q8)
             inf_adam__store_block(job, at, end, m, v, &amax);

@@ -8,10 +8,12 @@
  * [Note: 8-bit moments] A block of moments is stored as one float scale and one byte per
  * element. The scale is the block's largest magnitude (0 for an all-zero block; NaN for a block
  * holding an inf or NaN, whose bytes are then 0 and decode to NaN). Each element is coded from
- * y = x / scale (|y| <= 1, and 1 exactly for the largest) as an 8-bit float without inf or NaN
+ * y = x * (1 / scale), or x / scale where the scale or its inverse is not a normal float
+ * (|y| <= 1 but for an ulp, and the largest rounds to 1) as an 8-bit float without inf or NaN
  * codes whose top exponent is 1.0: exp_avg with a sign bit, 4 exponent and 3 mantissa bits;
  * exp_avg_sq without a sign, 5 exponent and 3 mantissa bits (codes above 1.0 go unused). y
- * rounds to the nearest code, ties to the even code, and a positive exp_avg_sq never rounds to
+ * rounds to the nearest code, ties to the even code (below the normal codes through a float
+ * subnormal first: see inf_adam__q8_encode_magnitude), and a positive exp_avg_sq never rounds to
  * 0 but to the smallest code: a zero there would turn m / sqrt(v) into m / eps. A byte decodes
  * to its value times the scale (one multiply), so a block's largest element comes back exactly
  * and its decay by beta2 is kept exactly in the float scale (8-bit codes alone could not hold
@@ -22,10 +24,10 @@
  * 16-bit values up or down at random, with the probability of rounding away from zero equal to
  * the fraction of the gap between the two neighbours that p covers (to 2^-16 for bf16, 2^-13
  * for fp16), so updates far below the values' precision still move them on average. The
- * random bits r of element i are mix32(mix32(lo(j) ^ key0) ^ hi(j) ^ key1) with j = index + i
- * and the key from (seed, step) (inf_adam__state_key): a function of the element and the step
- * only. bf16: the low 16 bits of r are added to p's bits below bf16 precision, then cut off.
- * fp16: the same with 13 bits; |p| under 2^-14 (fp16 subnormals, spaced 2^-24) is first
+ * random bits r of element i are mix32(lo(j) ^ key0 ^ mix32(hi(j) ^ key1)), with j = index + i,
+ * lo and hi its 32-bit halves, mix32 a 32-bit integer hash and the keys from (seed, step):
+ * a function of the element and the step only. bf16: the low 16 bits of r are added to p's
+ * bits below bf16 precision, then cut off. fp16: the same with 13 bits; |p| under 2^-14 (fp16 subnormals, spaced 2^-24) is first
  * shifted up by adding 2^-14, so it has the spacing of the binade above, and shifted back
  * after. inf and NaN round to nearest as the master's copy does; a finite p past the largest
  * 16-bit value may round to inf.
@@ -57,7 +59,7 @@ struct inf_adam__state_coef {
     float one_minus_beta1;
     float beta2;
     float one_minus_beta2;
-    float bc2_sqrt;          /* sqrt(1 - beta2^step) */
+    float inv_bc2_sqrt;      /* 1 / sqrt(1 - beta2^step) */
     float eps;
     float step_size;         /* lr / (1 - beta1^step) */
     int l2;
@@ -66,13 +68,14 @@ struct inf_adam__state_coef {
     uint32_t key1;
 };
 
-/* One block (8-bit) or work unit of a segment: elements [lo, hi), their gradient already
- * scaled in g[0, hi - lo), and for 8-bit moments the blocks' stored scales and room for the
- * new moments before they are coded. */
+/* One block (8-bit) or work unit of a segment: elements [lo, hi), their gradient from grad
+ * (element lo first: in its piece, or gathered from several as float), room for the new
+ * moments, and for 8-bit moments the block's stored scales. */
 struct inf_adam__block {
     size_t lo;
     size_t hi;
-    const float *g;
+    const void *grad;
+    int grad_dtype;          /* enum inf_adam_dtype */
     float *m;
     float *v;
     float m_scale;
@@ -89,14 +92,14 @@ struct inf_adam__amax {
 
 /* The loops of one instruction set. */
 struct inf_adam__state_isa {
-    /* dst[k] = float(src[k]) * scale for k < n; src has type dtype */
-    void (*convert)(float *dst, const void *src, int dtype, size_t n, float scale);
+    /* dst[k] = float(src[k]) for k < n; src has type dtype */
+    void (*convert)(float *dst, const void *src, int dtype, size_t n);
     /* update the block's elements; 8-bit moments go to b->m, b->v and amax */
     void (*update)(const struct inf_adam__state_coef *c, const struct inf_adam_segment *s,
                    const struct inf_adam__block *b, struct inf_adam__amax *amax);
-    /* code n moments of one block (scale > 0, finite) */
-    void (*encode_m)(uint8_t *dst, const float *src, size_t n, float scale);
-    void (*encode_v)(uint8_t *dst, const float *src, size_t n, float scale);
+    /* code n moments of one block (scale > 0, finite; inv from inf_adam__q8_inverse) */
+    void (*encode_m)(uint8_t *dst, const float *src, size_t n, float scale, float inv);
+    void (*encode_v)(uint8_t *dst, const float *src, size_t n, float scale, float inv);
 };
 
 extern const struct inf_adam__state_isa inf_adam__state_scalar;
@@ -115,11 +118,16 @@ static inline uint32_t inf_adam__mix32(uint32_t x)
     return x;
 }
 
-/* [Note: stochastic rounding] the random bits of global element j */
+/* The part of the random bits shared by the 2^32 elements whose counters have high half hi. */
+static inline uint32_t inf_adam__random_key(const struct inf_adam__state_coef *c, uint32_t hi)
+{
+    return c->key0 ^ inf_adam__mix32(hi ^ c->key1);
+}
+
+/* [Note: stochastic rounding] the random bits of element counter j */
 static inline uint32_t inf_adam__random(const struct inf_adam__state_coef *c, uint64_t j)
 {
-    return inf_adam__mix32(inf_adam__mix32((uint32_t)j ^ c->key0) ^ (uint32_t)(j >> 32) ^
-                           c->key1);
+    return inf_adam__mix32((uint32_t)j ^ inf_adam__random_key(c, (uint32_t)(j >> 32)));
 }
 
 static inline uint16_t inf_adam__sr_bf16(float p, uint32_t r)
@@ -153,11 +161,13 @@ static inline float inf_adam__q8_scale(float amax, int bad)
 }
 
 /* Value of an 8-bit magnitude code with `man` mantissa bits and exponent bias `bias`. */
+/* Value of an 8-bit magnitude code with `man` mantissa bits and exponent bias `bias`: its bits
+ * as the top of a float are that float times 2^(bias - 127), subnormal codes as float
+ * subnormals; the multiply back is exact. */
 static inline float inf_adam__q8_magnitude(uint32_t mag, int man, int bias)
 {
-    if (mag < (1u << man))  /* subnormal: mag * 2^(1 - bias - man) */
-        return (float)mag * inf_adam__bits_f32((uint32_t)(127 + 1 - bias - man) << 23);
-    return inf_adam__bits_f32((mag << (23 - man)) + ((uint32_t)(127 - bias) << 23));
+    return inf_adam__bits_f32(mag << (23 - man)) *
+           inf_adam__bits_f32((uint32_t)(127 + 127 - bias) << 23);
 }
 
 static inline float inf_adam__q8_decode_m(uint8_t code, float scale)
@@ -172,55 +182,48 @@ static inline float inf_adam__q8_decode_v(uint8_t code, float scale)
     return inf_adam__q8_magnitude(code, INF_ADAM__QV_MAN, INF_ADAM__QV_BIAS) * scale;
 }
 
-/* The magnitude code of |y| <= 1 (nearest, ties to even; clamped to max_code, which only
- * bounds a value the rules never make). */
+/* The magnitude code of |y| <= 1: t = |y| * 2^(bias - 127) has the code's exponent in its own
+ * (subnormal codes as float subnormals, t rounded to them first), and its bits rounded to
+ * `man` mantissa bits, nearest, ties to even, are the code (clamped to max_code, which only
+ * bounds what the rules never make). */
 static inline uint32_t inf_adam__q8_encode_magnitude(float mag, int man, int bias,
                                                      uint32_t max_code)
 {
     const int shift = 23 - man;
-    uint32_t bits = inf_adam__f32_bits(mag), code;
+    uint32_t bits = inf_adam__f32_bits(mag * inf_adam__bits_f32((uint32_t)bias << 23));
+    uint32_t code = (bits + (1u << (shift - 1)) - 1u + ((bits >> shift) & 1u)) >> shift;
 
-    if (mag >= inf_adam__bits_f32((uint32_t)(127 + 1 - bias) << 23)) {
-        code = ((bits + (1u << (shift - 1)) - 1u + ((bits >> shift) & 1u)) >> shift) -
-               ((uint32_t)(127 - bias) << man);
-    } else {  /* subnormal codes: mag * 2^(bias - 1 + man) < 2^man, exact, to nearest even */
-        code = (uint32_t)rintf(mag * inf_adam__bits_f32((uint32_t)(127 + bias - 1 + man) << 23));
-    }
     return code > max_code ? max_code : code;
 }
 
-static inline uint8_t inf_adam__q8_encode_m(float x, float scale)
+/* 1 / scale where both are normal floats (y = x * inv is then within an ulp of x / scale and
+ * never overflows), else 0: y = x / scale. One divide per block instead of one per element. */
+static inline float inf_adam__q8_inverse(float scale)
 {
-    float y = x / scale;
+    return scale >= FLT_MIN && scale <= 0x1p126f ? 1.0f / scale : 0.0f;
+}
+
+static inline float inf_adam__q8_normalize(float x, float scale, float inv)
+{
+    return inv != 0.0f ? x * inv : x / scale;
+}
+
+static inline uint8_t inf_adam__q8_encode_m(float x, float scale, float inv)
+{
+    float y = inf_adam__q8_normalize(x, scale, inv);
     uint32_t code = inf_adam__q8_encode_magnitude(fabsf(y), INF_ADAM__QM_MAN, INF_ADAM__QM_BIAS,
                                                   0x7fu);
 
     return (uint8_t)(code | ((inf_adam__f32_bits(y) >> 24) & 0x80u));
 }
 
-static inline uint8_t inf_adam__q8_encode_v(float x, float scale)
+static inline uint8_t inf_adam__q8_encode_v(float x, float scale, float inv)
 {
-    float mag = fabsf(x / scale);
+    float mag = fabsf(inf_adam__q8_normalize(x, scale, inv));
     uint32_t code = inf_adam__q8_encode_magnitude(mag, INF_ADAM__QV_MAN, INF_ADAM__QV_BIAS,
                                                   0xffu);
 
     return (uint8_t)(code == 0 && mag > 0.0f ? 1u : code);
-}
-
-/* One element's Adam arithmetic (see inf_adam.h); p, m, v in, new values out. */
-static inline void inf_adam__state_math(const struct inf_adam__state_coef *c, float g, float *p,
-                                        float *m, float *v)
-{
-    float d;
-
-    if (c->l2)
-        g = g + c->weight_decay * *p;
-    if (c->decoupled)
-        *p = *p * c->decay;
-    *m = c->beta1 * *m + c->one_minus_beta1 * g;
-    *v = c->beta2 * *v + (c->one_minus_beta2 * g) * g;
-    d = sqrtf(*v) / c->bc2_sqrt + c->eps;
-    *p = *p - (c->step_size * *m) / d;
 }
 
 static inline float inf_adam__load_16(const void *src, int dtype, size_t i)
@@ -241,15 +244,27 @@ static inline uint16_t inf_adam__round_16(float p, int dtype)
     return dtype == INF_ADAM_DTYPE_BF16 ? inf_adam__f32_to_bf16(p) : inf_adam__f32_to_f16(p);
 }
 
-/* Element i of block b, every format; the scalar loop and the SIMD tails. */
-static inline void inf_adam__state_one(const struct inf_adam__state_coef *c,
-                                       const struct inf_adam_segment *s,
-                                       const struct inf_adam__block *b, size_t i,
-                                       struct inf_adam__amax *amax)
+/* The parameter before the step: the master's, or the 16-bit values widened. */
+static inline float inf_adam__load_param(const struct inf_adam_segment *s, size_t i)
+{
+    return s->master ? s->master[i] : inf_adam__load_16(s->values, s->values_dtype, i);
+}
+
+/*
+ * A block is updated in two passes, each over all its elements (short loop bodies let the core
+ * overlap many elements' divide and square-root latencies): the moments, then the parameters
+ * from the new moments. Elementwise, so the passes compute exactly the formula of inf_adam.h.
+ */
+
+/* Pass 1, element i: the new m and v into b->m, b->v; stored as bf16 or float here (8-bit
+ * ones are coded after the block), their maxima and inf/NaN noted in amax for 8-bit ones. */
+static inline void inf_adam__moments_one(const struct inf_adam__state_coef *c,
+                                         const struct inf_adam_segment *s,
+                                         const struct inf_adam__block *b, size_t i,
+                                         struct inf_adam__amax *amax)
 {
     size_t k = i - b->lo;
-    float p = s->master ? s->master[i] : inf_adam__load_16(s->values, s->values_dtype, i);
-    float m, v;
+    float g = inf_adam__load_any(b->grad, b->grad_dtype, k) * c->grad_scale, m, v;
 
     if (s->moments == INF_ADAM_MOMENTS_F32) {
         m = ((const float *)s->exp_avg)[i];
@@ -261,7 +276,12 @@ static inline void inf_adam__state_one(const struct inf_adam__state_coef *c,
         m = inf_adam__q8_decode_m(((const uint8_t *)s->exp_avg)[i], b->m_scale);
         v = inf_adam__q8_decode_v(((const uint8_t *)s->exp_avg_sq)[i], b->v_scale);
     }
-    inf_adam__state_math(c, b->g[k], &p, &m, &v);
+    if (c->l2)
+        g = g + c->weight_decay * inf_adam__load_param(s, i);
+    m = c->beta1 * m + c->one_minus_beta1 * g;
+    v = c->beta2 * v + (c->one_minus_beta2 * g) * g;
+    b->m[k] = m;
+    b->v[k] = v;
 
     if (s->moments == INF_ADAM_MOMENTS_F32) {
         ((float *)s->exp_avg)[i] = m;
@@ -270,13 +290,26 @@ static inline void inf_adam__state_one(const struct inf_adam__state_coef *c,
         ((uint16_t *)s->exp_avg)[i] = inf_adam__f32_to_bf16(m);
         ((uint16_t *)s->exp_avg_sq)[i] = inf_adam__f32_to_bf16(v);
     } else {
-        b->m[k] = m;
-        b->v[k] = v;
         amax->m = fmaxf(amax->m, fabsf(m));
         amax->v = fmaxf(amax->v, fabsf(v));
         amax->m_bad |= !(fabsf(m) <= FLT_MAX);
         amax->v_bad |= !(fabsf(v) <= FLT_MAX);
     }
+}
+
+/* Pass 2, element i: the parameter from the new moments in b->m, b->v. */
+static inline void inf_adam__param_one(const struct inf_adam__state_coef *c,
+                                       const struct inf_adam_segment *s,
+                                       const struct inf_adam__block *b, size_t i)
+{
+    size_t k = i - b->lo;
+    float p = inf_adam__load_param(s, i), d;
+
+    if (c->decoupled)
+        p = p * c->decay;
+    d = sqrtf(b->v[k]) * c->inv_bc2_sqrt + c->eps;
+    p = p - (c->step_size * b->m[k]) / d;
+
     if (s->master) {
         s->master[i] = p;
         if (s->values_dtype != INF_ADAM_DTYPE_NONE)

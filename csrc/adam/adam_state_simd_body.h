@@ -51,12 +51,8 @@ INF_ADAM__SIMD_INLINE void st_store_16(void *dst, size_t i, vec_f32 x, int dtype
 /* Value of each 8-bit magnitude code; see inf_adam__q8_magnitude. */
 INF_ADAM__SIMD_INLINE vec_f32 q8_magnitude(vec_i32 mag, int man, int bias)
 {
-    vec_f32 normal = vec_as_f32(vec_i32_add(vec_i32_slli(mag, 23 - man),
-                                            vec_i32_set1((127 - bias) << 23)));
-    vec_f32 sub = vec_mul(vec_i32_to_f32(mag),
-                          vec_set1(inf_adam__bits_f32((uint32_t)(127 + 1 - bias - man) << 23)));
-
-    return vec_select(vec_i32_gt(vec_i32_set1(1 << man), mag), sub, normal);
+    return vec_mul(vec_as_f32(vec_i32_slli(mag, 23 - man)),
+                   vec_set1(inf_adam__bits_f32((uint32_t)(127 + 127 - bias) << 23)));
 }
 
 INF_ADAM__SIMD_INLINE vec_f32 q8_decode_m(const uint8_t *src, vec_f32 scale)
@@ -74,47 +70,49 @@ INF_ADAM__SIMD_INLINE vec_f32 q8_decode_v(const uint8_t *src, vec_f32 scale)
     return vec_mul(q8_magnitude(vec_load_u8(src), INF_ADAM__QV_MAN, INF_ADAM__QV_BIAS), scale);
 }
 
-/* See inf_adam__q8_encode_magnitude: the normal and the subnormal code of every lane, one
- * chosen (the other may be garbage: a negative or an overflowed conversion). */
+/* See inf_adam__q8_encode_magnitude. */
 INF_ADAM__SIMD_INLINE vec_i32 q8_encode_magnitude(vec_f32 mag, int man, int bias, int max_code)
 {
     const int shift = 23 - man;
-    vec_i32 bits = vec_as_i32(mag);
+    vec_i32 bits = vec_as_i32(vec_mul(mag, vec_set1(inf_adam__bits_f32((uint32_t)bias << 23))));
     vec_i32 odd = vec_i32_and(vec_i32_srli(bits, shift), vec_i32_set1(1));
     vec_i32 up = vec_i32_add(vec_i32_add(bits, vec_i32_set1((1 << (shift - 1)) - 1)), odd);
-    vec_i32 normal = vec_i32_sub(vec_i32_srli(up, shift), vec_i32_set1((127 - bias) << man));
-    vec_f32 sub_scale = vec_set1(inf_adam__bits_f32((uint32_t)(127 + bias - 1 + man) << 23));
-    vec_i32 sub = vec_round_i32(vec_mul(mag, sub_scale));
-    vec_f32 smallest_normal = vec_set1(inf_adam__bits_f32((uint32_t)(127 + 1 - bias) << 23));
-    vec_mask is_normal = vec_ge(mag, smallest_normal);
 
-    return vec_i32_min(vec_i32_select(is_normal, normal, sub), vec_i32_set1(max_code));
+    return vec_i32_min(vec_i32_srli(up, shift), vec_i32_set1(max_code));
 }
 
-INF_ADAM__SIMD_FN void state_encode_m(uint8_t *dst, const float *src, size_t n, float scale)
+/* y = x * inv, or x / scale when inv is 0 (inf_adam__q8_inverse): inv is one per block. */
+INF_ADAM__SIMD_INLINE vec_f32 q8_normalize(vec_f32 x, vec_f32 scale, vec_f32 inv, int use_inv)
 {
-    const vec_f32 s = vec_set1(scale);
+    return use_inv ? vec_mul(x, inv) : vec_div(x, scale);
+}
+
+INF_ADAM__SIMD_INLINE void encode_m(uint8_t *dst, const float *src, size_t n, float scale,
+                                    float inv, int use_inv)
+{
+    const vec_f32 s = vec_set1(scale), r = vec_set1(inv);
     size_t k = 0;
 
     for (; k + INF_ADAM__SIMD_WIDTH <= n; k += INF_ADAM__SIMD_WIDTH) {
-        vec_f32 y = vec_div(vec_loadu(src + k), s);
+        vec_f32 y = q8_normalize(vec_loadu(src + k), s, r, use_inv);
         vec_i32 code = q8_encode_magnitude(vec_abs(y), INF_ADAM__QM_MAN, INF_ADAM__QM_BIAS, 0x7f);
         vec_i32 sign = vec_i32_and(vec_i32_srli(vec_as_i32(y), 24), vec_i32_set1(0x80));
 
         vec_store_u8(dst + k, vec_i32_or(code, sign));
     }
     for (; k < n; k++)
-        dst[k] = inf_adam__q8_encode_m(src[k], scale);
+        dst[k] = inf_adam__q8_encode_m(src[k], scale, inv);
 }
 
-INF_ADAM__SIMD_FN void state_encode_v(uint8_t *dst, const float *src, size_t n, float scale)
+INF_ADAM__SIMD_INLINE void encode_v(uint8_t *dst, const float *src, size_t n, float scale,
+                                    float inv, int use_inv)
 {
-    const vec_f32 s = vec_set1(scale), zero = vec_set1(0.0f);
+    const vec_f32 s = vec_set1(scale), r = vec_set1(inv), zero = vec_set1(0.0f);
     const vec_i32 one = vec_i32_set1(1), none = vec_i32_set1(0);
     size_t k = 0;
 
     for (; k + INF_ADAM__SIMD_WIDTH <= n; k += INF_ADAM__SIMD_WIDTH) {
-        vec_f32 mag = vec_abs(vec_div(vec_loadu(src + k), s));
+        vec_f32 mag = vec_abs(q8_normalize(vec_loadu(src + k), s, r, use_inv));
         vec_i32 code = q8_encode_magnitude(mag, INF_ADAM__QV_MAN, INF_ADAM__QV_BIAS, 0xff);
 
         /* a positive value never codes as 0 */
@@ -122,18 +120,35 @@ INF_ADAM__SIMD_FN void state_encode_v(uint8_t *dst, const float *src, size_t n, 
         vec_store_u8(dst + k, code);
     }
     for (; k < n; k++)
-        dst[k] = inf_adam__q8_encode_v(src[k], scale);
+        dst[k] = inf_adam__q8_encode_v(src[k], scale, inv);
 }
 
-INF_ADAM__SIMD_FN void state_convert(float *dst, const void *src, int dtype, size_t n, float scale)
+INF_ADAM__SIMD_FN void state_encode_m(uint8_t *dst, const float *src, size_t n, float scale,
+                                      float inv)
 {
-    const vec_f32 s = vec_set1(scale);
+    if (inv != 0.0f)
+        encode_m(dst, src, n, scale, inv, 1);
+    else
+        encode_m(dst, src, n, scale, inv, 0);
+}
+
+INF_ADAM__SIMD_FN void state_encode_v(uint8_t *dst, const float *src, size_t n, float scale,
+                                      float inv)
+{
+    if (inv != 0.0f)
+        encode_v(dst, src, n, scale, inv, 1);
+    else
+        encode_v(dst, src, n, scale, inv, 0);
+}
+
+INF_ADAM__SIMD_FN void state_convert(float *dst, const void *src, int dtype, size_t n)
+{
     size_t k = 0;
 
     for (; k + INF_ADAM__SIMD_WIDTH <= n; k += INF_ADAM__SIMD_WIDTH)
-        vec_storeu(dst + k, vec_mul(load_grad(src, k, dtype), s));
+        vec_storeu(dst + k, load_grad(src, k, dtype));
     for (; k < n; k++)
-        dst[k] = inf_adam__load_any(src, dtype, k) * scale;
+        dst[k] = inf_adam__load_any(src, dtype, k);
 }
 
 INF_ADAM__SIMD_INLINE vec_i32 mix32(vec_i32 x)
@@ -145,17 +160,22 @@ INF_ADAM__SIMD_INLINE vec_i32 mix32(vec_i32 x)
     return vec_i32_xor(x, vec_i32_srli(x, 16));
 }
 
-/* The random bits of global elements j, j + 1, ... (see inf_adam__random). */
-INF_ADAM__SIMD_INLINE vec_i32 random_bits(const struct inf_adam__state_coef *c, uint64_t j)
+/* The random bits of element counters j, j + 1, ... (see inf_adam__random); `key` is
+ * inf_adam__random_key of their high half when they all share it (block_key), else 0. */
+INF_ADAM__SIMD_INLINE vec_i32 random_bits(const struct inf_adam__state_coef *c, uint64_t j,
+                                          vec_i32 key, int block_key)
 {
     vec_i32 lane = vec_iota();
     vec_i32 lo = vec_i32_add(vec_i32_set1((int32_t)(uint32_t)j), lane);
-    /* a lane whose low half wrapped past 2^32 carries one into its high half */
-    vec_i32 carry = vec_i32_select(vec_u32_lt(lo, lane), vec_i32_set1(1), vec_i32_set1(0));
-    vec_i32 hi = vec_i32_add(vec_i32_set1((int32_t)(uint32_t)(j >> 32)), carry);
-    vec_i32 x = mix32(vec_i32_xor(lo, vec_i32_set1((int32_t)c->key0)));
 
-    return mix32(vec_i32_xor(vec_i32_xor(x, hi), vec_i32_set1((int32_t)c->key1)));
+    if (!block_key) {  /* a lane whose low half wrapped past 2^32 carries one into its high half */
+        vec_i32 carry = vec_i32_select(vec_u32_lt(lo, lane), vec_i32_set1(1), vec_i32_set1(0));
+        vec_i32 hi = vec_i32_add(vec_i32_set1((int32_t)(uint32_t)(j >> 32)), carry);
+
+        key = vec_i32_xor(vec_i32_set1((int32_t)c->key0),
+                          mix32(vec_i32_xor(hi, vec_i32_set1((int32_t)c->key1))));
+    }
+    return mix32(vec_i32_xor(lo, key));
 }
 
 /* [Note: stochastic rounding] */
@@ -163,8 +183,11 @@ INF_ADAM__SIMD_INLINE vec_u16 sr_bf16(vec_f32 p, vec_i32 r)
 {
     vec_i32 bits = vec_i32_srli(vec_i32_add(vec_as_i32(p), vec_i32_and(r, vec_i32_set1(0xffff))),
                                 16);
+    vec_mask nan = vec_is_nan(p);
 
-    return vec_pack_u16(vec_i32_select(vec_is_nan(p), vec_bf16_bits(p), bits));
+    if (vec_mask_any(nan))  /* rare: NaN rounds as the master's copy does */
+        bits = vec_i32_select(nan, vec_bf16_bits(p), bits);
+    return vec_pack_u16(bits);
 }
 
 INF_ADAM__SIMD_INLINE vec_u16 sr_f16(vec_f32 p, vec_i32 r)
@@ -182,77 +205,73 @@ INF_ADAM__SIMD_INLINE vec_u16 sr_f16(vec_f32 p, vec_i32 r)
     return vec_to_f16(vec_select(vec_not_le(a, vec_set1(FLT_MAX)), p, t));
 }
 
-/* moments, master and values_dtype are constants at each call site: one loop each. */
-INF_ADAM__SIMD_INLINE void update(const struct inf_adam__state_coef *c,
-                                  const struct inf_adam_segment *s,
-                                  const struct inf_adam__block *b, struct inf_adam__amax *amax,
-                                  int moments, int master, int values_dtype)
+INF_ADAM__SIMD_INLINE vec_f32 load_param(const float *master, const void *values, size_t i,
+                                         int has_master, int values_dtype)
 {
+    return has_master ? vec_loadu(master + i) : st_load_16(values, values_dtype, i);
+}
+
+/* Pass 1 over a block (see inf_adam__moments_one). moments, master and values_dtype are
+ * constants at each call site: one loop each. */
+INF_ADAM__SIMD_INLINE void moments_pass(const struct inf_adam__state_coef *c,
+                                        const struct inf_adam_segment *s,
+                                        const struct inf_adam__block *b,
+                                        struct inf_adam__amax *amax, int moments, int master,
+                                        int values_dtype)
+{
+    const vec_f32 grad_scale = vec_set1(c->grad_scale);
     const vec_f32 weight_decay = vec_set1(c->weight_decay);
-    const vec_f32 decay = vec_set1(c->decay);
-    const vec_f32 beta1 = vec_set1(c->beta1);
-    const vec_f32 one_minus_beta1 = vec_set1(c->one_minus_beta1);
-    const vec_f32 beta2 = vec_set1(c->beta2);
-    const vec_f32 one_minus_beta2 = vec_set1(c->one_minus_beta2);
-    const vec_f32 bc2_sqrt = vec_set1(c->bc2_sqrt);
-    const vec_f32 eps = vec_set1(c->eps);
-    const vec_f32 step_size = vec_set1(c->step_size);
+    const vec_f32 beta1 = vec_set1(c->beta1), one_minus_beta1 = vec_set1(c->one_minus_beta1);
+    const vec_f32 beta2 = vec_set1(c->beta2), one_minus_beta2 = vec_set1(c->one_minus_beta2);
     const vec_f32 m_scale = vec_set1(b->m_scale), v_scale = vec_set1(b->v_scale);
     const vec_f32 fmax = vec_set1(FLT_MAX);
+    const float *params = s->master;
+    const void *g = b->grad;
+    const int grad_dtype = b->grad_dtype;
+    const void *values = s->values;
+    void *exp_avg = s->exp_avg, *exp_avg_sq = s->exp_avg_sq;
+    float *new_m = b->m, *new_v = b->v;
+    const size_t lo = b->lo;
+    const int l2 = c->l2;
     vec_f32 m_max = vec_set1(0.0f), v_max = vec_set1(0.0f);
     vec_mask m_bad = vec_not_le(m_max, fmax), v_bad = m_bad;  /* all false */
     size_t i = b->lo;
 
     for (; i + INF_ADAM__SIMD_WIDTH <= b->hi; i += INF_ADAM__SIMD_WIDTH) {
-        vec_f32 g = vec_loadu(b->g + (i - b->lo));
-        vec_f32 p = master ? vec_loadu(s->master + i) : st_load_16(s->values, values_dtype, i);
-        vec_f32 m, v, d;
+        vec_f32 grad = vec_mul(load_grad(g, i - lo, grad_dtype), grad_scale);
+        vec_f32 m, v;
 
         if (moments == INF_ADAM_MOMENTS_F32) {
-            m = vec_loadu((const float *)s->exp_avg + i);
-            v = vec_loadu((const float *)s->exp_avg_sq + i);
+            m = vec_loadu((const float *)exp_avg + i);
+            v = vec_loadu((const float *)exp_avg_sq + i);
         } else if (moments == INF_ADAM_MOMENTS_BF16) {
-            m = vec_load_bf16((const uint16_t *)s->exp_avg + i);
-            v = vec_load_bf16((const uint16_t *)s->exp_avg_sq + i);
+            m = vec_load_bf16((const uint16_t *)exp_avg + i);
+            v = vec_load_bf16((const uint16_t *)exp_avg_sq + i);
         } else {
-            m = q8_decode_m((const uint8_t *)s->exp_avg + i, m_scale);
-            v = q8_decode_v((const uint8_t *)s->exp_avg_sq + i, v_scale);
+            m = q8_decode_m((const uint8_t *)exp_avg + i, m_scale);
+            v = q8_decode_v((const uint8_t *)exp_avg_sq + i, v_scale);
         }
-
-        if (c->l2)
-            g = vec_add(g, vec_mul(weight_decay, p));
-        if (c->decoupled)
-            p = vec_mul(p, decay);
-        m = vec_add(vec_mul(beta1, m), vec_mul(one_minus_beta1, g));
-        v = vec_add(vec_mul(beta2, v), vec_mul(vec_mul(one_minus_beta2, g), g));
-        d = vec_add(vec_div(vec_sqrt(v), bc2_sqrt), eps);
-        p = vec_sub(p, vec_div(vec_mul(step_size, m), d));
+        if (l2)
+            grad = vec_add(grad, vec_mul(weight_decay,
+                                         load_param(params, values, i, master, values_dtype)));
+        m = vec_add(vec_mul(beta1, m), vec_mul(one_minus_beta1, grad));
+        v = vec_add(vec_mul(beta2, v), vec_mul(vec_mul(one_minus_beta2, grad), grad));
+        vec_storeu(new_m + (i - lo), m);
+        vec_storeu(new_v + (i - lo), v);
 
         if (moments == INF_ADAM_MOMENTS_F32) {
-            vec_storeu((float *)s->exp_avg + i, m);
-            vec_storeu((float *)s->exp_avg_sq + i, v);
+            vec_storeu((float *)exp_avg + i, m);
+            vec_storeu((float *)exp_avg_sq + i, v);
         } else if (moments == INF_ADAM_MOMENTS_BF16) {
-            st_store_16(s->exp_avg, i, m, INF_ADAM_DTYPE_BF16);
-            st_store_16(s->exp_avg_sq, i, v, INF_ADAM_DTYPE_BF16);
+            st_store_16(exp_avg, i, m, INF_ADAM_DTYPE_BF16);
+            st_store_16(exp_avg_sq, i, v, INF_ADAM_DTYPE_BF16);
         } else {
             vec_f32 am = vec_abs(m), av = vec_abs(v);
 
-            vec_storeu(b->m + (i - b->lo), m);
-            vec_storeu(b->v + (i - b->lo), v);
             m_max = vec_max(m_max, am);
             v_max = vec_max(v_max, av);
             m_bad = vec_mask_or(m_bad, vec_not_le(am, fmax));
             v_bad = vec_mask_or(v_bad, vec_not_le(av, fmax));
-        }
-        if (master) {
-            vec_storeu(s->master + i, p);
-            if (values_dtype != INF_ADAM_DTYPE_NONE)
-                st_store_16(s->values, i, p, values_dtype);
-        } else {
-            vec_i32 r = random_bits(c, s->index + i);
-            vec_u16 h = values_dtype == INF_ADAM_DTYPE_BF16 ? sr_bf16(p, r) : sr_f16(p, r);
-
-            vec_u16_storeu((vec_u16 *)((uint16_t *)s->values + i), h);
         }
     }
     if (moments == INF_ADAM_MOMENTS_Q8) {
@@ -263,7 +282,60 @@ INF_ADAM__SIMD_INLINE void update(const struct inf_adam__state_coef *c,
         amax->v_bad |= vec_mask_any(v_bad);
     }
     for (; i < b->hi; i++)
-        inf_adam__state_one(c, s, b, i, amax);
+        inf_adam__moments_one(c, s, b, i, amax);
+}
+
+/* Pass 2 over a block (see inf_adam__param_one). */
+INF_ADAM__SIMD_INLINE void param_pass(const struct inf_adam__state_coef *c,
+                                      const struct inf_adam_segment *s,
+                                      const struct inf_adam__block *b, int master,
+                                      int values_dtype)
+{
+    const vec_f32 decay = vec_set1(c->decay);
+    const vec_f32 inv_bc2_sqrt = vec_set1(c->inv_bc2_sqrt);
+    const vec_f32 eps = vec_set1(c->eps);
+    const vec_f32 step_size = vec_set1(c->step_size);
+    const float *new_m = b->m, *new_v = b->v;
+    const size_t lo = b->lo;
+    float *params = s->master;
+    void *values = s->values;
+    const uint64_t index = s->index;
+    const int decoupled = c->decoupled;
+    /* the block's counters share their high half unless it crosses a multiple of 2^32 */
+    const int block_key = (index + lo) >> 32 == (index + b->hi - 1) >> 32;
+    const uint32_t hi_half = (uint32_t)((index + lo) >> 32);
+    const vec_i32 key = vec_i32_set1((int32_t)inf_adam__random_key(c, hi_half));
+    size_t i = b->lo;
+
+    for (; i + INF_ADAM__SIMD_WIDTH <= b->hi; i += INF_ADAM__SIMD_WIDTH) {
+        vec_f32 p = load_param(params, values, i, master, values_dtype);
+        vec_f32 d = vec_add(vec_mul(vec_sqrt(vec_loadu(new_v + (i - lo))), inv_bc2_sqrt), eps);
+
+        if (decoupled)
+            p = vec_mul(p, decay);
+        p = vec_sub(p, vec_div(vec_mul(step_size, vec_loadu(new_m + (i - lo))), d));
+        if (master) {
+            vec_storeu(params + i, p);
+            if (values_dtype != INF_ADAM_DTYPE_NONE)
+                st_store_16(values, i, p, values_dtype);
+        } else {
+            vec_i32 r = random_bits(c, index + i, key, block_key);
+            vec_u16 h = values_dtype == INF_ADAM_DTYPE_BF16 ? sr_bf16(p, r) : sr_f16(p, r);
+
+            vec_u16_storeu((vec_u16 *)((uint16_t *)values + i), h);
+        }
+    }
+    for (; i < b->hi; i++)
+        inf_adam__param_one(c, s, b, i);
+}
+
+INF_ADAM__SIMD_INLINE void update(const struct inf_adam__state_coef *c,
+                                  const struct inf_adam_segment *s,
+                                  const struct inf_adam__block *b, struct inf_adam__amax *amax,
+                                  int moments, int master, int values_dtype)
+{
+    moments_pass(c, s, b, amax, moments, master, values_dtype);
+    param_pass(c, s, b, master, values_dtype);
 }
 
 #define INF_ADAM__STATE_CASE(mo, ma, vd)                                                    \

@@ -8,7 +8,7 @@
  *     m  = fma(w, g - m, m)                         torch's lerp_(g, w), w = 1 - beta1 < 0.5;
  *        = fma(w - 1, g - m, g)                     the same lerp when w >= 0.5
  *     v  = fma((1 - beta2) * g, g, v * beta2)       torch's mul_(beta2).addcmul_(g, g, 1 - beta2)
- *     d  = sqrt(v) / sqrt(1 - beta2^step) + eps
+ *     d  = sqrt(v) * (1 / sqrt(1 - beta2^step)) + eps
  *     p  = p - (lr / (1 - beta1^step) * m) / d
  *     out[i] = p rounded to bf16 or fp16 (nearest even), when out is given
  * This is the operation order of torch's CPU Adam/AdamW (single-tensor path), including where
@@ -100,7 +100,7 @@ int inf_adam_isa_resolve(int isa);
  *     p  = p * (1 - lr * weight_decay)              AdamW, only when weight_decay != 0
  *     m  = beta1 * m + (1 - beta1) * g
  *     v  = beta2 * v + ((1 - beta2) * g) * g
- *     d  = sqrt(v) / sqrt(1 - beta2^step) + eps
+ *     d  = sqrt(v) * (1 / sqrt(1 - beta2^step)) + eps
  *     p  = p - (lr / (1 - beta1^step) * m) / d
  * then m and v are stored (bf16: nearest even; 8-bit: each block re-coded from its new values,
  * see [Note: 8-bit moments] in adam_state_kernel.h), and p goes to master[i] (and its copy

@@ -9,6 +9,7 @@ Thread safety: `adam_step` releases the GIL while the kernel runs (cffi does thi
 so several Python threads may step disjoint tensors at once.
 """
 
+import errno
 import math
 import os
 from collections.abc import Sequence
@@ -237,8 +238,13 @@ _MOMENTS = {"fp32": lib.INF_ADAM_MOMENTS_F32, "bf16": lib.INF_ADAM_MOMENTS_BF16,
 _UINT64 = 1 << 64
 
 
-def _ptr(t: torch.Tensor | None) -> object:
-    return ffi.NULL if t is None else ffi.cast("void *", t.data_ptr())
+_VOID_P, _FLOAT_P = ffi.typeof("void *"), ffi.typeof("float *")
+_GRAD_ARRAY = ffi.typeof("struct inf_adam_grad[]")
+_SEGMENT_P = ffi.typeof("struct inf_adam_segment *")
+
+
+def _ptr(t: torch.Tensor | None, ctype: object = _VOID_P) -> object:
+    return ffi.NULL if t is None else ffi.cast(ctype, t.data_ptr())
 
 
 class StateKernel:
@@ -252,8 +258,10 @@ class StateKernel:
         and each element's index it decides every rounding, so a run resumed from a checkpoint
         (same seed, steps and indices) is bit-identical. Tiling, threads and ISA never matter.
 
-    A call checks its tensors (cheaply: types, sizes, contiguity, aliasing) and updates them in
-    place; like `AdamKernel` it leaves autograd versions to the caller."""
+    A call checks what memory safety needs in Python (types, dtypes, device, contiguity,
+    element counts: a few microseconds) and leaves alignment and aliasing to the C side, whose
+    refusal is then explained by name. Like `AdamKernel` it leaves autograd versions to the
+    caller."""
 
     def __init__(self, state_format: StateFormat, *, step: int, lr: float, beta1: float,
                  beta2: float, eps: float, weight_decay: float, adamw: bool,
@@ -269,7 +277,6 @@ class StateKernel:
                                 weight_decay=weight_decay, adamw=adamw, grad_scale=grad_scale,
                                 threads=threads, pool=pool, isa=isa)
         self._params = self._fp32._params
-        self._pool = pool
         self._seed = seed
 
     def __call__(self, state: SegmentState, grad: torch.Tensor | Sequence[torch.Tensor],
@@ -296,22 +303,22 @@ class StateKernel:
         if state.master is not None and self.format.moments == "fp32":
             self._fp32_pieces(state, pieces, values)
             return
-        grads = ffi.new("struct inf_adam_grad[]", [
-            {"data": _ptr(g), "n": g.numel(), "dtype": GRAD_DTYPES[g.dtype]} for g in pieces])
-        seg = ffi.new("struct inf_adam_segment *", {
-            "n": n, "master": ffi.NULL if state.master is None
-            else ffi.cast("float *", state.master.data_ptr()),
-            "values": _ptr(values),
-            "values_dtype": lib.INF_ADAM_DTYPE_NONE if values is None
-            else LOWP_DTYPES[values.dtype],
-            "moments": _MOMENTS[self.format.moments],
-            "exp_avg": _ptr(state.exp_avg), "exp_avg_sq": _ptr(state.exp_avg_sq),
-            "exp_avg_scale": ffi.cast("float *", _ptr(state.exp_avg_scale)),
-            "exp_avg_sq_scale": ffi.cast("float *", _ptr(state.exp_avg_sq_scale)),
-            "block": self.format.block, "grad": grads, "grad_pieces": len(pieces),
-            "seed": self._seed, "index": index,
-        })
-        _check(lib.inf_adam_state_step(self._params, seg), "inf_adam_state_step")
+        grads = ffi.new(_GRAD_ARRAY, [(_ptr(g), g.numel(), GRAD_DTYPES[g.dtype]) for g in pieces])
+        seg = ffi.new(_SEGMENT_P, (
+            n, _ptr(state.master, _FLOAT_P), _ptr(values),
+            lib.INF_ADAM_DTYPE_NONE if values is None else LOWP_DTYPES[values.dtype],
+            _MOMENTS[self.format.moments], _ptr(state.exp_avg), _ptr(state.exp_avg_sq),
+            _ptr(state.exp_avg_scale, _FLOAT_P), _ptr(state.exp_avg_sq_scale, _FLOAT_P),
+            self.format.block, grads, len(pieces), self._seed, index))
+        ret = lib.inf_adam_state_step(self._params, seg)
+        if ret == -errno.EINVAL:  # what only C checks (alignment, aliasing): say which tensor
+            named = {name: t for name, t in zip(_SEGMENT_NAMES, (*state, values))
+                     if t is not None}
+            named.update((f"grad piece {k}", g) for k, g in enumerate(pieces))
+            for name, t in named.items():
+                _check_tensor(name, t, (t.dtype,), None)
+            _check_disjoint(named)
+        _check(ret, "inf_adam_state_step")
 
     def _fp32_pieces(self, state: SegmentState, pieces: list[torch.Tensor],
                      values: torch.Tensor | None) -> None:
@@ -329,42 +336,56 @@ class StateKernel:
         fmt = self.format
         if not isinstance(state, SegmentState):
             raise TypeError(f"state must be a SegmentState, got {type(state).__name__}")
-        n = _flat("exp_avg", state.exp_avg, (fmt.moment_dtype,), None).numel()
-        named = {"exp_avg": state.exp_avg,
-                 "exp_avg_sq": _flat("exp_avg_sq", state.exp_avg_sq, (fmt.moment_dtype,), n)}
+        moment = (fmt.moment_dtype,)
+        n = _lean("exp_avg", state.exp_avg, moment, None).numel()
+        _lean("exp_avg_sq", state.exp_avg_sq, moment, n)
         if state.master is not None:
-            named["master"] = _flat("master", state.master, (torch.float32,), n)
+            _lean("master", state.master, _F32, n)
+        elif fmt.master == "fp32":
+            raise ValueError("the format keeps an fp32 master (master='fp32'): state.master "
+                             "must be the tile's master row or the float32 parameters")
         if values is not None:
-            named["values"] = _flat("values", values, tuple(LOWP_DTYPES), n)
+            _lean("values", values, _LOWP, n)
         elif state.master is None:
             raise ValueError("without a master (state.master is None) the 16-bit values are "
                              "the parameters: pass them as values")
-        if state.master is None and fmt.master == "fp32":
-            raise ValueError("the format keeps an fp32 master (master='fp32'): state.master "
-                             "must be the tile's master row or the float32 parameters")
-        for name in ("exp_avg_scale", "exp_avg_sq_scale"):
-            scale = getattr(state, name)
-            if fmt.quantized:
-                named[name] = _flat(name, scale, (torch.float32,), block_count(n, fmt.block))
-            elif scale is not None:
-                raise ValueError(f"{name} is given but moments are {fmt.moments!r}, not 'int8'")
+        if fmt.quantized:
+            blocks = block_count(n, fmt.block)
+            _lean("exp_avg_scale", state.exp_avg_scale, _F32, blocks)
+            _lean("exp_avg_sq_scale", state.exp_avg_sq_scale, _F32, blocks)
+        elif state.exp_avg_scale is not None or state.exp_avg_sq_scale is not None:
+            raise ValueError(f"exp_avg_scale is given but moments are {fmt.moments!r}, not 'int8'")
         if not pieces:
             raise ValueError("grad must be a tensor or a non-empty list of tensors")
+        total = 0
         for k, g in enumerate(pieces):
-            named[f"grad piece {k}"] = _flat(f"grad piece {k}", g, tuple(GRAD_DTYPES), None)
-        if sum(g.numel() for g in pieces) != n:
-            raise ValueError(f"grad holds {sum(g.numel() for g in pieces)} elements, the "
-                             f"segment {n}")
+            _lean(("grad piece", k), g, _GRADS, None)
+            total += g.numel()
+        if total != n:
+            raise ValueError(f"grad holds {total} elements, the segment {n}")
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index <= _UINT64 - n:
             raise ValueError(f"index must be an int in [0, 2**64 - {n}], got {index!r}")
-        _check_disjoint(named)
         return n
 
 
-def _flat(name: str, t: object, dtypes: tuple[torch.dtype, ...], numel: int | None
-          ) -> torch.Tensor:
-    """`_check_tensor` by element count instead of shape (segments are flat views)."""
-    _check_tensor(name, t, dtypes, None)
+_F32 = (torch.float32,)
+_LOWP = tuple(LOWP_DTYPES)
+_GRADS = tuple(GRAD_DTYPES)
+
+
+_SEGMENT_NAMES = (*SegmentState._fields, "values")
+
+
+def _lean(name: str | tuple[str, int], t: object, dtypes: tuple[torch.dtype, ...],
+          numel: int | None) -> torch.Tensor:
+    """A dense contiguous CPU tensor of one of dtypes (and numel elements): the checks memory
+    safety needs, in one expression; `_check_tensor` words a refusal. A (name, k) name is
+    spelled "name k" only then."""
+    if (not isinstance(t, torch.Tensor) or t.dtype not in dtypes or not t.is_cpu
+            or t.layout != torch.strided or not t.is_contiguous()):
+        if isinstance(name, tuple):
+            name = f"{name[0]} {name[1]}"
+        _check_tensor(name, t, dtypes, None)  # raises, naming what is wrong
     if numel is not None and t.numel() != numel:
         raise ValueError(f"{name} has {t.numel()} elements, expected {numel}")
     return t

@@ -6,12 +6,14 @@ kernel's format (checkpoints, torch state dicts) and by the kernel's reference i
 be short), each stored as one float32 scale and one byte per element:
 
 - scale = the block's largest magnitude (0 for an all-zero block, NaN for a block holding an
-  inf or NaN); every element is coded from y = x / scale, so |y| <= 1 and the largest is 1.
+  inf or NaN); every element is coded from y = x * (1 / scale), or x / scale where the scale
+  or its inverse is not a normal float: |y| <= 1 but for an ulp, and the largest rounds to 1.
 - a byte is an 8-bit float without inf or NaN codes: `exp_bits` exponent bits, `man_bits`
   mantissa bits, a sign bit for the signed map (exp_avg) and none for the unsigned one
   (exp_avg_sq). Its top exponent is the binade of 1.0, of which only 1.0 itself is used;
   below the smallest binade are subnormal codes spaced like the smallest binade's.
-- y is rounded to the nearest code, ties to the even code. With `keep_nonzero`, a positive y
+- y is rounded to the nearest code, ties to the even code (`encode` says how, exactly, in
+  bit operations a vector unit does fast). With `keep_nonzero`, a positive y
   that would round to 0 gets the smallest positive code instead (for exp_avg_sq: a zero there
   would turn m / sqrt(v) into m / eps).
 - a byte decodes to code_value * scale (one float32 multiply).
@@ -48,7 +50,9 @@ class Code8(NamedTuple):
         return 1 << (self.exp_bits + self.man_bits)
 
     def magnitudes(self) -> torch.Tensor:
-        """Value of each magnitude code (float64, exact in float32), ascending."""
+        """Value of each magnitude code (float64, exact in float32), ascending: exponent field
+        e and mantissa f are (1 + f / 2**man_bits) * 2**(e - bias), or for e = 0 (subnormal
+        codes) f / 2**man_bits * 2**(1 - bias)."""
         c = torch.arange(self.magnitude_codes, dtype=torch.float64)
         frac = torch.remainder(c, 1 << self.man_bits) / (1 << self.man_bits)
         exp = torch.div(c, 1 << self.man_bits, rounding_mode="floor")
@@ -61,6 +65,7 @@ class Code8(NamedTuple):
         return torch.cat([mags, -mags]) if self.signed else mags
 
 
+FLT_MIN = 2.0**-126  # the smallest normal float32
 EXP_AVG_CODE = Code8(exp_bits=4, man_bits=3, signed=True)
 EXP_AVG_SQ_CODE = Code8(exp_bits=5, man_bits=3, signed=False, keep_nonzero=True)
 DEFAULT_BLOCK = 256
@@ -95,15 +100,15 @@ def block_scales(x: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def encode(y: torch.Tensor, code: Code8) -> torch.Tensor:
-    """Bytes (uint8) of y (float32, |y| < 2), rounded to the nearest code, ties to even."""
-    m = code.man_bits
+    """Bytes (uint8) of y (float32, |y| < 2), rounded to the nearest code, ties to even (below
+    the normal codes through a float32 subnormal first: a value within half a float32
+    subnormal step of a midpoint may take the other neighbour)."""
+    # |y| * 2**(bias - 127) holds the code's exponent in its own (subnormal codes as float32
+    # subnormals, to which it rounds first); its bits rounded to man_bits are the code
     mag = y.abs()
-    bits = mag.view(torch.int32).to(torch.int64)
-    shift = 23 - m
-    rounded = (bits + (1 << (shift - 1)) - 1 + ((bits >> shift) & 1)) >> shift
-    normal = rounded - ((127 - code.bias) << m)
-    subnormal = torch.round(mag * math.ldexp(1.0, code.bias - 1 + m)).to(torch.int64)
-    c = torch.where(mag >= math.ldexp(1.0, 1 - code.bias), normal, subnormal)
+    shift = 23 - code.man_bits
+    bits = (mag * math.ldexp(1.0, code.bias - 127)).view(torch.int32).to(torch.int64)
+    c = (bits + (1 << (shift - 1)) - 1 + ((bits >> shift) & 1)) >> shift
     c = c.clamp(max=code.magnitude_codes - 1)
     if code.keep_nonzero:
         c = torch.where((c == 0) & (mag > 0), torch.ones_like(c), c)
@@ -117,7 +122,10 @@ def quantize(x: torch.Tensor, block: int, code: Code8) -> tuple[torch.Tensor, to
     scales = block_scales(x, block)
     usable = (scales > 0) & scales.isfinite()
     blocks = _blocked(x.float(), block, 0.0)
-    y = blocks / torch.where(usable, scales, torch.ones_like(scales))[:, None]
+    safe = torch.where(usable, scales, torch.ones_like(scales))
+    # one divide per block: the inverse, where it and the scale are normal floats
+    normal = (safe >= FLT_MIN) & (safe <= 2.0**126)
+    y = torch.where(normal[:, None], blocks * (1.0 / safe)[:, None], blocks / safe[:, None])
     codes = torch.where(usable[:, None], encode(y, code), torch.zeros_like(y, dtype=torch.uint8))
     return codes.reshape(-1)[:x.numel()], scales
 

@@ -65,7 +65,7 @@ def random_bits(seed: int, step: int, index: int, n: int) -> torch.Tensor:
     """The 32 random bits (in int64) of elements index .. index + n - 1 at this step."""
     key0, key1 = rounding_key(seed, step)
     j = index + torch.arange(n, dtype=torch.int64)
-    return _mix32(_mix32((j & MASK32) ^ key0) ^ (j >> 32) ^ key1)
+    return _mix32((j & MASK32) ^ key0 ^ _mix32((j >> 32) ^ key1))
 
 
 def _u32(x: torch.Tensor) -> torch.Tensor:
@@ -124,7 +124,7 @@ def reference_step(fmt: StateFormat, state: dict[str, torch.Tensor], grad: list[
         p = p * f32(1.0 - lr * weight_decay)
     m = f32(beta1) * m + f32(1.0 - beta1) * g
     v = f32(beta2) * v + (f32(1.0 - beta2) * g) * g
-    d = _div(_sqrt(v), f32(math.sqrt(1.0 - beta2**step))) + f32(eps)
+    d = _sqrt(v) * f32(1.0 / math.sqrt(1.0 - beta2**step)) + f32(eps)
     p = p - _div(f32(lr / (1.0 - beta1**step)) * m, d)
 
     out = _moments_out(fmt, m, v)
