@@ -77,7 +77,6 @@ typedef __m256 vec_mask;  /* all-ones lanes where true */
 #define vec_as_f32(x) _mm256_castsi256_ps(x)
 #define vec_i32_set1(x) _mm256_set1_epi32(x)
 #define vec_i32_add(x, y) _mm256_add_epi32(x, y)
-#define vec_i32_sub(x, y) _mm256_sub_epi32(x, y)
 #define vec_i32_and(x, y) _mm256_and_si256(x, y)
 #define vec_i32_or(x, y) _mm256_or_si256(x, y)
 #define vec_i32_xor(x, y) _mm256_xor_si256(x, y)
@@ -86,15 +85,11 @@ typedef __m256 vec_mask;  /* all-ones lanes where true */
 #define vec_i32_max(x, y) _mm256_max_epi32(x, y)
 #define vec_i32_srli(x, n) _mm256_srli_epi32(x, n)
 #define vec_i32_slli(x, n) _mm256_slli_epi32(x, n)
-#define vec_i32_to_f32(x) _mm256_cvtepi32_ps(x)
-#define vec_round_i32(x) _mm256_cvtps_epi32(x)  /* MXCSR's rounding: nearest even */
 #define vec_iota() _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)
 #define vec_lt(x, y) _mm256_cmp_ps(x, y, _CMP_LT_OQ)
-#define vec_ge(x, y) _mm256_cmp_ps(x, y, _CMP_GE_OQ)
 #define vec_gt(x, y) _mm256_cmp_ps(x, y, _CMP_GT_OQ)
 #define vec_not_le(x, y) _mm256_cmp_ps(x, y, _CMP_NLE_UQ)
 #define vec_is_nan(x) _mm256_cmp_ps(x, x, _CMP_UNORD_Q)
-#define vec_i32_gt(x, y) _mm256_castsi256_ps(_mm256_cmpgt_epi32(x, y))
 #define vec_mask_or(x, y) _mm256_or_ps(x, y)
 #define vec_mask_any(x) (_mm256_movemask_ps(x) != 0)
 #define vec_select(m, t, f) _mm256_blendv_ps(f, t, m)
@@ -105,7 +100,8 @@ INF_ADAM__SIMD_INLINE vec_mask vec_u32_lt(vec_i32 x, vec_i32 y)
 {
     const __m256i flip = _mm256_set1_epi32((int32_t)0x80000000u);
 
-    return vec_i32_gt(_mm256_xor_si256(y, flip), _mm256_xor_si256(x, flip));
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_xor_si256(y, flip),
+                                                  _mm256_xor_si256(x, flip)));
 }
 
 INF_ADAM__SIMD_INLINE vec_i32 vec_load_u8(const uint8_t *src)

@@ -8,15 +8,13 @@
  *   vec_mask                  the result of a comparison, one flag per lane
  *   vec_max, vec_abs          float max (of non-NaN values) and |x|
  *   vec_as_i32, vec_as_f32    the same bits as the other type
- *   vec_i32_set1, _add, _sub, _and, _or, _xor, _mullo (low 32 bits), _min, _max (signed),
+ *   vec_i32_set1, _add, _and, _or, _xor, _mullo (low 32 bits), _min, _max (signed),
  *   vec_i32_srli, _slli       shift each lane by a constant (logical)
- *   vec_i32_to_f32            convert (exact for the small integers used here)
- *   vec_round_i32             convert to the nearest integer, ties to even
  *   vec_iota                  0, 1, 2, ... one per lane
- *   vec_lt, vec_ge, vec_gt    ordered float comparisons
+ *   vec_lt, vec_gt            ordered float comparisons
  *   vec_not_le(x, y)          !(x <= y): true for a NaN lane
  *   vec_is_nan(x)
- *   vec_i32_gt, vec_u32_lt    signed and unsigned integer comparisons
+ *   vec_u32_lt                unsigned integer comparison
  *   vec_mask_or, vec_mask_any
  *   vec_select, vec_i32_select (mask, where true, where false)
  *   vec_load_u8, vec_store_u8 as many bytes as lanes, widened / narrowed (values <= 255)

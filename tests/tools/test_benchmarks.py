@@ -30,6 +30,20 @@ def test_bench_adam_prints_each_row_against_the_memory_bound(capsys):
     assert re.search(ours, out), out
     assert re.search(rf"\| torch AdamW fused=True \(no copy-out\) \| {NUMBER} \| {NUMBER} \| {PERCENT} \|", out)
     assert "| DeepSpeedCPUAdam |" in out  # timed, or "not installed"
+    for fmt in ("moments bf16, master fp32", "moments int8, master fp32",
+                "moments fp32, master none", "moments bf16, master none",
+                "moments int8, master none"):  # each against the fp32 kernel, same run
+        row = rf"\| infinity StateKernel, {fmt} \| {NUMBER} \| {NUMBER} \| {PERCENT} \| {NUMBER} \|"
+        assert re.search(row, out), out
+
+
+def test_bench_adam_formats_can_be_chosen_or_refused(capsys):
+    code, out, _ = run(capsys, bench_adam.main, "--params", 4096, "--steps", 1, "--warmup", 0,
+                       "--copy-mib", 1, "--threads", 1, "--formats", "int8/none")
+    assert code == 0 and out.count("infinity StateKernel") == 1, out
+    with pytest.raises(SystemExit):
+        bench_adam.main(["--formats", "int4/none"])
+    assert "--formats item 'int4/none'" in capsys.readouterr().err
 
 
 def test_bench_arena_prints_compaction_against_memcpy(capsys):

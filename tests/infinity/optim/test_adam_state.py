@@ -10,10 +10,8 @@ import torch
 from state_reference import reference_step
 
 from infinity.memory import ThreadPool
-from infinity.optim import SegmentState, StateFormat, StateKernel, available_isas
-from infinity.optim._native import ISAS
+from infinity.optim import SegmentState, StateFormat, StateKernel
 
-ALL_ISAS = [name for name in ISAS if name != "auto"]
 HYPER = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.05}
 # (moments, master, values dtype); fp32 moments with a master are AdamKernel's (test_adam_kernel)
 CASES = [
@@ -24,14 +22,6 @@ CASES = [
     ("int8", "none", torch.bfloat16), ("int8", "none", torch.float16),
 ]
 CASE_IDS = [f"{m}-{ma}-{str(v).removeprefix('torch.')}" for m, ma, v in CASES]
-
-
-@pytest.fixture(params=ALL_ISAS)
-def isa(request) -> str:
-    """Each ISA the kernel has; skipped, saying so, where this CPU cannot run it."""
-    if request.param not in available_isas():
-        pytest.skip(f"{request.param} not supported by this CPU")
-    return request.param
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
