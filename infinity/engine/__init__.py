@@ -6,11 +6,14 @@ from infinity.engine._params import ParamSpec, parameter_specs
 from infinity.engine._placement import (
     Layout,
     Placed,
-    attach_placed,
     choose_model_precision,
     lay_out,
     open_store,
 )
+from infinity.engine._precision import cpu_has_bf16_units
+from infinity.engine._schedule import build_lr_schedule
+from infinity.engine._step_state import StepCounters, StepPhase
 
-__all__ = ["Engine", "Layout", "ParamSpec", "Placed", "attach_placed", "choose_model_precision", "initialize",
-           "lay_out", "open_store", "parameter_specs"]
+__all__ = ["Engine", "Layout", "ParamSpec", "Placed", "StepCounters", "StepPhase", "build_lr_schedule",
+           "choose_model_precision", "cpu_has_bf16_units", "initialize", "lay_out", "open_store",
+           "parameter_specs"]

@@ -7,9 +7,10 @@ from typing import Any
 
 import torch
 
-from infinity import checkpointing
+from infinity import recompute
 from infinity.config import ActivationCheckpointingConfig, load_config
 from infinity.engine._engine import Engine
+from infinity.engine._threads import check_wait_policy
 from infinity.zero import environment_world_size
 
 
@@ -27,12 +28,18 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     Raises ConfigError (a ValueError) or ConfigPathError (an OSError) naming the key at fault,
     and BudgetError when host_memory_budget cannot hold the memory plan; all before anything
     is moved. A rank that dies or a collective that times out raises RankError on the others.
-    A config that sets `activation_checkpointing` configures `infinity.checkpointing` with it
+    A config that sets `activation_checkpointing` configures `infinity.recompute` with it
     (as `deepspeed.checkpointing.configure` would).
+
+    A model from `infinity.models.load` carries its store in `model.infinity_placed` (a
+    `Placed`): initialize adopts that store instead of placing the parameters again, and
+    removes the attribute; `config` must lay the model out as the load's did (ConfigError
+    names what differs, and the model keeps its store for a retry).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"initialize() needs a torch.nn.Module, got {type(model).__name__}")
+    check_wait_policy()
     loaded = load_config(config, model=model, world_size=environment_world_size())
     if loaded.activation_checkpointing != ActivationCheckpointingConfig():
-        checkpointing.configure(deepspeed_config=loaded.activation_checkpointing)
+        recompute.configure(deepspeed_config=loaded.activation_checkpointing)
     return Engine(model, loaded)

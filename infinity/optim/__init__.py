@@ -5,7 +5,7 @@ from infinity.optim._native import StateKernel, adam_step, available_isas, resol
 from infinity.optim.cpu_adam import CPUAdam
 from infinity.optim.loss_scaler import DynamicLossScaler
 from infinity.optim.lr_schedule import LRSchedule, WarmupCosineLR, WarmupDecayLR, WarmupLR
-from infinity.optim.swapped import StepResult, SwappedOptimizer, UnitSpec
+from infinity.optim.swapped import SwappedOptimizer, UnitSpec
 
 __all__ = [
     "CPUAdam",
@@ -14,7 +14,6 @@ __all__ = [
     "SegmentState",
     "StateFormat",
     "StateKernel",
-    "StepResult",
     "SwappedOptimizer",
     "TileLayout",
     "UnitSpec",

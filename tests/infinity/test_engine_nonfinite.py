@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import infinity
+from infinity.engine import StepPhase
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_engine import (  # noqa: E402
@@ -57,6 +58,26 @@ def test_fp16_overflow_skips_the_step_and_lowers_the_scale(tmp_path):
     engine.close()
 
 
+def test_the_lr_schedule_does_not_advance_on_a_skipped_fp16_step(tmp_path):
+    """As DeepSpeed: the schedule moves on applied steps only, so the step after an overflow
+    gets the lr the skipped one would have had."""
+    schedule = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
+                                               "warmup_num_steps": 4, "warmup_type": "linear"}}
+    engine = infinity.initialize(mlp(), config(tmp_path, "cpu", "cpu", scheduler=schedule, fp16={
+        "enabled": True, "initial_scale_power": 8, "hysteresis": 1}))
+    (x,), _ = mlp_batches(1)[0]
+    lrs = [engine.get_lr()[0]]
+    for overflow in (False, True, False, False):
+        loss = engine(x.half()).float().square().mean()
+        engine.backward(loss * float("inf") if overflow else loss)
+        engine.step()
+        lrs.append(engine.get_lr()[0])
+    assert engine.skipped_steps == 1 and engine.global_steps == 4
+    engine.close()
+    # lr after k applied steps: 0.01 * min(1, (k - 1) / 4); the second step applied nothing
+    assert lrs == pytest.approx([0.0, 0.0, 0.0, 0.0025, 0.005], rel=1e-12, abs=0)
+
+
 @pytest.mark.parametrize("clipping", [0.0, 1.0])
 @pytest.mark.parametrize("offload", ["none", "nvme"])
 def test_a_non_finite_gradient_fails_the_step_and_updates_nothing(tmp_path, offload, clipping):
@@ -66,7 +87,8 @@ def test_a_non_finite_gradient_fails_the_step_and_updates_nothing(tmp_path, offl
     clipping), the units stepped before it keep their update and the error says so."""
     model = mlp()
     engine = infinity.initialize(model, config(tmp_path, offload, offload, gradient_clipping=clipping))
-    overlapped = clipping == 0.0 and offload == "nvme"
+    # "auto" overlaps where anything is on NVMe, or on an accelerator
+    overlapped = clipping == 0.0 and (offload == "nvme" or engine.device.type != "cpu")
     assert engine.overlap == overlapped
     bad = model[0] if overlapped else model[4]  # final last in backward / stepped last after it
     (x,), _ = mlp_batches(1)[0]
@@ -106,7 +128,7 @@ def test_a_nan_found_by_the_worker_in_a_stored_gradient_stops_training(tmp_path)
         engine.step()
     with pytest.raises(ValueError, match="non-finite"):
         engine.close()  # closes, and says again that the step could not finish
-    assert engine._closed
+    assert engine.phase is StepPhase.CLOSED
 
 
 class _Branchy(torch.nn.Module):
@@ -186,3 +208,68 @@ def test_a_checkpoint_load_after_a_half_applied_step_trains_on(tmp_path):
     reference = mlp()
     ref_losses = train_reference(reference, data)
     assert_parity(model, reference, losses, ref_losses[1:])
+
+
+@pytest.mark.parametrize("offload", ["none", "nvme"])
+def test_a_non_finite_gradient_is_a_non_finite_gradient_error(tmp_path, offload):
+    """Refused after backward (nothing changed) or found while overlapped (the step is broken):
+    both raise NonFiniteGradientError, a ValueError as before."""
+    model = mlp()
+    engine = infinity.initialize(model, config(tmp_path, offload, offload))
+    assert engine.overlap is (offload == "nvme")
+    (x,), _ = mlp_batches(1)[0]
+    handle = model[0].weight.register_hook(lambda g: g * float("nan"))
+    engine.backward(engine(x).square().mean())
+    with pytest.raises(infinity.NonFiniteGradientError) as error:
+        engine.step()
+    handle.remove()
+    assert isinstance(error.value, ValueError)
+    assert infinity.errors.NonFiniteGradientError is infinity.NonFiniteGradientError
+    assert engine.phase is (StepPhase.BROKEN if engine.overlap else StepPhase.IDLE)
+    engine.close()
+
+
+def test_only_a_non_finite_gradient_breaks_an_overlapped_step(tmp_path):
+    """A unit of the tail whose step fails again for another reason (here a learning rate the
+    kernel refuses) raises its own error, not the refusal meant for a half-applied step: the
+    step stays unfinished, to be tried again, and no checkpoint load is asked for."""
+    engine = infinity.initialize(mlp(), config(tmp_path, "nvme", "nvme"))
+    engine.optimizer.lr = -1.0  # taken by the next boundary backward as its step's lr
+    (x,), _ = mlp_batches(1)[0]
+    engine.backward(engine(x).square().mean())
+    engine.step()  # one process: returns with the tail still to settle
+    with pytest.raises(ValueError, match="Invalid learning rate") as error:
+        engine(x)  # waits for unit 0 of the tail, steps it again, which fails again
+    assert not isinstance(error.value, infinity.NonFiniteGradientError)
+    assert engine.phase is StepPhase.TAIL_OPEN
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        engine.step()  # settles the tail: the same error, the step left unfinished
+    assert engine.phase is StepPhase.IDLE
+    engine.close()
+
+
+def test_a_checkpoint_load_after_a_nan_found_by_the_worker_trains_on(tmp_path):
+    """The worker finds the NaN of a gradient kept on NVMe after step() returned; the next
+    forward raises. The load waits for the worker, retries nothing, and training goes on from
+    the saved state as if that batch had never been seen."""
+    model, data = llama(), llama_batches(3)
+    cfg = config(tmp_path, "nvme", "nvme", infinity={"host_memory_budget": 240_000})
+    engine = infinity.initialize(model, cfg)
+    assert engine.overlap and engine.plan.grads_tier is not None
+    losses = train_engine(engine, data[:1])
+    engine.save_checkpoint(tmp_path / "ckpt", tag="good")
+    handle = model.get_input_embeddings().weight.register_hook(lambda g: g * float("nan"))
+    args, kwargs = data[1]
+    engine.backward(loss_of(engine(*args, **kwargs)))
+    engine.step()
+    handle.remove()
+    with pytest.raises(infinity.NonFiniteGradientError):
+        engine(*args, **kwargs)
+    assert engine.phase is StepPhase.BROKEN
+    engine.load_checkpoint(tmp_path / "ckpt", tag="good")
+    assert engine.phase is StepPhase.IDLE
+    losses += train_engine(engine, data[2:])
+    engine.close()
+    reference = llama()
+    ref_losses = train_reference(reference, data[:1] + data[2:])
+    assert_parity(model, reference, losses, ref_losses)

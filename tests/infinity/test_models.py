@@ -7,14 +7,14 @@ import json
 import os
 
 import pytest
+import safetensors.torch as safetensors_torch
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
-safetensors_torch = pytest.importorskip("safetensors.torch")
-
-import infinity  # noqa: E402
-from infinity import CheckpointError, ConfigError  # noqa: E402
-from infinity.store import TensorStore, Tier  # noqa: E402
+import infinity
+from infinity import CheckpointError, ConfigError
+from infinity.engine import Placed
+from infinity.store import TensorStore, Tier
 
 WINDOW = 1 << 20  # the smallest window: slices of 128 Ki elements (fp32 from fp32)
 
@@ -147,7 +147,9 @@ def test_initialize_with_another_config_is_an_error(tmp_path):
         infinity.initialize(model, config(tmp_path, param="cpu"))
     with pytest.raises(ConfigError, match="precision"):
         infinity.initialize(model, config(tmp_path, bf16=True))
-    infinity.initialize(model, config(tmp_path)).close()  # the placement was kept for the right one
+    assert isinstance(model.infinity_placed, Placed)  # kept for the right config
+    infinity.initialize(model, config(tmp_path)).close()
+    assert not hasattr(model, "infinity_placed")  # adopted: the engine owns the store
 
 
 def test_window_below_one_mib_is_refused(tmp_path):

@@ -53,6 +53,15 @@ CORPUS = [
     ("bool for an int", {"train_batch_size": True}, "train_batch_size", "whole number"),
     ("fractional count", {"zero_optimization": {"sub_group_size": 1.5}},
      "zero_optimization.sub_group_size", "whole number"),
+    ("empty sub-groups", {"zero_optimization": {"sub_group_size": 0}},
+     "zero_optimization.sub_group_size", ">= 1"),
+    ("no parameter buffers",
+     {"zero_optimization": {**S3, "offload_param": {"device": "cpu", "buffer_count": 0}}},
+     "zero_optimization.offload_param.buffer_count", ">= 1"),
+    ("empty parameter buffers", {"zero_optimization": {**S3, "offload_param": {"buffer_size": 0}}},
+     "zero_optimization.offload_param.buffer_size", ">= 1"),
+    ("no optimizer buffers", {"zero_optimization": {"offload_optimizer": {"buffer_count": 0}}},
+     "zero_optimization.offload_optimizer.buffer_count", ">= 1"),
     ("warmup max below min", {"scheduler": {"type": "WarmupLR", "params": {
         "warmup_min_lr": 0.01, "warmup_max_lr": 0.001}}},
      "scheduler.params.warmup_max_lr", "warmup_min_lr"),
@@ -168,7 +177,7 @@ def test_invalid_json_names_the_line(tmp_path):
 
 
 def test_decaying_schedule_needs_total_steps_when_built():
-    from infinity.config import build_lr_schedule
+    from infinity.engine import build_lr_schedule
     config = load_config({"scheduler": {"type": "WarmupDecayLR",
                                         "params": {"total_num_steps": "auto"}}})
     with pytest.raises(ConfigError, match="scheduler.params.total_num_steps"):
@@ -178,7 +187,7 @@ def test_decaying_schedule_needs_total_steps_when_built():
 
 
 def test_lr_below_warmup_min_fails_when_the_schedule_is_built():
-    from infinity.config import build_lr_schedule
+    from infinity.engine import build_lr_schedule
     config = load_config({"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.1}}})
     with pytest.raises(ConfigError, match="warmup_max_lr"):
         build_lr_schedule(config.scheduler, optimizer_lr=1e-3)
