@@ -279,8 +279,10 @@ class BF16Config(Section):
         "immediate_grad_update": "gradients go to the optimizer when their unit's backward ends",
         "check_grad_overflow": "every gradient is always checked for inf/nan, and a non-finite one fails "
                                "the step (as in fp32) instead of skipping it",
-        "bf16_master_weights_and_grads": "the master weights are always fp32",
-        "bf16_optimizer_states": "the Adam moments are always fp32",
+        "bf16_master_weights_and_grads": 'the master weights are fp32, or none with '
+                                         'infinity.optimizer_state.master "none"',
+        "bf16_optimizer_states": 'bf16 Adam moments are infinity.optimizer_state.moments '
+                                 '"bf16"',
     }
 
 
@@ -355,8 +357,6 @@ class OptimizerStateConfig(Section):
     """"fp32": an fp32 copy of bf16/fp16 parameters (4 bytes per parameter); "none": the
     16-bit parameters are updated in place with seeded stochastic rounding (needs bf16 or fp16;
     fp32 parameters are their own master). Default "fp32"."""
-
-    NO_AUTO: ClassVar[frozenset[str]] = frozenset({"moments", "master"})
 
 
 @dataclass(kw_only=True, frozen=True)
