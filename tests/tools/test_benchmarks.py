@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from tools import bench_adam, bench_arena, bench_store
+from tools import bench_adam, bench_arena, bench_step, bench_store
 
 PERCENT = r"\d+%"
 NUMBER = r"\d+(\.\d+)?"
@@ -94,3 +94,17 @@ def test_bench_store_refuses_a_window_the_host_tier_would_cache(tmp_path, capsys
 def test_bench_store_names_a_missing_path(tmp_path, capsys):
     code, _, err = run(capsys, bench_store.main, "--path", tmp_path / "missing")
     assert code == 2 and "cannot use --path" in err and "missing" in err
+
+
+def test_bench_step_sets_the_engines_optimizer_state(capsys):
+    from infinity.config import load_config
+
+    args = bench_step.parse_args(["--path", "/tmp", "--bf16", "--optimizer-state", "int8",
+                                  "--no-master"])
+    config = load_config(bench_step.engine_config(args, "nvme", "/tmp"))
+    assert config.bf16.enabled
+    assert (config.infinity.optimizer_state.moments, config.infinity.optimizer_state.master) \
+        == ("int8", "none")
+    with pytest.raises(SystemExit):
+        bench_step.parse_args(["--path", "/tmp", "--no-master"])
+    assert "--no-master needs --bf16" in capsys.readouterr().err
