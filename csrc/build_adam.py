@@ -11,7 +11,8 @@ which leaves `infinity/optim/_adam_cffi.*.so` (and the generated `.c`, git-ignor
 The flags are portable on purpose (no -march=native): the SIMD loops carry their instruction set
 in per-function target attributes and are picked at run time. -ffp-contract=off keeps the
 compiler from fusing multiplies and adds on its own, which would break the bit-identity of the
-paths (see [Note: one formula] in csrc/adam/adam_kernel.h).
+paths (see [Note: one formula] in csrc/adam/adam_kernel.h) and of the compressed-state kernel
+with its plain-torch reference (csrc/adam/adam_state_kernel.h).
 """
 
 import os
@@ -23,7 +24,9 @@ from cffi import FFI
 HERE = os.path.dirname(os.path.abspath(__file__))
 ADAM_DIR = os.path.join(HERE, "adam")
 COMMON_DIR = os.path.join(HERE, "common")
-SOURCES = ["adam.c", "adam_scalar.c", "adam_avx2.c", "adam_avx512.c"]
+SOURCES = ["adam.c", "adam_state.c", "adam_scalar.c", "adam_avx2.c", "adam_avx512.c"]
+HEADERS = ["inf_adam.h", "adam_kernel.h", "adam_simd_body.h", "adam_state_kernel.h",
+           "adam_state_simd_body.h"]
 ROOT = os.path.dirname(HERE)
 
 
@@ -48,7 +51,7 @@ ffibuilder.set_source(
     sources=[_rel(os.path.join(ADAM_DIR, name)) for name in SOURCES]
     + [_rel(os.path.join(COMMON_DIR, "inf_pool.c"))],
     include_dirs=[_rel(ADAM_DIR), _rel(COMMON_DIR)],
-    depends=[_rel(os.path.join(ADAM_DIR, h)) for h in ("inf_adam.h", "adam_kernel.h", "adam_simd_body.h")]
+    depends=[_rel(os.path.join(ADAM_DIR, h)) for h in HEADERS]
     + [_rel(os.path.join(COMMON_DIR, "inf_pool.h"))],
     extra_compile_args=["-O3", "-std=c11", "-pthread", "-ffp-contract=off", "-fno-math-errno",
                         "-Wall", "-Wextra"],

@@ -16,6 +16,13 @@ GB/s over it, i.e. how close a step comes to moving its bytes once at the speed 
 All rows are timed in turns (one step of each, repeated), so a change in machine load hits
 every row alike. torch rows always use fp32 grads (torch needs grad dtype == param dtype); the
 "+ copy_" row adds the separate bf16/fp16 copy our kernel fuses.
+
+The compressed-state rows (`--formats`, moments/master as in `infinity.optim.StateFormat`) step
+the same parameters through `StateKernel` with the same grads and 16-bit values (bf16 if
+--out-dtype is none: without a master they are the parameters). Each is charged its own bytes:
+the grad, the master and both moments (with their 8-bit scales) read and written, the values
+written (with a master) or read and written (without). "vs fp32" is the fp32 kernel's time per
+step over the row's: above 1 the row updates a parameter faster.
 """
 
 import argparse
@@ -29,7 +36,8 @@ import numpy as np
 import torch
 
 from infinity.cli.args import time_in_turns
-from infinity.optim import adam_step, resolve_isa
+from infinity.memory import ThreadPool
+from infinity.optim import StateFormat, StateKernel, adam_step, resolve_isa
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
@@ -71,6 +79,43 @@ def _ours(n: int, args: argparse.Namespace) -> Callable[[], None]:
         adam_step(param, grad, m, v, step=next(counter), adamw=True, out_lowp=out,
                   threads=args.threads, isa=args.isa, **HYPER)
     return run
+
+
+def _compressed(n: int, fmt: StateFormat, args: argparse.Namespace, pool: ThreadPool
+                ) -> Callable[[], None]:
+    """StateKernel over one segment of n elements in fmt (state zeroed: Adam's initial state)."""
+    values_dtype = DTYPES["bf16" if args.out_dtype == "none" else args.out_dtype]
+    layout = fmt.layout(n, values_dtype)
+    views = layout.views(torch.zeros(layout.nbytes, dtype=torch.uint8))
+    values = torch.randn(n).to(values_dtype)
+    if "master" in views:
+        views["master"].copy_(values.float())
+    state = layout.segment(views, 0, n)
+    grad = torch.randn(n).to(DTYPES[args.grad_dtype])
+    counter = iter(range(1, 1 << 62))
+
+    def run() -> None:
+        StateKernel(fmt, step=next(counter), adamw=True, pool=pool, isa=args.isa, **HYPER)(
+            state, grad, values)
+    return run
+
+
+def _compressed_bytes(fmt: StateFormat, grad_dtype: str) -> float:
+    """Bytes one parameter moves through the kernel in fmt (with 16-bit values)."""
+    master = fmt.keeps_master(torch.bfloat16)
+    values = 2 if master else 4  # written from the master, or read and written
+    return DTYPES[grad_dtype].itemsize + 2 * fmt.bytes_per_element(torch.bfloat16) + values
+
+
+def _parse_formats(text: str) -> list[StateFormat]:
+    formats = []
+    for item in filter(None, text.split(",")):
+        moments, _, master = item.strip().partition("/")
+        try:
+            formats.append(StateFormat(moments, master or "fp32"))
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"--formats item {item!r}: {exc}") from exc
+    return formats
 
 
 def _torch(n: int, args: argparse.Namespace, fused: bool, copy_out: bool
@@ -127,6 +172,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per row")
     parser.add_argument("--copy-mib", type=int, default=1024,
                         help="buffer size of the memory-bandwidth references (MiB)")
+    parser.add_argument("--formats", type=_parse_formats,
+                        default="bf16/fp32,int8/fp32,fp32/none,bf16/none,int8/none",
+                        help="compressed state formats to time, moments/master, comma-separated "
+                             "('' for none)")
     return parser.parse_args(argv)
 
 
@@ -147,21 +196,29 @@ def main(argv: list[str] | None = None) -> int:
             n, args, fused=True, copy_out=True)
     skipped = {name: fn for name, fn in candidates.items() if isinstance(fn, str)}
     rows.update({name: (fn, bpp * n) for name, fn in candidates.items() if name not in skipped})
-    seconds = _time_round_robin({name: fn for name, (fn, _) in rows.items()}, args.steps,
-                                args.warmup)
+    with ThreadPool(threads) as pool:
+        for fmt in args.formats or []:
+            name = f"infinity StateKernel, moments {fmt.moments}, master {fmt.master}"
+            nbytes = _compressed_bytes(fmt, args.grad_dtype) * n
+            rows[name] = (_compressed(n, fmt, args, pool), nbytes)
+        seconds = _time_round_robin({name: fn for name, (fn, _) in rows.items()}, args.steps,
+                                    args.warmup)
     gbps = {name: rows[name][1] / s / 1e9 for name, s in seconds.items()}
     bound_gbps = max(gbps[name] for name in gbps if name.startswith("memory:"))
+    fp32_kernel = seconds[next(name for name in candidates if name.startswith("infinity"))]
 
-    print(f"# {n:,} params, fp32 state, isa={resolve_isa(args.isa)}, "
+    print(f"# {n:,} params, isa={resolve_isa(args.isa)}, kernel threads={threads}, "
           f"torch threads={torch.get_num_threads()}, median of {args.steps} steps")
     print(f"# bytes/param = {bpp} (torch rows are charged the same bytes); memory bound = "
           f"{bound_gbps:.1f} GB/s -> {bpp * n / bound_gbps / 1e6:.1f} ms/step")
-    print("| implementation | ms/step | GB/s | of bound |")
-    print("|---|---:|---:|---:|")
+    print("| implementation | ms/step | GB/s | of bound | vs fp32 |")
+    print("|---|---:|---:|---:|---:|")
     for name, s in seconds.items():
-        print(f"| {name} | {s * 1e3:.1f} | {gbps[name]:.1f} | {gbps[name] / bound_gbps:.0%} |")
+        ratio = "" if name.startswith("memory:") else f"{fp32_kernel / s:.2f}"
+        print(f"| {name} | {s * 1e3:.1f} | {gbps[name]:.1f} | {gbps[name] / bound_gbps:.0%} | "
+              f"{ratio} |")
     for name, why in skipped.items():
-        print(f"| {name} | {why} | | |")
+        print(f"| {name} | {why} | | | |")
     return 0
 
 

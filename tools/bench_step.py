@@ -25,6 +25,11 @@ turn (--steps pairs), for the "none over torch" ratio without the spread between
     python -m tools.bench_step --path /nvme                      # ~300M parameters, fp32
     python -m tools.bench_step --path /tmp --configs pair --steps 20 --rounds 2
     python -m tools.bench_step --path /tmp --layers 2 --d-model 64 --vocab 256 --seq 16
+    python -m tools.bench_step --path /nvme --bf16 --optimizer-state int8 --no-master
+
+--bf16, --optimizer-state and --no-master set the engine configurations' parameter dtype and
+`infinity.optimizer_state` (docs/engine.md "Optimizer state formats"); the torch ones keep
+fp32 AdamW.
 """
 
 from __future__ import annotations
@@ -64,7 +69,10 @@ def engine_config(args: argparse.Namespace, offload: str, directory: str) -> dic
     return {"train_micro_batch_size_per_gpu": args.batch,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
             "zero_optimization": {"stage": 3, "offload_param": device, "offload_optimizer": device,
-                                  "sub_group_size": args.sub_group_size}}
+                                  "sub_group_size": args.sub_group_size},
+            "bf16": {"enabled": args.bf16},
+            "infinity": {"optimizer_state": {"moments": args.optimizer_state,
+                                             "master": "none" if args.no_master else "fp32"}}}
 
 
 def _nvme_bytes(stats: dict) -> int:
@@ -272,6 +280,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="subset of " + ",".join(CONFIGS))
     parser.add_argument("--sub-group-size", type=int, default=2_000_000,
                         help="elements per optimizer tile (sub_group_size)")
+    parser.add_argument("--bf16", action="store_true", help="engine configs: bf16 parameters")
+    parser.add_argument("--optimizer-state", choices=("fp32", "bf16", "int8"), default="fp32",
+                        help="engine configs: infinity.optimizer_state.moments")
+    parser.add_argument("--no-master", action="store_true",
+                        help="engine configs: no fp32 master (needs --bf16)")
     parser.add_argument("--omp-wait-policy", choices=("passive", "active", "inherit"),
                         default="passive",
                         help="OMP_WAIT_POLICY of the children "
@@ -283,6 +296,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not set(args.configs.split(",")) <= set(CONFIGS) or not 1 <= args.warmup < args.steps:
         parser.error(f"--configs takes {','.join(CONFIGS)}; --warmup at least 1 and below --steps")
+    if args.no_master and not args.bf16:
+        parser.error("--no-master needs --bf16 (fp32 parameters are their own master)")
     return args
 
 

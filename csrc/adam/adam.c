@@ -25,12 +25,18 @@
 
 /* Work shared by the threads of one call: items are taken in order from `next`. */
 struct inf_adam__job {
+    inf_adam__work_fn work;
+    const void *ctx;
+    size_t n;
+    size_t chunk;         /* elements per item, a multiple of the caller's alignment */
+    atomic_size_t next;
+};
+
+/* What inf_adam_step's items need: its coefficients, arrays and inner loop. */
+struct inf_adam__step_ctx {
     const struct inf_adam__coef *coef;
     const struct inf_adam__arrays *arrays;
     inf_adam__range_fn range;
-    size_t n;
-    size_t chunk;         /* elements per item, a multiple of 64 */
-    atomic_size_t next;
 };
 
 int inf_adam_isa_resolve(int isa)
@@ -73,7 +79,7 @@ static inf_adam__range_fn inf_adam__range_for(int isa)
     return inf_adam__range_scalar;
 }
 
-static size_t inf_adam__dtype_size(int dtype)
+size_t inf_adam__dtype_size(int dtype)
 {
     switch (dtype) {
     case INF_ADAM_DTYPE_F32:
@@ -86,13 +92,13 @@ static size_t inf_adam__dtype_size(int dtype)
     }
 }
 
-static int inf_adam__misaligned(const void *ptr, size_t align)
+int inf_adam__misaligned(const void *ptr, size_t align)
 {
     return ((uintptr_t)ptr & (align - 1)) != 0;
 }
 
 /* Do [a, a + an) and [b, b + bn) share a byte? */
-static int inf_adam__overlap(const void *a, size_t an, const void *b, size_t bn)
+int inf_adam__overlap(const void *a, size_t an, const void *b, size_t bn)
 {
     uintptr_t pa = (uintptr_t)a, pb = (uintptr_t)b;
 
@@ -156,7 +162,7 @@ static void inf_adam__drain(struct inf_adam__job *job)
         if (lo >= job->n)
             return;
         hi = job->n - lo < job->chunk ? job->n : lo + job->chunk;
-        job->range(job->coef, job->arrays, lo, hi);
+        job->work(job->ctx, lo, hi);
     }
 }
 
@@ -165,25 +171,39 @@ static void inf_adam__drain_job(void *job)
     inf_adam__drain(job);
 }
 
-/* Run the job on the calling thread plus up to threads - 1 of the pool's workers (none without
- * a pool); how many join never changes the result. */
-static void inf_adam__run(struct inf_adam__job *job, int threads, struct inf_pool *pool)
+static size_t inf_adam__round_up(size_t x, size_t align)
 {
-    size_t by_size = job->n / INF_ADAM__MIN_PER_THREAD;
+    return (x + align - 1) / align * align;
+}
+
+void inf_adam__run(inf_adam__work_fn work, const void *ctx, size_t n, size_t align, int threads,
+                   struct inf_pool *pool)
+{
+    struct inf_adam__job job = {.work = work, .ctx = ctx, .n = n};
+    size_t by_size = n / INF_ADAM__MIN_PER_THREAD;
     int want = pool ? threads : 1;
 
     if ((size_t)want > by_size)
         want = by_size > 1 ? (int)by_size : 1;
     /* about 8 items per thread, rounded up to whole cache lines of every array */
-    job->chunk = (job->n / ((size_t)want * 8) + 63) & ~(size_t)63;
-    if (job->chunk < INF_ADAM__CHUNK_MIN)
-        job->chunk = INF_ADAM__CHUNK_MIN;
-    if (job->chunk > INF_ADAM__CHUNK_MAX)
-        job->chunk = INF_ADAM__CHUNK_MAX;
+    job.chunk = inf_adam__round_up(n / ((size_t)want * 8), 64);
+    if (job.chunk < INF_ADAM__CHUNK_MIN)
+        job.chunk = INF_ADAM__CHUNK_MIN;
+    if (job.chunk > INF_ADAM__CHUNK_MAX)
+        job.chunk = INF_ADAM__CHUNK_MAX;
+    job.chunk = inf_adam__round_up(job.chunk, align);
+    atomic_init(&job.next, 0);
     if (want > 1)
-        inf_pool_run(pool, inf_adam__drain_job, job, want);
+        inf_pool_run(pool, inf_adam__drain_job, &job, want);
     else
-        inf_adam__drain(job);
+        inf_adam__drain(&job);
+}
+
+static void inf_adam__step_work(const void *ctx, size_t lo, size_t hi)
+{
+    const struct inf_adam__step_ctx *step = ctx;
+
+    step->range(step->coef, step->arrays, lo, hi);
 }
 
 int inf_adam_step(const struct inf_adam_params *params, float *param, const void *grad,
@@ -193,7 +213,7 @@ int inf_adam_step(const struct inf_adam_params *params, float *param, const void
     struct inf_adam__arrays arrays = {param, grad, exp_avg, exp_avg_sq, out, grad_dtype,
                                       out_dtype, 0};
     struct inf_adam__coef coef;
-    struct inf_adam__job job;
+    struct inf_adam__step_ctx ctx = {&coef, &arrays, NULL};
     int isa, ret;
 
     if (!params || params->threads < 1 || params->step < 1)
@@ -207,11 +227,7 @@ int inf_adam_step(const struct inf_adam_params *params, float *param, const void
 
     inf_adam__coef_init(&coef, params);
     arrays.stream_out = out_dtype != INF_ADAM_DTYPE_NONE && n * 2 >= INF_ADAM__STREAM_MIN_BYTES;
-    job.coef = &coef;
-    job.arrays = &arrays;
-    job.range = inf_adam__range_for(isa);
-    job.n = n;
-    atomic_init(&job.next, 0);
-    inf_adam__run(&job, params->threads, params->pool);
+    ctx.range = inf_adam__range_for(isa);
+    inf_adam__run(inf_adam__step_work, &ctx, n, 64, params->threads, params->pool);
     return 0;
 }

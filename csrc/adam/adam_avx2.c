@@ -1,7 +1,7 @@
 /*
- * AVX2 + FMA + F16C inner loop of inf_adam, 8 elements per iteration: the vector type and its
- * operations for the loop in adam_simd_body.h. Compiled for any x86-64 and only called when the
- * CPU has all three (checked in adam.c).
+ * AVX2 + FMA + F16C inner loops of inf_adam, 8 elements per iteration: the vector types and
+ * their operations for the loops in adam_simd_body.h and adam_state_simd_body.h. Compiled for
+ * any x86-64 and only called when the CPU has all three (checked in adam.c).
  */
 #if defined(__x86_64__) || defined(__i386__)
 
@@ -36,8 +36,8 @@ INF_ADAM__SIMD_INLINE vec_f32 vec_load_bf16(const uint16_t *src)
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-/* See [Note: lowp rounding] in inf_adam.h. */
-INF_ADAM__SIMD_INLINE vec_u16 vec_to_bf16(vec_f32 p)
+/* See [Note: lowp rounding] in inf_adam.h: the bf16 bits in each 32-bit lane. */
+INF_ADAM__SIMD_INLINE __m256i vec_bf16_bits(vec_f32 p)
 {
     __m256i u = _mm256_castps_si256(p);
     __m256i top = _mm256_srli_epi32(u, 16);
@@ -46,10 +46,16 @@ INF_ADAM__SIMD_INLINE vec_u16 vec_to_bf16(vec_f32 p)
     __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
     __m256i quiet = _mm256_or_si256(top, _mm256_set1_epi32(0x40));
     __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(p, p, _CMP_UNORD_Q));
-    __m256i r = _mm256_blendv_epi8(rounded, quiet, nan);
-    /* every lane is <= 0xffff, so the unsigned-saturating pack only narrows */
+    return _mm256_blendv_epi8(rounded, quiet, nan);
+}
+
+/* Every lane is <= 0xffff, so the unsigned-saturating pack only narrows. */
+INF_ADAM__SIMD_INLINE vec_u16 vec_pack_u16(__m256i r)
+{
     return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
+
+#define vec_to_bf16(p) vec_pack_u16(vec_bf16_bits(p))
 
 #include "adam_simd_body.h"
 
@@ -58,5 +64,71 @@ INF_ADAM__AVX2 void inf_adam__range_avx2(const struct inf_adam__coef *c,
 {
     simd_range(c, a, lo, hi);
 }
+
+/* The operations adam_state_simd_body.h asks for. */
+#define INF_ADAM__SIMD_FN static INF_ADAM__AVX2
+
+typedef __m256i vec_i32;
+typedef __m256 vec_mask;  /* all-ones lanes where true */
+
+#define vec_max(x, y) _mm256_max_ps(x, y)
+#define vec_abs(x) _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x)
+#define vec_as_i32(x) _mm256_castps_si256(x)
+#define vec_as_f32(x) _mm256_castsi256_ps(x)
+#define vec_i32_set1(x) _mm256_set1_epi32(x)
+#define vec_i32_add(x, y) _mm256_add_epi32(x, y)
+#define vec_i32_and(x, y) _mm256_and_si256(x, y)
+#define vec_i32_or(x, y) _mm256_or_si256(x, y)
+#define vec_i32_xor(x, y) _mm256_xor_si256(x, y)
+#define vec_i32_mullo(x, y) _mm256_mullo_epi32(x, y)
+#define vec_i32_min(x, y) _mm256_min_epi32(x, y)
+#define vec_i32_max(x, y) _mm256_max_epi32(x, y)
+#define vec_i32_srli(x, n) _mm256_srli_epi32(x, n)
+#define vec_i32_slli(x, n) _mm256_slli_epi32(x, n)
+#define vec_iota() _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)
+#define vec_lt(x, y) _mm256_cmp_ps(x, y, _CMP_LT_OQ)
+#define vec_gt(x, y) _mm256_cmp_ps(x, y, _CMP_GT_OQ)
+#define vec_not_le(x, y) _mm256_cmp_ps(x, y, _CMP_NLE_UQ)
+#define vec_is_nan(x) _mm256_cmp_ps(x, x, _CMP_UNORD_Q)
+#define vec_mask_or(x, y) _mm256_or_ps(x, y)
+#define vec_mask_any(x) (_mm256_movemask_ps(x) != 0)
+#define vec_select(m, t, f) _mm256_blendv_ps(f, t, m)
+#define vec_i32_select(m, t, f) _mm256_blendv_epi8(f, t, _mm256_castps_si256(m))
+
+/* x < y as unsigned: flip the sign bits and compare signed. */
+INF_ADAM__SIMD_INLINE vec_mask vec_u32_lt(vec_i32 x, vec_i32 y)
+{
+    const __m256i flip = _mm256_set1_epi32((int32_t)0x80000000u);
+
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_xor_si256(y, flip),
+                                                  _mm256_xor_si256(x, flip)));
+}
+
+INF_ADAM__SIMD_INLINE vec_i32 vec_load_u8(const uint8_t *src)
+{
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)src));
+}
+
+INF_ADAM__SIMD_INLINE void vec_store_u8(uint8_t *dst, vec_i32 x)
+{
+    __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+
+    _mm_storel_epi64((__m128i *)dst, _mm_packus_epi16(words, words));
+}
+
+INF_ADAM__SIMD_INLINE float vec_hmax(vec_f32 x)
+{
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+#include "adam_state_simd_body.h"
+
+const struct inf_adam__state_isa inf_adam__state_avx2 = {
+    state_convert, state_update, state_encode_m, state_encode_v,
+};
 
 #endif /* x86 */

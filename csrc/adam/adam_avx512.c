@@ -1,7 +1,7 @@
 /*
- * AVX-512 F inner loop of inf_adam, 16 elements per iteration: the vector type and its
- * operations for the loop in adam_simd_body.h. Compiled for any x86-64 and only called when the
- * CPU has AVX-512 F (checked in adam.c).
+ * AVX-512 F inner loops of inf_adam, 16 elements per iteration: the vector types and their
+ * operations for the loops in adam_simd_body.h and adam_state_simd_body.h. Compiled for any
+ * x86-64 and only called when the CPU has AVX-512 F (checked in adam.c).
  */
 #if defined(__x86_64__) || defined(__i386__)
 
@@ -36,8 +36,8 @@ INF_ADAM__SIMD_INLINE vec_f32 vec_load_bf16(const uint16_t *src)
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* See [Note: lowp rounding] in inf_adam.h. */
-INF_ADAM__SIMD_INLINE vec_u16 vec_to_bf16(vec_f32 p)
+/* See [Note: lowp rounding] in inf_adam.h: the bf16 bits in each 32-bit lane. */
+INF_ADAM__SIMD_INLINE __m512i vec_bf16_bits(vec_f32 p)
 {
     __m512i u = _mm512_castps_si512(p);
     __m512i top = _mm512_srli_epi32(u, 16);
@@ -46,8 +46,12 @@ INF_ADAM__SIMD_INLINE vec_u16 vec_to_bf16(vec_f32 p)
     __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
     __m512i quiet = _mm512_or_si512(top, _mm512_set1_epi32(0x40));
     __mmask16 nan = _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q);
-    return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
+    return _mm512_mask_blend_epi32(nan, rounded, quiet);
 }
+
+/* Every lane is <= 0xffff, so truncating each to 16 bits only narrows. */
+#define vec_pack_u16(r) _mm512_cvtepi32_epi16(r)
+#define vec_to_bf16(p) vec_pack_u16(vec_bf16_bits(p))
 
 #include "adam_simd_body.h"
 
@@ -57,5 +61,47 @@ INF_ADAM__AVX512 void inf_adam__range_avx512(const struct inf_adam__coef *c,
 {
     simd_range(c, a, lo, hi);
 }
+
+/* The operations adam_state_simd_body.h asks for; masks are AVX-512 mask registers. Only
+ * AVX-512 F instructions: float and/or/andnot (AVX-512 DQ) go through the integer ones. */
+#define INF_ADAM__SIMD_FN static INF_ADAM__AVX512
+
+typedef __m512i vec_i32;
+typedef __mmask16 vec_mask;
+
+#define vec_max(x, y) _mm512_max_ps(x, y)
+#define vec_abs(x) _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), \
+                                                        _mm512_set1_epi32(0x7fffffff)))
+#define vec_as_i32(x) _mm512_castps_si512(x)
+#define vec_as_f32(x) _mm512_castsi512_ps(x)
+#define vec_i32_set1(x) _mm512_set1_epi32(x)
+#define vec_i32_add(x, y) _mm512_add_epi32(x, y)
+#define vec_i32_and(x, y) _mm512_and_si512(x, y)
+#define vec_i32_or(x, y) _mm512_or_si512(x, y)
+#define vec_i32_xor(x, y) _mm512_xor_si512(x, y)
+#define vec_i32_mullo(x, y) _mm512_mullo_epi32(x, y)
+#define vec_i32_min(x, y) _mm512_min_epi32(x, y)
+#define vec_i32_max(x, y) _mm512_max_epi32(x, y)
+#define vec_i32_srli(x, n) _mm512_srli_epi32(x, n)
+#define vec_i32_slli(x, n) _mm512_slli_epi32(x, n)
+#define vec_iota() _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+#define vec_lt(x, y) _mm512_cmp_ps_mask(x, y, _CMP_LT_OQ)
+#define vec_gt(x, y) _mm512_cmp_ps_mask(x, y, _CMP_GT_OQ)
+#define vec_not_le(x, y) _mm512_cmp_ps_mask(x, y, _CMP_NLE_UQ)
+#define vec_is_nan(x) _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q)
+#define vec_u32_lt(x, y) _mm512_cmplt_epu32_mask(x, y)
+#define vec_mask_or(x, y) ((__mmask16)((x) | (y)))
+#define vec_mask_any(x) ((x) != 0)
+#define vec_select(m, t, f) _mm512_mask_blend_ps(m, f, t)
+#define vec_i32_select(m, t, f) _mm512_mask_blend_epi32(m, f, t)
+#define vec_load_u8(src) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src)))
+#define vec_store_u8(dst, x) _mm_storeu_si128((__m128i *)(dst), _mm512_cvtepi32_epi8(x))
+#define vec_hmax(x) _mm512_reduce_max_ps(x)
+
+#include "adam_state_simd_body.h"
+
+const struct inf_adam__state_isa inf_adam__state_avx512 = {
+    state_convert, state_update, state_encode_m, state_encode_v,
+};
 
 #endif /* x86 */

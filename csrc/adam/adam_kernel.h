@@ -51,6 +51,21 @@ struct inf_adam__arrays {
 typedef void (*inf_adam__range_fn)(const struct inf_adam__coef *c,
                                    const struct inf_adam__arrays *a, size_t lo, size_t hi);
 
+/* One work item [lo, hi) of a call; ctx is the call's. */
+typedef void (*inf_adam__work_fn)(const void *ctx, size_t lo, size_t hi);
+
+/* Split [0, n) into items, each a multiple of `align` elements (itself a multiple of 64) but
+ * the last, and run them on the calling thread plus up to threads - 1 of the pool's workers
+ * (none without a pool); how many join never changes the result. Defined in adam.c. */
+void inf_adam__run(inf_adam__work_fn work, const void *ctx, size_t n, size_t align, int threads,
+                   struct inf_pool *pool);
+
+/* Argument checks shared by the drivers (adam.c): bytes of an enum inf_adam_dtype element
+ * (0 for NONE or an unknown value), and whether a pointer or two byte ranges are bad. */
+size_t inf_adam__dtype_size(int dtype);
+int inf_adam__misaligned(const void *ptr, size_t align);
+int inf_adam__overlap(const void *a, size_t an, const void *b, size_t bn);
+
 void inf_adam__range_scalar(const struct inf_adam__coef *c, const struct inf_adam__arrays *a,
                             size_t lo, size_t hi);
 #if defined(__x86_64__) || defined(__i386__)

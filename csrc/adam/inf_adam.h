@@ -8,7 +8,7 @@
  *     m  = fma(w, g - m, m)                         torch's lerp_(g, w), w = 1 - beta1 < 0.5;
  *        = fma(w - 1, g - m, g)                     the same lerp when w >= 0.5
  *     v  = fma((1 - beta2) * g, g, v * beta2)       torch's mul_(beta2).addcmul_(g, g, 1 - beta2)
- *     d  = sqrt(v) / sqrt(1 - beta2^step) + eps
+ *     d  = sqrt(v) * (1 / sqrt(1 - beta2^step)) + eps
  *     p  = p - (lr / (1 - beta1^step) * m) / d
  *     out[i] = p rounded to bf16 or fp16 (nearest even), when out is given
  * This is the operation order of torch's CPU Adam/AdamW (single-tensor path), including where
@@ -87,5 +87,77 @@ int inf_adam_step(const struct inf_adam_params *params, float *param, const void
  * value (AUTO resolves to the best one available), -ENOTSUP if this CPU lacks it, -EINVAL if
  * isa is not an enum inf_adam_isa value. */
 int inf_adam_isa_resolve(int isa);
+
+/*
+ * inf_adam_state_step: one fused pass of Adam / AdamW over one tile segment whose moments are
+ * stored in fewer bytes (bf16, or 8-bit codes with a scale per block), with or without an fp32
+ * master. For each element, in float32 arithmetic, each operation rounded on its own (no fused
+ * multiply-add, so a reference in plain torch reproduces every bit):
+ *     g  = float(grad[i]) * grad_scale
+ *     p  = master[i], or float(values[i]) without a master
+ *     m, v = the stored moments, decoded (8-bit: code value * block scale)
+ *     g  = g + weight_decay * p                     Adam (L2), only when weight_decay != 0
+ *     p  = p * (1 - lr * weight_decay)              AdamW, only when weight_decay != 0
+ *     m  = beta1 * m + (1 - beta1) * g
+ *     v  = beta2 * v + ((1 - beta2) * g) * g
+ *     d  = sqrt(v) * (1 / sqrt(1 - beta2^step)) + eps
+ *     p  = p - (lr / (1 - beta1^step) * m) / d
+ * then m and v are stored (bf16: nearest even; 8-bit: each block re-coded from its new values,
+ * see [Note: 8-bit moments] in adam_state_kernel.h), and p goes to master[i] (and its copy
+ * values[i] rounded to nearest even, when given), or without a master to values[i] with
+ * stochastic rounding (see [Note: stochastic rounding] there), whose random bits depend only
+ * on (seed, step, index + i): never on the tiling, the thread split or the instruction set.
+ * The AVX-512, AVX2 and scalar paths and every thread count give bit-identical results.
+ *
+ * Errors, memory and threads as inf_adam_step: -EINVAL for a bad argument (NULL, misaligned
+ * or overlapping arrays, pieces that do not add up to n, a bad enum or block, fp32 moments with
+ * a master: that is inf_adam_step's format), -ENOTSUP for an instruction set this CPU lacks; a
+ * failed call writes nothing.
+ */
+
+/* Storage of the moments exp_avg and exp_avg_sq. */
+enum inf_adam_moments {
+    INF_ADAM_MOMENTS_F32 = 1,   /* float (with a master, use inf_adam_step) */
+    INF_ADAM_MOMENTS_BF16 = 2,  /* bfloat16, rounded to nearest even */
+    INF_ADAM_MOMENTS_Q8 = 3     /* one byte per element and one float scale per block */
+};
+
+/* Bounds of the 8-bit block size: a multiple of 64 elements in this range. */
+enum inf_adam_block_limits {
+    INF_ADAM_BLOCK_MIN = 64,
+    INF_ADAM_BLOCK_MAX = 4096
+};
+
+/* One piece of a gradient; a segment's pieces lie end to end and hold n elements in all. */
+struct inf_adam_grad {
+    const void *data;       /* n elements of dtype (may be NULL only when n == 0) */
+    size_t n;
+    int dtype;              /* enum inf_adam_dtype: F32, BF16 or F16 */
+};
+
+/* The arrays of one segment, owned by the caller: element i of every array is element i of the
+ * segment; 8-bit blocks start at element 0 (the last one may be short). */
+struct inf_adam_segment {
+    size_t n;                          /* elements */
+    float *master;                     /* n floats updated in place, or NULL: no master */
+    void *values;                      /* n parameters: the master's copy (may be NULL with
+                                        * NONE), or, without a master, the parameters updated
+                                        * in place */
+    int values_dtype;                  /* NONE (master only), BF16 or F16 */
+    int moments;                       /* enum inf_adam_moments */
+    void *exp_avg;                     /* n moments each: float, bf16 or 8-bit codes */
+    void *exp_avg_sq;
+    float *exp_avg_scale;              /* 8-bit: ceil(n / block) scales each; else NULL */
+    float *exp_avg_sq_scale;
+    size_t block;                      /* 8-bit: elements per block; else ignored */
+    const struct inf_adam_grad *grad;  /* grad_pieces pieces */
+    size_t grad_pieces;
+    uint64_t seed;                     /* stochastic rounding stream (no master) */
+    uint64_t index;                    /* its counter of element 0; index + n - 1 must not
+                                        * wrap */
+};
+
+int inf_adam_state_step(const struct inf_adam_params *params,
+                        const struct inf_adam_segment *seg);
 
 #endif /* INF_ADAM_H */

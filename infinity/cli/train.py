@@ -42,7 +42,7 @@ from tqdm import tqdm
 from infinity.cli.args import HelpFormatter, fail, log_to_stderr, parse_size
 from infinity.errors import InputError
 from infinity.train import TrainOptions, run
-from infinity.train.config import DEFAULT_BATCH_SIZE, SCHEDULES
+from infinity.train.config import DEFAULT_BATCH_SIZE, MOMENTS, SCHEDULES
 from infinity.train.job import LORA_EXPORTS
 from infinity.train.loop import StepRecord
 from infinity.train.report import REPORTERS
@@ -111,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "bf16 where the machine computes bf16 fast, else in fp32")
     precision.add_argument("--fp32", dest="precision", action="store_const", const="fp32",
                            help="train in fp32 (bf16 and fp16 off)")
+    p.add_argument("--optimizer-state", choices=MOMENTS, help="how Adam's moments are stored "
+                   "(infinity.optimizer_state.moments): fp32 (8 bytes per parameter), bf16 (4) "
+                   "or int8 (8-bit blocks, about 2). Default: the config's, else fp32")
+    p.add_argument("--no-master", action="store_true", help="keep no fp32 master copy of bf16 "
+                   "parameters: they are updated with seeded stochastic rounding "
+                   "(infinity.optimizer_state.master 'none'; needs --bf16 or a bf16 config)")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute "
                    "activations in backward (less memory, about a third more compute)")
     p.add_argument("--lora", type=int, metavar="R", help="train only LoRA adapters of rank R "
@@ -180,6 +186,7 @@ def options_of(args: argparse.Namespace) -> TrainOptions:
         lr=args.lr, lora=args.lora, lora_export=args.lora_export, report=args.report,
         seed=args.seed, max_shard_bytes=args.max_shard_size, save_every=args.save_every,
         resume=args.resume, host_memory=args.host_memory, precision=args.precision,
+        optimizer_state=args.optimizer_state, no_master=args.no_master,
         text_field=args.text_field, eval_data=args.eval_data, eval_split=args.eval_split,
         eval_every=args.eval_every, warmup=args.warmup, schedule=args.schedule,
         grad_accum=args.grad_accum, gradient_checkpointing=args.gradient_checkpointing,

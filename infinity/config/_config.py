@@ -151,6 +151,10 @@ class Config(Section):
         check(compute in ("auto", "fp32", self.precision), "infinity.compute_dtype", compute,
               f'"auto", "fp32" or the parameter dtype ("{self.precision}"); a compute dtype '
               "narrower than the parameters loses their precision")
+        check(self.infinity.optimizer_state.master == "fp32" or self.precision != "fp32",
+              "infinity.optimizer_state.master", "none",
+              '"fp32" with fp32 parameters: they are their own master, so master is moot '
+              '(master "none" needs bf16.enabled or fp16.enabled)')
 
     def _check_batch(self) -> None:
         for name in ("train_batch_size", "train_micro_batch_size_per_gpu",

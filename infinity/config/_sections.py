@@ -279,8 +279,10 @@ class BF16Config(Section):
         "immediate_grad_update": "gradients go to the optimizer when their unit's backward ends",
         "check_grad_overflow": "every gradient is always checked for inf/nan, and a non-finite "
                                "one fails the step (as in fp32) instead of skipping it",
-        "bf16_master_weights_and_grads": "the master weights are always fp32",
-        "bf16_optimizer_states": "the Adam moments are always fp32",
+        "bf16_master_weights_and_grads": 'the master weights are fp32, or none with '
+                                         'infinity.optimizer_state.master "none"',
+        "bf16_optimizer_states": 'bf16 Adam moments are infinity.optimizer_state.moments '
+                                 '"bf16"',
     }
 
 
@@ -344,6 +346,20 @@ class AioConfig(Section):
 # -- Infinity's own keys -----------------------------------------------------------------------
 
 @dataclass(kw_only=True, frozen=True)
+class OptimizerStateConfig(Section):
+    """`infinity.optimizer_state`: how the Adam state is stored (docs/engine.md "Optimizer
+    state formats")."""
+
+    moments: Literal["fp32", "bf16", "int8"] = "fp32"
+    """exp_avg and exp_avg_sq: "fp32" (8 bytes per parameter), "bf16" (4) or "int8" (8-bit
+    codes in blocks of 256 scaled by their largest magnitude: about 2). Default "fp32"."""
+    master: Literal["fp32", "none"] = "fp32"
+    """"fp32": an fp32 copy of bf16/fp16 parameters (4 bytes per parameter); "none": the
+    16-bit parameters are updated in place with seeded stochastic rounding (needs bf16 or fp16;
+    fp32 parameters are their own master). Default "fp32"."""
+
+
+@dataclass(kw_only=True, frozen=True)
 class InfinityConfig(Section):
     """`infinity`: keys DeepSpeed does not have."""
 
@@ -373,6 +389,9 @@ class InfinityConfig(Section):
     what the offload saves), else null (every freed large block would come back as fresh
     pages to fault in: measured ~0.3 s of a 2.3 s step with everything in RAM)."""
 
+    optimizer_state: OptimizerStateConfig = field(default_factory=OptimizerStateConfig)
+    """How the Adam state is stored: see OptimizerStateConfig. Default fp32 moments and
+    master."""
     overlap_optimizer: bool | Literal["auto"] = "auto"
     """Step each unit's optimizer on a worker as soon as its gradients are final, while
     backward goes on (needs gradient_clipping 0 and fp16 off: those need every gradient

@@ -41,6 +41,7 @@ from infinity.engine._placement import (
     lay_out,
     open_store,
     optimizer_overlaps,
+    state_format,
     take_placed,
 )
 from infinity.engine._plan import MemoryPlan
@@ -171,7 +172,8 @@ class Engine:
             self.ranked.trained[i].key: -(-spec.numel // self.plan.tile_numel) + 1 + stored_grad
             for i, spec in specs.items()})
         return SwappedOptimizer(list(specs.values()), self.store, state_tier=self.plan.state_tier,
-                                tile_numel=self.plan.tile_numel, **hyper)
+                                tile_numel=self.plan.tile_numel,
+                                state_format=state_format(self.config), **hyper)
 
     @property
     def global_steps(self) -> int:
@@ -489,14 +491,20 @@ class Engine:
                             if select is None or select(name)]
 
     def stats(self) -> dict[str, Any]:
-        """Store tiers and moves, prefetch counters, steps, and peak host memory (VmHWM)."""
+        """Store tiers and moves, prefetch counters, steps, the optimizer state's format and
+        real bytes (this rank's), and peak host memory (VmHWM)."""
         stepper = self._stepper
+        optimizer = self.optimizer
+        stepped = sum(u.numel for u in optimizer.units)
         overlapped = {"units_stepped_in_backward": self.units_stepped_in_backward,
                       "units_left_to_forward": 0 if stepper is None else stepper.left_to_forward,
                       "forward_wait_s": 0.0 if stepper is None else stepper.forward_wait_s}
         return {"store": self.store.stats(), "prefetch": asdict(self.coordinator.stats),
                 "global_steps": self.global_steps, "skipped_steps": self.skipped_steps,
-                "optimizer": {"overlap": self.overlap, **overlapped},
+                "optimizer": {"overlap": self.overlap, **overlapped,
+                              "state_format": dataclasses.asdict(optimizer.state_format),
+                              "state_bytes": optimizer.state_nbytes,
+                              "state_bytes_per_param": optimizer.state_nbytes / stepped},
                 "loss_scale": self._loss_scale() if self.config.fp16.enabled else None,
                 "peak_rss_bytes": peak_rss_bytes()}
 

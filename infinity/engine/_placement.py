@@ -21,6 +21,7 @@ from infinity.config import Config
 from infinity.engine._plan import MemoryPlan, plan_memory
 from infinity.engine._precision import Precision, choose_precision, cpu_has_bf16_units
 from infinity.errors import ConfigError
+from infinity.optim import StateFormat
 from infinity.store import TensorStore, Tier
 from infinity.zero import FetchUnit, plan_units
 
@@ -104,6 +105,12 @@ def keeps_units_resident(config: Config, device: torch.device) -> bool:
         and not optimizer_overlaps(config, device)
 
 
+def state_format(config: Config) -> StateFormat:
+    """How the optimizer keeps its state: `infinity.optimizer_state`."""
+    chosen = config.infinity.optimizer_state
+    return StateFormat(moments=chosen.moments, master=chosen.master)
+
+
 def _plan(units: list[FetchUnit], config: Config, device: torch.device) -> MemoryPlan:
     zero = config.zero_optimization
     return plan_memory(
@@ -111,7 +118,7 @@ def _plan(units: list[FetchUnit], config: Config, device: torch.device) -> Memor
         offload_optimizer=zero.offload_optimizer.device, accelerator=device.type != "cpu",
         prefetch_numel=zero.stage3_prefetch_bucket_size if config.infinity.trace_prefetch else 0,
         tile_numel=zero.sub_group_size, host_memory_budget=config.infinity.host_memory_budget,
-        world=config.world_size, stage=zero.stage)
+        world=config.world_size, stage=zero.stage, state_format=state_format(config))
 
 
 def open_store(layout: Layout, config: Config, *, rank: int = 0) -> TensorStore:

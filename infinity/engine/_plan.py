@@ -4,7 +4,8 @@ checked at initialize (never mid-step).
 [Note: memory plan] Host RAM holds, beside the store's host tier, one gradient per trained
 unit (compute dtype: autograd's tensors held, or a flat buffer; infinity/zero/grads.py). The host tier holds the parameters whose home is the host, else a
 working set of parameters (resident units, three of the largest unit, the prefetch bucket),
-plus the Adam state (8 B/element, 12 with the fp32 master of a low-precision unit) for
+plus the Adam state (8 B/element, 12 with the fp32 master of a low-precision unit; fewer in a
+compressed `infinity.optimizer_state`: `StateFormat.bytes_per_element`) for
 offload_optimizer "cpu" or "none" (the optimizer runs on the CPU either way), else a few
 optimizer tiles. NVMe holds parameters and/or optimizer state per the offload devices, with
 slack for alignment. When `host_memory_budget` cannot hold the gradient buffers beside the
@@ -35,12 +36,12 @@ fill the tier with read-ahead and leave no room for a gradient or an optimizer t
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import torch
-
 from infinity.errors import BudgetError
+from infinity.optim import StateFormat
 from infinity.store import Tier
 from infinity.zero import FetchUnit, Partition, Ranks
 
@@ -54,12 +55,6 @@ _TILE_ALIGN = 4096  # elements: a tile size the plan picks is a multiple of it
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // _PAGE) * _PAGE
-
-
-def _state_nbytes(unit: FetchUnit, numel: int) -> int:
-    """Adam state of `numel` elements of a unit: moments, plus an fp32 master for low-precision
-    values."""
-    return numel * (8 if unit.dtype == torch.float32 else 12)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,12 +112,14 @@ class MemoryPlan:
 
 def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optimizer: str,
                 accelerator: bool, prefetch_numel: int, tile_numel: int,
-                host_memory_budget: int | None, world: int = 1, stage: int = 0) -> MemoryPlan:
+                host_memory_budget: int | None, world: int = 1, stage: int = 0,
+                state_format: StateFormat | None = None) -> MemoryPlan:
     """Budgets for the store from the unit sizes and the offload devices; see [Note: memory plan].
     `host_memory_budget` caps the host tier (less what lives outside the store); the tier is
     never larger than the plan needs. With `world` ranks at ZeRO `stage`, the plan of one rank
     (see [Note: memory plan of a rank]). `tile_numel` (sub_group_size) is an upper bound: see
-    [Note: fitting the budget].
+    [Note: fitting the budget]. `state_format`: how the optimizer state is stored (default
+    fp32 moments and master).
 
     Raises BudgetError, naming the smallest budget that works, when `host_memory_budget`
     cannot hold the smallest working set.
@@ -131,6 +128,11 @@ def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optim
     param_home = {"none": fetch_tier, "cpu": Tier.HOST, "nvme": Tier.NVME}[offload_param]
     state_tier = {"none": Tier.HOST, "cpu": Tier.HOST, "nvme": Tier.NVME}[offload_optimizer]
     trained = [u for u in units if u.requires_grad]
+    state_format = state_format or StateFormat()
+    # Adam state per element: moments, and an fp32 master for 16-bit values unless the format
+    # has none (8 and 12 bytes in the default format)
+    per_element = {id(u): state_format.bytes_per_element(u.dtype) for u in trained}
+    tile_per_element = max(per_element.values(), default=12)
     share = _Share(Partition(Ranks(0, world), stage))  # every rank's shard is as large as rank 0's
     largest_state = max((share.state_numel(u) for u in trained), default=0)
     if state_tier == Tier.HOST:  # tiles bound what one NVMe read holds; in RAM, a unit is one tile
@@ -146,11 +148,11 @@ def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optim
     has_nvme = Tier.NVME in (param_home, state_tier)  # a swap file to put gradients in
 
     def state_nbytes(tiles: int) -> int:
-        return sum(_state_nbytes(u, n) + _TILE_SLACK * -(-n // tiles)
+        return sum(math.ceil(n * per_element[id(u)]) + _TILE_SLACK * -(-n // tiles)
                    for u, n in ((u, share.state_numel(u)) for u in trained))
 
     def tile_nbytes(tiles: int) -> int:
-        return min(tiles, largest_state) * 12 + _TILE_SLACK
+        return math.ceil(min(tiles, largest_state) * tile_per_element) + _TILE_SLACK
 
     # Host-homed values sit in the host tier whole; NVMe-homed ones pass through a working set;
     # device-homed ones only visit the host while the optimizer updates them.
@@ -173,7 +175,8 @@ def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optim
     if host_memory_budget is not None:
         budget = int(host_memory_budget)
         candidates = [(t, g) for g in gradient_homes for t in (
-            tile_numel, _fitting_tiles(budget, needs, g, smallest_tiles, tile_numel)
+            tile_numel, _fitting_tiles(budget, needs, g, smallest_tiles, tile_numel,
+                                       3 * tile_per_element)
             if state_tier == Tier.NVME else None)]
         chosen = next(((t, g) for t, g in candidates
                        if t is not None and needs(t, g) <= budget), None)
@@ -207,12 +210,13 @@ def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optim
 
 
 def _fitting_tiles(budget: int, needs: Callable[[int, bool], int], grads_on_nvme: bool,
-                   smallest: int, most: int) -> int | None:
+                   smallest: int, most: int, per_element: float) -> int | None:
     """The largest tile (elements, a multiple of _TILE_ALIGN unless that is below `smallest`)
     between `smallest` and `most` whose plan fits `budget`; None when not even `smallest` does.
-    The plan's bytes grow by 36 per tile element (three tiles of master and two moments)."""
+    The plan's bytes grow by `per_element` per tile element (three tiles: 36 bytes of master
+    and two moments in the default format)."""
     fixed = needs(0, grads_on_nvme)
-    fitting = min(most, (budget - fixed) // 36 // _TILE_ALIGN * _TILE_ALIGN)
+    fitting = min(most, int((budget - fixed) / per_element) // _TILE_ALIGN * _TILE_ALIGN)
     return max(fitting, smallest) if needs(smallest, grads_on_nvme) <= budget else None
 
 

@@ -9,13 +9,17 @@ Thread safety: `adam_step` releases the GIL while the kernel runs (cffi does thi
 so several Python threads may step disjoint tensors at once.
 """
 
+import errno
 import math
 import os
+from collections.abc import Sequence
 
 import torch
 from torch.autograd.graph import increment_version
 
 from infinity.memory import ThreadPool, usable_cores
+from infinity.optim._format import SegmentState, StateFormat
+from infinity.optim._quant import block_count
 
 try:
     from infinity.optim._adam_cffi import ffi, lib
@@ -227,3 +231,161 @@ class AdamKernel:
             lib.INF_ADAM_DTYPE_NONE if out_lowp is None else LOWP_DTYPES[out_lowp.dtype],
             param.numel(),
         ), "inf_adam_step")
+
+
+_MOMENTS = {"fp32": lib.INF_ADAM_MOMENTS_F32, "bf16": lib.INF_ADAM_MOMENTS_BF16,
+            "int8": lib.INF_ADAM_MOMENTS_Q8}
+_UINT64 = 1 << 64
+
+
+_VOID_P, _FLOAT_P = ffi.typeof("void *"), ffi.typeof("float *")
+_GRAD_ARRAY = ffi.typeof("struct inf_adam_grad[]")
+_SEGMENT_P = ffi.typeof("struct inf_adam_segment *")
+
+
+def _ptr(t: torch.Tensor | None, ctype: object = _VOID_P) -> object:
+    return ffi.NULL if t is None else ffi.cast(ctype, t.data_ptr())
+
+
+class StateKernel:
+    """One step's Adam / AdamW over tile segments whose state is in a `StateFormat`: the fused
+    native pass of csrc/adam/inf_adam.h `inf_adam_state_step` (decode, update, re-code, write
+    the parameters), or `AdamKernel` for fp32 moments with a master (today's kernel, bit for
+    bit). Hyperparameters as `adam_step`'s, checked and packed once.
+
+    seed:
+        The stochastic rounding stream of parameters without a master: with the step number
+        and each element's index it decides every rounding, so a run resumed from a checkpoint
+        (same seed, steps and indices) is bit-identical. Tiling, threads and ISA never matter.
+
+    A call checks what memory safety needs in Python (types, dtypes, device, contiguity,
+    element counts: a few microseconds) and leaves alignment and aliasing to the C side, whose
+    refusal is then explained by name. Like `AdamKernel` it leaves autograd versions to the
+    caller."""
+
+    def __init__(self, state_format: StateFormat, *, step: int, lr: float, beta1: float,
+                 beta2: float, eps: float, weight_decay: float, adamw: bool,
+                 grad_scale: float = 1.0, seed: int = 0, threads: int | None = None,
+                 pool: ThreadPool | None = None, isa: str = "auto") -> None:
+        if not isinstance(state_format, StateFormat):
+            raise TypeError("state_format must be a StateFormat, got "
+                            f"{type(state_format).__name__}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < _UINT64:
+            raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+        self.format = state_format
+        self._fp32 = AdamKernel(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                                weight_decay=weight_decay, adamw=adamw, grad_scale=grad_scale,
+                                threads=threads, pool=pool, isa=isa)
+        self._params = self._fp32._params
+        self._seed = seed
+
+    def __call__(self, state: SegmentState, grad: torch.Tensor | Sequence[torch.Tensor],
+                 values: torch.Tensor | None = None, *, index: int = 0) -> None:
+        """Update one segment in place.
+
+        state:
+            Its state (`TileLayout.segment`); `state.master` is the tile's master row, the
+            float32 parameters themselves, or None without a master.
+        grad:
+            Its gradient: one tensor, or several laid end to end (an engine unit's parameters),
+            of float32, bfloat16 or float16; only read.
+        values:
+            The 16-bit parameters: with a master, its copy (rounded to nearest even; None: no
+            copy); without one, the parameters, updated with stochastic rounding.
+        index:
+            Without a master: the rounding counter of the segment's first element (its index
+            among all elements the run steps, so that no two elements share random bits).
+
+        Raises TypeError / ValueError naming the tensor at fault.
+        """
+        pieces = [grad] if isinstance(grad, torch.Tensor) else list(grad)
+        n = self._check(state, pieces, values, index)
+        if state.master is not None and self.format.moments == "fp32":
+            self._fp32_pieces(state, pieces, values)
+            return
+        grads = ffi.new(_GRAD_ARRAY, [(_ptr(g), g.numel(), GRAD_DTYPES[g.dtype]) for g in pieces])
+        seg = ffi.new(_SEGMENT_P, (
+            n, _ptr(state.master, _FLOAT_P), _ptr(values),
+            lib.INF_ADAM_DTYPE_NONE if values is None else LOWP_DTYPES[values.dtype],
+            _MOMENTS[self.format.moments], _ptr(state.exp_avg), _ptr(state.exp_avg_sq),
+            _ptr(state.exp_avg_scale, _FLOAT_P), _ptr(state.exp_avg_sq_scale, _FLOAT_P),
+            self.format.block, grads, len(pieces), self._seed, index))
+        ret = lib.inf_adam_state_step(self._params, seg)
+        if ret == -errno.EINVAL:  # what only C checks (alignment, aliasing): say which tensor
+            named = {name: t for name, t in zip(_SEGMENT_NAMES, (*state, values))
+                     if t is not None}
+            named.update((f"grad piece {k}", g) for k, g in enumerate(pieces))
+            for name, t in named.items():
+                _check_tensor(name, t, (t.dtype,), None)
+            _check_disjoint(named)
+        _check(ret, "inf_adam_state_step")
+
+    def _fp32_pieces(self, state: SegmentState, pieces: list[torch.Tensor],
+                     values: torch.Tensor | None) -> None:
+        """Today's kernel, once per gradient piece (fp32 state has no blocks to keep whole)."""
+        at = 0
+        for g in pieces:
+            span = slice(at, at + g.numel())
+            self._fp32(state.master[span], g.view(-1), state.exp_avg[span],
+                       state.exp_avg_sq[span], None if values is None else values[span])
+            at = span.stop
+
+    def _check(self, state: SegmentState, pieces: list[torch.Tensor],
+               values: torch.Tensor | None, index: int) -> int:
+        """The segment's element count, after refusing what the kernel would misread."""
+        fmt = self.format
+        if not isinstance(state, SegmentState):
+            raise TypeError(f"state must be a SegmentState, got {type(state).__name__}")
+        moment = (fmt.moment_dtype,)
+        n = _lean("exp_avg", state.exp_avg, moment, None).numel()
+        _lean("exp_avg_sq", state.exp_avg_sq, moment, n)
+        if state.master is not None:
+            _lean("master", state.master, _F32, n)
+        elif fmt.master == "fp32":
+            raise ValueError("the format keeps an fp32 master (master='fp32'): state.master "
+                             "must be the tile's master row or the float32 parameters")
+        if values is not None:
+            _lean("values", values, _LOWP, n)
+        elif state.master is None:
+            raise ValueError("without a master (state.master is None) the 16-bit values are "
+                             "the parameters: pass them as values")
+        if fmt.quantized:
+            blocks = block_count(n, fmt.block)
+            _lean("exp_avg_scale", state.exp_avg_scale, _F32, blocks)
+            _lean("exp_avg_sq_scale", state.exp_avg_sq_scale, _F32, blocks)
+        elif state.exp_avg_scale is not None or state.exp_avg_sq_scale is not None:
+            raise ValueError(f"exp_avg_scale is given but moments are {fmt.moments!r}, not 'int8'")
+        if not pieces:
+            raise ValueError("grad must be a tensor or a non-empty list of tensors")
+        total = 0
+        for k, g in enumerate(pieces):
+            _lean(("grad piece", k), g, _GRADS, None)
+            total += g.numel()
+        if total != n:
+            raise ValueError(f"grad holds {total} elements, the segment {n}")
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index <= _UINT64 - n:
+            raise ValueError(f"index must be an int in [0, 2**64 - {n}], got {index!r}")
+        return n
+
+
+_F32 = (torch.float32,)
+_LOWP = tuple(LOWP_DTYPES)
+_GRADS = tuple(GRAD_DTYPES)
+
+
+_SEGMENT_NAMES = (*SegmentState._fields, "values")
+
+
+def _lean(name: str | tuple[str, int], t: object, dtypes: tuple[torch.dtype, ...],
+          numel: int | None) -> torch.Tensor:
+    """A dense contiguous CPU tensor of one of dtypes (and numel elements): the checks memory
+    safety needs, in one expression; `_check_tensor` words a refusal. A (name, k) name is
+    spelled "name k" only then."""
+    if (not isinstance(t, torch.Tensor) or t.dtype not in dtypes or not t.is_cpu
+            or t.layout != torch.strided or not t.is_contiguous()):
+        if isinstance(name, tuple):
+            name = f"{name[0]} {name[1]}"
+        _check_tensor(name, t, dtypes, None)  # raises, naming what is wrong
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"{name} has {t.numel()} elements, expected {numel}")
+    return t

@@ -23,11 +23,22 @@ class RowSource(Protocol):
     def read_into(self, start: int, stop: int, out: torch.Tensor) -> None: ...
 
 
+_CHUNK = 1 << 20  # elements of float32 read at a time into 16-bit values (no master: _copy_range)
+
+
 def _copy_range(row: torch.Tensor | RowSource, start: int, stop: int, out: torch.Tensor) -> None:
+    """Elements [start, stop) of a float32 row into `out` (float32, or the 16-bit values of a
+    unit without a master: rounded to nearest, a chunk at a time)."""
     if isinstance(row, torch.Tensor):
         out.copy_(row.reshape(-1)[start:stop])
-    else:
+    elif out.dtype == torch.float32:
         row.read_into(start, stop, out)
+    else:
+        buffer = torch.empty(min(_CHUNK, stop - start))
+        for at in range(start, stop, _CHUNK):
+            end = min(at + _CHUNK, stop)
+            row.read_into(at, end, buffer[:end - at])
+            out[at - start:end - start].copy_(buffer[:end - at])
 
 
 def unit_state(tiles: TileSet, units: list[UnitSpec], u: int) -> dict[str, torch.Tensor]:
@@ -37,7 +48,7 @@ def unit_state(tiles: TileSet, units: list[UnitSpec], u: int) -> dict[str, torch
     for t in tiles.of_unit[u]:
         tile = tiles[t]
         with tiles.store.hold(tiles.key(t), Tier.HOST) as entry:
-            for name, row in tiles.format(t).read_rows(entry).items():
+            for name, row in tiles.format(t).read_rows(entry, tile.numel).items():
                 state[name][tile.start:tile.stop] = row
     if not tiles.formats[u].has_master:
         values = UnitValues(tiles.store, units)
@@ -71,8 +82,9 @@ def load_states(tiles: TileSet, units: list[UnitSpec],
         for t in tiles.of_unit[u]:
             tile = tiles[t]
             with tiles.store.hold(tiles.key(t), Tier.HOST, dirty=True) as entry:
-                tiles.format(t).write_rows(entry, lambda name, out, rows=rows, tile=tile:
-                                           _copy_range(rows[name], tile.start, tile.stop, out))
+                tiles.format(t).write_rows(
+                    entry, tile.numel, lambda name, out, rows=rows, tile=tile:
+                    _copy_range(rows[name], tile.start, tile.stop, out))
         steps.add(int(state["step"]))
     if expected != len(units):
         raise ValueError(f"load_state got {expected} entries, the optimizer has {len(units)}")

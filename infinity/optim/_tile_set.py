@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from infinity.optim._format import StateFormat
 from infinity.optim._tiles import Tile, TileFormat, UnitSpec, cut_units, format_for
 from infinity.optim._values import UnitValues
 from infinity.store import TensorStore, Tier
@@ -31,10 +32,10 @@ class TileSet:
     (`name/tile<t>`), their formats, and the step each holds. Indexing gives a `Tile`."""
 
     def __init__(self, store: TensorStore, units: Sequence[UnitSpec], tile_numel: int,
-                 name: str, tier: Tier) -> None:
+                 name: str, tier: Tier, state_format: StateFormat | None = None) -> None:
         self.store, self.name, self.tier = store, name, tier
         self.tiles = cut_units([u.numel for u in units], tile_numel)
-        self.formats = [format_for(u.dtype) for u in units]
+        self.formats = [format_for(u.dtype, state_format) for u in units]
         self.of_unit: list[list[int]] = [[] for _ in units]  # each unit's tiles, in order
         for t, tile in enumerate(self.tiles):
             self.of_unit[tile.unit].append(t)
@@ -51,6 +52,10 @@ class TileSet:
 
     def format(self, t: int) -> TileFormat:
         return self.formats[self.tiles[t].unit]
+
+    def nbytes(self) -> int:
+        """Bytes of every tile: the state's real size in the store."""
+        return sum(self.format(t).nbytes(tile.numel) for t, tile in enumerate(self.tiles))
 
     def check_budget(self, tile_numel: int) -> None:
         """With the tiles at home on NVMe, the host tier must hold 3 of them to stream."""

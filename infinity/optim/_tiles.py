@@ -5,11 +5,12 @@ one unit, in the rows of its `TileFormat`. Today the rows are float32: master, e
 exp_avg_sq for a bf16/fp16 unit; exp_avg and exp_avg_sq for a float32 unit, whose values entry
 is its master. Everything that depends on how rows are stored goes through the format: the
 bytes of a tile (`nbytes`, which the host budget check uses), a new tile (`new`), the update
-(`step`, the kernel calls) and the float32 rows that checkpoints read and write (`read_rows`,
-`write_rows`: views today, dequantized and requantized copies for a compressed format). A
-format that stores rows otherwise (bf16 or block-quantized moments with per-block scales, no
-master) is another TileFormat: the streaming, the retry-safe step record and the checkpoint
-streaming in `swapped` and `_state` stay as they are.
+(`kernel` and `step`) and the float32 rows that checkpoints read and write (`read_rows`,
+`write_rows`: views for float32 rows, dequantized and requantized copies for a compressed
+format). `PackedTileFormat` stores a `StateFormat` other than the default (bf16 or 8-bit
+moments, or no master: one uint8 entry per tile, [Note: tile layout] in `_format`); the
+streaming, the retry-safe step record and the checkpoint streaming in `swapped` and `_state`
+are the same for every format.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from typing import NamedTuple
 import torch
 from torch.autograd.graph import increment_version
 
+from infinity.optim._format import StateFormat, TileLayout
 from infinity.optim._grads import GradPieces
-from infinity.optim._native import AdamKernel
+from infinity.optim._native import AdamKernel, StateKernel
+from infinity.optim._quant import EXP_AVG_CODE, EXP_AVG_SQ_CODE, dequantize, quantize
 
 
 class UnitSpec(NamedTuple):
@@ -75,22 +78,29 @@ class TileFormat:
             tile[0].copy_(master)
         return tile
 
-    def read_rows(self, tile: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The tile's rows by name as float32, for a checkpoint to save (views: not to be
-        written)."""
+    def read_rows(self, tile: torch.Tensor, numel: int) -> dict[str, torch.Tensor]:
+        """The rows by name as float32 of a tile of `numel` elements, for a checkpoint to save
+        (not to be written: they may be views)."""
         return dict(zip(self.rows, tile, strict=True))
 
-    def write_rows(self, tile: torch.Tensor, fill: Callable[[str, torch.Tensor], None]) -> None:
-        """Set every row from float32 values: `fill(name, out)` writes the row's values into
-        `out` (a checkpoint being loaded, one tile at a time)."""
+    def write_rows(self, tile: torch.Tensor, numel: int,
+                   fill: Callable[[str, torch.Tensor], None]) -> None:
+        """Set every row of a tile of `numel` elements from float32 values: `fill(name, out)`
+        writes the row's values into `out` (a checkpoint being loaded, one tile at a time)."""
         for name, row in zip(self.rows, tile, strict=True):
             fill(name, row)
 
+    def kernel(self, *, seed: int, **hyper: object) -> AdamKernel:
+        """The step's kernel (hyperparameters as AdamKernel's; float32 rows round no values
+        stochastically, so `seed` is moot)."""
+        return AdamKernel(**hyper)
+
     def step(self, kernel: AdamKernel, tile: torch.Tensor, values: torch.Tensor,
-             grad: GradPieces, start: int) -> None:
+             grad: GradPieces, start: int, index: int) -> None:
         """Update the tile and `values` (its elements of the unit's values) from the gradient
         of elements [start, start + len(values)) of the unit, one kernel call per gradient
-        piece. Every input is fetched and checked already (see AdamKernel)."""
+        piece. Every input is fetched and checked already (see AdamKernel). `index`: the
+        stochastic rounding counter of the tile's first element (`PackedTileFormat`)."""
         rows = dict(zip(self.rows, tile, strict=True))
         master = rows["master"] if self.has_master else values
         lowp = values if self.has_master else None  # new values rounded from the master
@@ -101,12 +111,81 @@ class TileFormat:
         increment_version(values)  # as an in-place op would: a graph that saved them fails loudly
 
 
+class PackedTileFormat(TileFormat):
+    """A tile in a `StateFormat` other than the default: one uint8 entry of the rows its
+    `TileLayout` places, updated by `StateKernel`'s fused pass (one call per tile; for 8-bit
+    moments a tile is whole blocks but for its end). Checkpoint rows are float32: bf16 moments
+    widen and narrow exactly; 8-bit ones dequantize, and quantize back to the same bytes
+    (the block's largest element decodes to its scale exactly, and every other one lies far
+    closer to its own code than to a neighbour; a scale below the normal floats, 1e-38, may
+    lose that)."""
+
+    def __init__(self, state: StateFormat, values_dtype: torch.dtype) -> None:
+        master = ("master",) if state.keeps_master(values_dtype) else ()
+        super().__init__((*master, "exp_avg", "exp_avg_sq"))
+        self.state, self.values_dtype = state, values_dtype
+
+    def layout(self, numel: int) -> TileLayout:
+        return self.state.layout(numel, self.values_dtype)
+
+    def nbytes(self, numel: int) -> int:
+        return self.layout(numel).nbytes
+
+    def new(self, numel: int, master: torch.Tensor | None) -> torch.Tensor:
+        layout = self.layout(numel)
+        tile = torch.zeros(layout.nbytes, dtype=torch.uint8)  # zero bytes: Adam's first state
+        if self.has_master:
+            layout.views(tile)["master"].copy_(master)
+        return tile
+
+    def read_rows(self, tile: torch.Tensor, numel: int) -> dict[str, torch.Tensor]:
+        views = self.layout(numel).views(tile)
+        rows = {"master": views["master"]} if self.has_master else {}
+        for name, code in (("exp_avg", EXP_AVG_CODE), ("exp_avg_sq", EXP_AVG_SQ_CODE)):
+            if self.state.quantized:
+                rows[name] = dequantize(views[name], views[f"{name}_scale"], self.state.block,
+                                        code)
+            else:
+                rows[name] = views[name].float()
+        return rows
+
+    def write_rows(self, tile: torch.Tensor, numel: int,
+                   fill: Callable[[str, torch.Tensor], None]) -> None:
+        views = self.layout(numel).views(tile)
+        if self.has_master:
+            fill("master", views["master"])
+        row = torch.empty(numel)
+        for name, code in (("exp_avg", EXP_AVG_CODE), ("exp_avg_sq", EXP_AVG_SQ_CODE)):
+            fill(name, row)
+            if self.state.quantized:
+                codes, scales = quantize(row, self.state.block, code)
+                views[name].copy_(codes)
+                views[f"{name}_scale"].copy_(scales)
+            else:
+                views[name].copy_(row)
+
+    def kernel(self, *, seed: int, **hyper: object) -> StateKernel:
+        return StateKernel(self.state, seed=seed, **hyper)
+
+    def step(self, kernel: StateKernel, tile: torch.Tensor, values: torch.Tensor,
+             grad: GradPieces, start: int, index: int) -> None:
+        layout = self.layout(values.numel())
+        own = values if self.values_dtype == torch.float32 else None  # values are the master
+        state = layout.segment(layout.views(tile), 0, layout.numel, master=own)
+        pieces = [g for _, g in grad.ranges(start, start + values.numel())]
+        kernel(state, pieces, None if own is not None else values, index=index)
+        increment_version(values)
+
+
 MASTER_AND_MOMENTS = TileFormat(("master", "exp_avg", "exp_avg_sq"))
 MOMENTS = TileFormat(("exp_avg", "exp_avg_sq"))
 STATE_ROWS = MASTER_AND_MOMENTS.rows  # what iter_state yields and load_state takes, per unit
 
 
-def format_for(dtype: torch.dtype) -> TileFormat:
-    """A float32 unit's values entry is its master: its tiles hold the moments (8 B/element);
-    a bf16/fp16 unit's tiles hold an fp32 master too (12 B/element)."""
-    return MOMENTS if dtype == torch.float32 else MASTER_AND_MOMENTS
+def format_for(dtype: torch.dtype, state: StateFormat | None = None) -> TileFormat:
+    """A float32 unit's values entry is its master: in the default format its tiles hold the
+    moments (8 B/element); a bf16/fp16 unit's hold an fp32 master too (12 B/element). Any
+    other state format is packed (float32 units with fp32 moments have nothing to pack)."""
+    if state is None or state.is_default or (dtype == torch.float32 and state.moments == "fp32"):
+        return MOMENTS if dtype == torch.float32 else MASTER_AND_MOMENTS
+    return PackedTileFormat(state, dtype)

@@ -24,8 +24,9 @@ from typing import Any
 import torch
 
 from infinity.memory import ThreadPool
+from infinity.optim._format import StateFormat
 from infinity.optim._grads import GRAD_DTYPES, GradPieces, all_finite, check_grad_pieces
-from infinity.optim._native import AdamKernel, check_hyperparameters, check_threads
+from infinity.optim._native import check_hyperparameters, check_threads
 from infinity.optim._state import load_states, unit_state
 from infinity.optim._tile_set import TileSet
 from infinity.optim._tiles import UnitSpec
@@ -33,6 +34,8 @@ from infinity.optim._values import UnitValues
 from infinity.store import TensorStore, Tier
 
 __all__ = ["SwappedOptimizer", "UnitSpec"]
+
+_UNIT_INDEX_BITS = 40  # a unit's elements take this many bits of a rounding counter
 
 
 class SwappedOptimizer:
@@ -58,13 +61,19 @@ class SwappedOptimizer:
         threads: kernel threads (default: all cores).
         name: prefix of the store keys, so several optimizers can share a store.
         state_tier: home of the tiles: Tier.NVME (offload_optimizer nvme) or Tier.HOST (cpu).
+        state_format: how the tiles store the state (`StateFormat`: bf16 or 8-bit moments, no
+            fp32 master for 16-bit units); the default is the float32 state described above.
+            Without a master a unit's 16-bit values are updated with stochastic rounding.
+        seed: the stochastic rounding stream (with the step and each element's index: the
+            same seed, steps and units round the same, so a resumed run is bit-identical).
     """
 
     def __init__(self, units: Sequence[UnitSpec], store: TensorStore, *, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, adamw_mode: bool = True, tile_numel: int = 1 << 22,
                  threads: int | None = None, name: str = "optim",
-                 state_tier: Tier | str = Tier.NVME) -> None:
+                 state_tier: Tier | str = Tier.NVME,
+                 state_format: StateFormat | None = None, seed: int = 0) -> None:
         self.units = [UnitSpec(*u) for u in units]
         if not self.units:
             raise ValueError("SwappedOptimizer got no units")
@@ -84,9 +93,16 @@ class SwappedOptimizer:
         self.lr, self.betas, self.eps = lr, (float(betas[0]), float(betas[1])), eps
         self.weight_decay, self.adamw_mode = weight_decay, adamw_mode
         self.store, self.name, self.tile_numel = store, name, tile_numel
+        self.state_format = StateFormat() if state_format is None else state_format
+        if not isinstance(self.state_format, StateFormat):
+            raise TypeError(f"state_format must be a StateFormat, got {state_format!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64:
+            raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+        self.seed = seed
         self._completed = 0  # steps finished; tiles hold this step between steps
         self._lock = threading.Lock()  # finish_step against itself
-        self.tiles = TileSet(store, self.units, tile_numel, name, self.state_tier)
+        self.tiles = TileSet(store, self.units, tile_numel, name, self.state_tier,
+                             self.state_format)
         self.tiles.check_budget(tile_numel)
         self.tiles.write_initial(self._values())
 
@@ -96,6 +112,11 @@ class SwappedOptimizer:
     def completed_steps(self) -> int:
         """Steps finished (`finish_step()` calls)."""
         return self._completed
+
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes of the optimizer state in the store (every tile, in its format)."""
+        return self.tiles.nbytes()
 
     def begin_step(self) -> int:
         """The number of the step being built (completed steps + 1); idempotent until
@@ -196,16 +217,17 @@ class SwappedOptimizer:
         try:
             if todo:  # the unit's values are read with its first tile
                 self.store.prefetch([self.units[u].values_key] + (keys[:1] if streamed else []))
-                kernel = AdamKernel(step=target, lr=lr, beta1=self.betas[0], beta2=self.betas[1],
-                                    eps=self.eps, weight_decay=self.weight_decay,
-                                    adamw=self.adamw_mode, grad_scale=grad_scale, pool=self._pool)
+                kernel = self.tiles.formats[u].kernel(
+                    step=target, lr=lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
+                    weight_decay=self.weight_decay, adamw=self.adamw_mode, grad_scale=grad_scale,
+                    pool=self._pool, seed=self.seed)
             for i, (t, key) in enumerate(zip(todo, keys)):
                 if streamed and i + 1 < len(keys):
                     self.store.prefetch(keys[i + 1:i + 2])
                 tile = self.tiles[t]
                 with self.tiles.updating(t, target) as entry:
                     self.tiles.format(t).step(kernel, entry, values.get(u)[tile.start:tile.stop],
-                                              grad, tile.start)
+                                              grad, tile.start, self._index(u, tile.start))
                     values.modified(u)
                     if streamed:  # needed again at the next step, after every other tile
                         self.store.set_next_use({key: len(self.tiles)})
@@ -214,6 +236,11 @@ class SwappedOptimizer:
                 self.tiles.rewrite_if_unsaved(self.units[u].values_key)
         finally:
             values.release_all()
+
+    def _index(self, u: int, start: int) -> int:
+        """The rounding counter of element `start` of unit u: unique to the element in the
+        whole unit (ranks step disjoint slices of it), whatever the tiles."""
+        return (u << _UNIT_INDEX_BITS) + self.units[u].offset + start
 
     def _values(self) -> UnitValues:
         return UnitValues(self.store, self.units)

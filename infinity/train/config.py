@@ -30,6 +30,7 @@ MICRO = "train_micro_batch_size_per_gpu"
 ACCUMULATION = "gradient_accumulation_steps"
 SCHEDULES = {"constant": "WarmupLR", "linear": "WarmupDecayLR", "cosine": "WarmupCosineLR"}
 PRECISIONS = ("bf16", "fp32")
+MOMENTS = ("fp32", "bf16", "int8")  # --optimizer-state: infinity.optimizer_state.moments
 MONITORS = ("tensorboard", "csv_monitor", "wandb")  # DeepSpeed's metric writer sections
 
 
@@ -103,6 +104,24 @@ def set_precision(config: dict[str, Any], flag: str | None, dtype: torch.dtype) 
         config.setdefault("bf16", {})["enabled"] = True
 
 
+def set_optimizer_state(config: dict[str, Any], moments: str | None, no_master: bool) -> None:
+    """--optimizer-state and --no-master into infinity.optimizer_state (after the precision is
+    settled: without a master the parameters must be 16-bit)."""
+    if moments is None and not no_master:
+        return
+    if moments is not None and moments not in MOMENTS:
+        raise InputError(f"--optimizer-state {moments}: choose one of {', '.join(MOMENTS)}")
+    if no_master and not any(isinstance(config.get(k), dict) and config[k].get("enabled") is True
+                             for k in ("bf16", "fp16")):
+        raise InputError("--no-master: this run trains in fp32, whose parameters are their own "
+                         "master; add --bf16 (or a config with bf16 or fp16 enabled)")
+    state = config.setdefault("infinity", {}).setdefault("optimizer_state", {})
+    if moments is not None:
+        state["moments"] = moments
+    if no_master:
+        state["master"] = "none"
+
+
 def set_schedule(config: dict[str, Any], schedule: str | None, warmup: int | None,
                  steps: int) -> None:
     """--schedule replaces the config's scheduler, --warmup sets its warmup (a warmup alone
@@ -164,6 +183,7 @@ def ds_config(options: Any, nvme_dir: Callable[[], str]) -> dict[str, Any]:
     if options.host_memory is not None:
         config.setdefault("infinity", {})["host_memory_budget"] = options.host_memory
     set_precision(config, options.precision, model_dtype(options.model))
+    set_optimizer_state(config, options.optimizer_state, options.no_master)
     set_schedule(config, options.schedule, warmup_steps(options.warmup, options.steps),
                  options.steps)
     zero = config.setdefault("zero_optimization", {})

@@ -62,6 +62,8 @@ class TrainOptions:
     resume: bool = False  # continue from the latest checkpoint in <output>/checkpoints
     host_memory: int | None = None  # infinity.host_memory_budget, bytes
     precision: str | None = None  # "bf16" / "fp32"; None: from the model and the machine
+    optimizer_state: str | None = None  # Adam moments "fp32" / "bf16" / "int8"; None: config's
+    no_master: bool = False  # no fp32 master (infinity.optimizer_state.master "none")
     text_field: str = "text"
     eval_data: str | None = None
     eval_split: float | None = None  # a share of --data's rows held out for evaluation

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from tools import bench_adam, bench_arena, bench_store
+from tools import bench_adam, bench_arena, bench_step, bench_store
 
 PERCENT = r"\d+%"
 NUMBER = r"\d+(\.\d+)?"
@@ -30,6 +30,20 @@ def test_bench_adam_prints_each_row_against_the_memory_bound(capsys):
     assert re.search(ours, out), out
     assert re.search(rf"\| torch AdamW fused=True \(no copy-out\) \| {NUMBER} \| {NUMBER} \| {PERCENT} \|", out)
     assert "| DeepSpeedCPUAdam |" in out  # timed, or "not installed"
+    for fmt in ("moments bf16, master fp32", "moments int8, master fp32",
+                "moments fp32, master none", "moments bf16, master none",
+                "moments int8, master none"):  # each against the fp32 kernel, same run
+        row = rf"\| infinity StateKernel, {fmt} \| {NUMBER} \| {NUMBER} \| {PERCENT} \| {NUMBER} \|"
+        assert re.search(row, out), out
+
+
+def test_bench_adam_formats_can_be_chosen_or_refused(capsys):
+    code, out, _ = run(capsys, bench_adam.main, "--params", 4096, "--steps", 1, "--warmup", 0,
+                       "--copy-mib", 1, "--threads", 1, "--formats", "int8/none")
+    assert code == 0 and out.count("infinity StateKernel") == 1, out
+    with pytest.raises(SystemExit):
+        bench_adam.main(["--formats", "int4/none"])
+    assert "--formats item 'int4/none'" in capsys.readouterr().err
 
 
 def test_bench_arena_prints_compaction_against_memcpy(capsys):
@@ -80,3 +94,17 @@ def test_bench_store_refuses_a_window_the_host_tier_would_cache(tmp_path, capsys
 def test_bench_store_names_a_missing_path(tmp_path, capsys):
     code, _, err = run(capsys, bench_store.main, "--path", tmp_path / "missing")
     assert code == 2 and "cannot use --path" in err and "missing" in err
+
+
+def test_bench_step_sets_the_engines_optimizer_state(capsys):
+    from infinity.config import load_config
+
+    args = bench_step.parse_args(["--path", "/tmp", "--bf16", "--optimizer-state", "int8",
+                                  "--no-master"])
+    config = load_config(bench_step.engine_config(args, "nvme", "/tmp"))
+    assert config.bf16.enabled
+    assert (config.infinity.optimizer_state.moments, config.infinity.optimizer_state.master) \
+        == ("int8", "none")
+    with pytest.raises(SystemExit):
+        bench_step.parse_args(["--path", "/tmp", "--no-master"])
+    assert "--no-master needs --bf16" in capsys.readouterr().err

@@ -279,3 +279,18 @@ def test_tokenizing_loading_and_exporting_show_progress(tmp_path, capsys, tiny_h
                             *SMALL, "--nvme-path", tmp_path / "nvme", "--output", tmp_path / "run")
     assert code == 0, err
     assert "tokenizing" in err and "loading" in err and "exporting" in err
+
+
+def test_optimizer_state_flags_train_and_checkpoint_the_compressed_state(tmp_path, capsys):
+    from infinity.checkpoint import CheckpointReader
+
+    out = tmp_path / "run"
+    code, _, err = run_main(capsys, "--steps", "2", *SMALL, "--bf16", "--optimizer-state", "int8",
+                            "--no-master", "--save-every", "2", "--output", out)
+    assert code == 0, err
+    assert all(math.isfinite(r["loss"]) for r in metrics(out))
+    reader = CheckpointReader(out / "checkpoints")
+    assert reader.metadata["config"]["infinity"]["optimizer_state"] == {"moments": "int8",
+                                                                        "master": "none"}
+    code, _, err = run_main(capsys, "--steps", "1", *SMALL, "--fp32", "--no-master")
+    assert code == 2 and "--no-master: this run trains in fp32" in err, err

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import aio
-from infinity.optim import UnitSpec
+from infinity.optim import UnitSpec, available_isas
+from infinity.optim._native import ISAS
 from infinity.store import TensorStore
 
 
@@ -104,3 +105,11 @@ def every_fault_position(tmp_path):
                 return nth
             nth += 1
     return run
+
+
+@pytest.fixture(params=[name for name in ISAS if name != "auto"])
+def isa(request) -> str:
+    """Each ISA the Adam kernels have; skipped, saying so, where this CPU cannot run it."""
+    if request.param not in available_isas():
+        pytest.skip(f"{request.param} not supported by this CPU")
+    return request.param

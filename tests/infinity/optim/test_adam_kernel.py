@@ -11,22 +11,12 @@ import itertools
 import pytest
 import torch
 
-from infinity.optim import adam_step, available_isas
-from infinity.optim._native import ISAS
+from infinity.optim import adam_step
 
 SIZES = (1, 7, 15, 17, 33, 1_000_003)
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OUT_DTYPES = (None, torch.bfloat16, torch.float16)
 HYPER = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.05}
-ALL_ISAS = [name for name in ISAS if name != "auto"]
-
-
-@pytest.fixture(params=ALL_ISAS)
-def isa(request) -> str:
-    """Each ISA the kernel has; skipped, saying so, where this CPU cannot run it."""
-    if request.param not in available_isas():
-        pytest.skip(f"{request.param} not supported by this CPU")
-    return request.param
 
 
 def _offset_copy(t: torch.Tensor) -> torch.Tensor:

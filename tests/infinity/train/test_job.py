@@ -173,3 +173,18 @@ def test_training_flags_reach_the_config():
     assert config["gradient_clipping"] == 1.0
     with pytest.raises(InputError, match="--grad-accum 0: must be at least 1"):
         ds_config(TrainOptions(grad_accum=0), str)
+
+
+def test_optimizer_state_options_land_in_the_infinity_section(tmp_path):
+    from infinity.config import load_config
+
+    given = ds_config(TrainOptions(model=_bf16_model(tmp_path), precision="bf16",
+                                   optimizer_state="int8", no_master=True), lambda: "/s")
+    assert given["infinity"]["optimizer_state"] == {"moments": "int8", "master": "none"}
+    state = load_config({**given, "zero_optimization": {}}).infinity.optimizer_state
+    assert (state.moments, state.master) == ("int8", "none")
+    assert "optimizer_state" not in ds_config(TrainOptions(), lambda: "/s")["infinity"]
+    with pytest.raises(InputError, match="--no-master: this run trains in fp32"):
+        ds_config(TrainOptions(no_master=True), lambda: "/s")
+    with pytest.raises(InputError, match="--optimizer-state int4: choose one of fp32, bf16"):
+        ds_config(TrainOptions(optimizer_state="int4"), lambda: "/s")

@@ -1,0 +1,324 @@
+/*
+ * inf_adam_state_step driver: checks the segment, turns the hyperparameters into the float
+ * coefficients and the rounding key of one step, and runs the blocks of the segment on the
+ * caller's threads. Per block (8-bit: a quantization block; else INF_ADAM__STATE_UNIT
+ * elements) it gathers the gradient pieces into one scaled float buffer, runs the ISA's update
+ * and, for 8-bit moments, sets the block's new scales and codes its new moments.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "adam_state_kernel.h"
+
+/* The whole call, shared by its threads (read only). */
+struct inf_adam__state_job {
+    struct inf_adam__state_coef coef;
+    const struct inf_adam_segment *seg;
+    const struct inf_adam__state_isa *isa;
+    size_t unit;                        /* elements per block */
+};
+
+/* Where a walk through the gradient pieces stands: `piece` holds elements from `start`. */
+struct inf_adam__grad_cursor {
+    const struct inf_adam_grad *piece;
+    size_t start;
+};
+
+static uint64_t inf_adam__mix64(uint64_t z)
+{
+    z ^= z >> 30;
+    z *= 0xbf58476d1ce4e5b9ull;
+    z ^= z >> 27;
+    z *= 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    return z;
+}
+
+/* Round each hyperparameter to float once; see inf_adam.h and [Note: stochastic rounding]. */
+static void inf_adam__state_coef_init(struct inf_adam__state_coef *c,
+                                      const struct inf_adam_params *p, uint64_t seed)
+{
+    double step = (double)p->step;
+    uint64_t key = inf_adam__mix64(inf_adam__mix64(seed + 0x9e3779b97f4a7c15ull) ^
+                                   (uint64_t)p->step);
+
+    c->grad_scale = (float)p->grad_scale;
+    c->weight_decay = (float)p->weight_decay;
+    c->decay = (float)(1.0 - p->lr * p->weight_decay);
+    c->beta1 = (float)p->beta1;
+    c->one_minus_beta1 = (float)(1.0 - p->beta1);
+    c->beta2 = (float)p->beta2;
+    c->one_minus_beta2 = (float)(1.0 - p->beta2);
+    c->inv_bc2_sqrt = (float)(1.0 / sqrt(1.0 - pow(p->beta2, step)));
+    c->eps = (float)p->eps;
+    c->step_size = (float)(p->lr / (1.0 - pow(p->beta1, step)));
+    c->l2 = !p->adamw && p->weight_decay != 0.0;
+    c->decoupled = p->adamw && p->weight_decay != 0.0;
+    c->key0 = (uint32_t)key;
+    c->key1 = (uint32_t)(key >> 32);
+}
+
+static const struct inf_adam__state_isa *inf_adam__state_isa_for(int isa)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    if (isa == INF_ADAM_ISA_AVX512)
+        return &inf_adam__state_avx512;
+    if (isa == INF_ADAM_ISA_AVX2)
+        return &inf_adam__state_avx2;
+#endif
+    (void)isa;
+    return &inf_adam__state_scalar;
+}
+
+static size_t inf_adam__moment_size(int moments)
+{
+    switch (moments) {
+    case INF_ADAM_MOMENTS_F32:
+        return 4;
+    case INF_ADAM_MOMENTS_BF16:
+        return 2;
+    case INF_ADAM_MOMENTS_Q8:
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+/* Most byte ranges one segment names: 6 arrays plus the gradient pieces (checked one by one). */
+#define INF_ADAM__SEG_SPANS 6
+
+struct inf_adam__span {
+    const void *ptr;
+    size_t bytes;
+    size_t align;
+};
+
+static int inf_adam__check_span(const struct inf_adam__span *s, const struct inf_adam__span *others,
+                                int nothers)
+{
+    if (s->bytes == 0)
+        return 0;
+    if (!s->ptr || inf_adam__misaligned(s->ptr, s->align))
+        return -EINVAL;
+    for (int j = 0; j < nothers; j++)
+        if (others[j].bytes && inf_adam__overlap(s->ptr, s->bytes, others[j].ptr, others[j].bytes))
+            return -EINVAL;
+    return 0;
+}
+
+static int inf_adam__check_grads(const struct inf_adam_segment *s,
+                                 const struct inf_adam__span *arrays, int narrays)
+{
+    size_t total = 0;
+
+    if (s->grad_pieces && !s->grad)
+        return -EINVAL;
+    for (size_t k = 0; k < s->grad_pieces; k++) {
+        const struct inf_adam_grad *g = &s->grad[k];
+        size_t size = inf_adam__dtype_size(g->dtype);
+        struct inf_adam__span span = {g->data, g->n * size, size};
+
+        if (size == 0 || g->n > SIZE_MAX / 4 || g->n > s->n - total)
+            return -EINVAL;
+        total += g->n;
+        if (inf_adam__check_span(&span, arrays, narrays) < 0)
+            return -EINVAL;
+    }
+    return total == s->n ? 0 : -EINVAL;
+}
+
+static int inf_adam__check_segment(const struct inf_adam_segment *s)
+{
+    size_t msize = inf_adam__moment_size(s->moments);
+    int q8 = s->moments == INF_ADAM_MOMENTS_Q8;
+    size_t blocks, vsize = inf_adam__dtype_size(s->values_dtype);
+    struct inf_adam__span spans[INF_ADAM__SEG_SPANS];
+
+    if (msize == 0 || (s->master && s->moments == INF_ADAM_MOMENTS_F32))
+        return -EINVAL;
+    if (s->values_dtype != INF_ADAM_DTYPE_NONE && vsize != 2)
+        return -EINVAL;
+    if (!s->master && s->values_dtype == INF_ADAM_DTYPE_NONE)
+        return -EINVAL;
+    if ((s->values_dtype == INF_ADAM_DTYPE_NONE) != (s->values == NULL))
+        return -EINVAL;
+    if (q8 && (s->block % 64 || s->block < INF_ADAM_BLOCK_MIN || s->block > INF_ADAM_BLOCK_MAX))
+        return -EINVAL;
+    if (!q8 && (s->exp_avg_scale || s->exp_avg_sq_scale))
+        return -EINVAL;
+    if (s->n > SIZE_MAX / 4 || (s->n && s->index > UINT64_MAX - (s->n - 1)))
+        return -EINVAL;
+    blocks = q8 ? (s->n + s->block - 1) / s->block : 0;
+    spans[0] = (struct inf_adam__span){s->master, s->master ? s->n * 4 : 0, 4};
+    spans[1] = (struct inf_adam__span){s->values, s->n * vsize, 2};
+    spans[2] = (struct inf_adam__span){s->exp_avg, s->n * msize, msize};
+    spans[3] = (struct inf_adam__span){s->exp_avg_sq, s->n * msize, msize};
+    spans[4] = (struct inf_adam__span){s->exp_avg_scale, blocks * 4, 4};
+    spans[5] = (struct inf_adam__span){s->exp_avg_sq_scale, blocks * 4, 4};
+    for (int i = 0; i < INF_ADAM__SEG_SPANS; i++)
+        if (inf_adam__check_span(&spans[i], spans, i) < 0)
+            return -EINVAL;
+    return inf_adam__check_grads(s, spans, INF_ADAM__SEG_SPANS);
+}
+
+static void inf_adam__cursor_seek(struct inf_adam__grad_cursor *cur,
+                                  const struct inf_adam_segment *s, size_t at)
+{
+    cur->piece = s->grad;
+    cur->start = 0;
+    while (cur->start + cur->piece->n <= at) {
+        cur->start += cur->piece->n;
+        cur->piece++;
+    }
+}
+
+/* Move past the piece that ends at element `at` (and any empty ones after it). */
+static void inf_adam__cursor_next(const struct inf_adam__state_job *job,
+                                  struct inf_adam__grad_cursor *cur, size_t at)
+{
+    if (at == job->seg->n)
+        return;
+    cur->start = at;
+    cur->piece++;
+    while (cur->piece->n == 0)
+        cur->piece++;
+}
+
+/* Point b at the gradient of its elements: in place when one piece holds them all (the common
+ * case), else gathered into g as float from as many pieces as hold them. */
+static void inf_adam__gather(const struct inf_adam__state_job *job,
+                             struct inf_adam__grad_cursor *cur, struct inf_adam__block *b,
+                             float *g)
+{
+    size_t at = b->lo, lo = b->lo, hi = b->hi;
+
+    if (cur->start + cur->piece->n >= hi) {
+        b->grad = (const char *)cur->piece->data +
+                  (lo - cur->start) * inf_adam__dtype_size(cur->piece->dtype);
+        b->grad_dtype = cur->piece->dtype;
+        if (cur->start + cur->piece->n == hi)
+            inf_adam__cursor_next(job, cur, hi);
+        return;
+    }
+    b->grad = g;
+    b->grad_dtype = INF_ADAM_DTYPE_F32;
+    while (at < hi) {
+        const struct inf_adam_grad *piece = cur->piece;
+        size_t end = cur->start + piece->n < hi ? cur->start + piece->n : hi;
+        const char *src = (const char *)piece->data +
+                          (at - cur->start) * inf_adam__dtype_size(piece->dtype);
+
+        job->isa->convert(g + (at - lo), src, piece->dtype, end - at);
+        at = end;
+        if (at == cur->start + piece->n)
+            inf_adam__cursor_next(job, cur, at);
+    }
+}
+
+/* Set an 8-bit block's scale and code its new moments (all-zero and NaN blocks: bytes 0). */
+static void inf_adam__store_block(const struct inf_adam__state_job *job, size_t lo, size_t hi,
+                                  const float *m, const float *v,
+                                  const struct inf_adam__amax *amax)
+{
+    const struct inf_adam_segment *s = job->seg;
+    size_t blk = lo / job->unit;
+    float m_scale = inf_adam__q8_scale(amax->m, amax->m_bad);
+    float v_scale = inf_adam__q8_scale(amax->v, amax->v_bad);
+    uint8_t *m_codes = (uint8_t *)s->exp_avg + lo, *v_codes = (uint8_t *)s->exp_avg_sq + lo;
+
+    s->exp_avg_scale[blk] = m_scale;
+    s->exp_avg_sq_scale[blk] = v_scale;
+    if (m_scale > 0.0f)
+        job->isa->encode_m(m_codes, m, hi - lo, m_scale, inf_adam__q8_inverse(m_scale));
+    else
+        memset(m_codes, 0, hi - lo);
+    if (v_scale > 0.0f)
+        job->isa->encode_v(v_codes, v, hi - lo, v_scale, inf_adam__q8_inverse(v_scale));
+    else
+        memset(v_codes, 0, hi - lo);
+}
+
+/* Ask for the cache lines of bytes [from, from + bytes) of an array. A prefetch never faults;
+ * the addresses are formed as integers because such pointers need not be valid C. */
+static void inf_adam__prefetch_span(const void *base, size_t from, size_t bytes)
+{
+    uintptr_t at = (uintptr_t)base + from;
+
+    if (!base)
+        return;
+    for (uintptr_t line = at & ~(uintptr_t)63; line < at + bytes; line += 64)
+        __builtin_prefetch((const void *)line, 0, 3);
+}
+
+/* Ask for the next block's inputs, elements [lo, hi), while this one computes: with several
+ * passes over each block the core would otherwise find each new block's lines missing (the
+ * gradient's piece as the cursor stands: a guess where a piece ends in the block). */
+static void inf_adam__prefetch_block(const struct inf_adam__state_job *job,
+                                     const struct inf_adam__grad_cursor *cur, size_t lo,
+                                     size_t hi)
+{
+    const struct inf_adam_segment *s = job->seg;
+    size_t n = hi - lo, msize = s->moments == INF_ADAM_MOMENTS_F32 ? 4
+                                : s->moments == INF_ADAM_MOMENTS_BF16 ? 2 : 1;
+    size_t gsize = inf_adam__dtype_size(cur->piece->dtype);
+
+    inf_adam__prefetch_span(s->master, lo * 4, n * 4);
+    inf_adam__prefetch_span(s->values, lo * 2, n * 2);
+    inf_adam__prefetch_span(s->exp_avg, lo * msize, n * msize);
+    inf_adam__prefetch_span(s->exp_avg_sq, lo * msize, n * msize);
+    inf_adam__prefetch_span(cur->piece->data, (lo - cur->start) * gsize, n * gsize);
+}
+
+static void inf_adam__state_work(const void *ctx, size_t lo, size_t hi)
+{
+    const struct inf_adam__state_job *job = ctx;
+    const struct inf_adam_segment *s = job->seg;
+    int q8 = s->moments == INF_ADAM_MOMENTS_Q8;
+    float g[INF_ADAM_BLOCK_MAX] __attribute__((aligned(64)));
+    float m[INF_ADAM_BLOCK_MAX] __attribute__((aligned(64)));
+    float v[INF_ADAM_BLOCK_MAX] __attribute__((aligned(64)));
+    struct inf_adam__grad_cursor cur;
+
+    inf_adam__cursor_seek(&cur, s, lo);
+    for (size_t at = lo; at < hi; at += job->unit) {
+        size_t end = hi - at < job->unit ? hi : at + job->unit;
+        struct inf_adam__block block = {at, end, NULL, 0, m, v, 0.0f, 0.0f};
+        struct inf_adam__amax amax = {0.0f, 0.0f, 0, 0};
+
+        if (q8) {
+            block.m_scale = s->exp_avg_scale[at / job->unit];
+            block.v_scale = s->exp_avg_sq_scale[at / job->unit];
+        }
+        inf_adam__gather(job, &cur, &block, g);
+        if (end < hi)
+            inf_adam__prefetch_block(job, &cur, end,
+                                     hi - end < job->unit ? hi : end + job->unit);
+        job->isa->update(&job->coef, s, &block, &amax);
+        if (q8)
+            inf_adam__store_block(job, at, end, m, v, &amax);
+    }
+}
+
+int inf_adam_state_step(const struct inf_adam_params *params, const struct inf_adam_segment *seg)
+{
+    struct inf_adam__state_job job;
+    int isa, ret;
+
+    if (!params || !seg || params->threads < 1 || params->step < 1)
+        return -EINVAL;
+    isa = inf_adam_isa_resolve(params->isa);
+    if (isa < 0)
+        return isa;
+    ret = inf_adam__check_segment(seg);
+    if (ret < 0 || seg->n == 0)
+        return ret;
+
+    inf_adam__state_coef_init(&job.coef, params, seg->seed);
+    job.seg = seg;
+    job.isa = inf_adam__state_isa_for(isa);
+    job.unit = seg->moments == INF_ADAM_MOMENTS_Q8 ? seg->block : INF_ADAM__STATE_UNIT;
+    inf_adam__run(inf_adam__state_work, &job, seg->n, job.unit, params->threads, params->pool);
+    return 0;
+}

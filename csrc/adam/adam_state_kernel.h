@@ -1,0 +1,326 @@
+/*
+ * Internal to inf_adam_state_step: what the driver (adam_state.c) hands the per-ISA loops
+ * (adam_scalar.c, and adam_state_simd_body.h in adam_avx2.c and adam_avx512.c), and the scalar
+ * pieces of one element that the scalar loop runs everywhere and the SIMD loops run on their
+ * tails. Every path computes the formula of inf_adam.h with the same roundings; the build's
+ * -ffp-contract=off keeps the compiler from fusing any multiply and add.
+ *
+ * [Note: 8-bit moments] A block of moments is stored as one float scale and one byte per
+ * element. The scale is the block's largest magnitude (0 for an all-zero block; NaN for a block
+ * holding an inf or NaN, whose bytes are then 0 and decode to NaN). Each element is coded from
+ * y = x * (1 / scale), or x / scale where the scale or its inverse is not a normal float
+ * (|y| <= 1 but for an ulp, and the largest rounds to 1) as an 8-bit float without inf or NaN
+ * codes whose top exponent is 1.0: exp_avg with a sign bit, 4 exponent and 3 mantissa bits;
+ * exp_avg_sq without a sign, 5 exponent and 3 mantissa bits (codes above 1.0 go unused). y
+ * rounds to the nearest code, ties to the even code (below the normal codes through a float
+ * subnormal first: see inf_adam__q8_encode_magnitude), and a positive exp_avg_sq never rounds to
+ * 0 but to the smallest code: a zero there would turn m / sqrt(v) into m / eps. A byte decodes
+ * to its value times the scale (one multiply), so a block's largest element comes back exactly
+ * and its decay by beta2 is kept exactly in the float scale (8-bit codes alone could not hold
+ * a change of 0.1% a step). infinity/optim/_quant.py states the same rules in torch;
+ * docs/store.md says why these maps and the block size.
+ *
+ * [Note: stochastic rounding] Without a master, the new parameter p (float) is rounded to the
+ * 16-bit values up or down at random, with the probability of rounding away from zero equal to
+ * the fraction of the gap between the two neighbours that p covers (to 2^-16 for bf16, 2^-13
+ * for fp16), so updates far below the values' precision still move them on average. The
+ * random bits r of element i are mix32(lo(j) ^ key0 ^ mix32(hi(j) ^ key1)), with j = index + i,
+ * lo and hi its 32-bit halves, mix32 a 32-bit integer hash and the keys from (seed, step):
+ * a function of the element and the step only. bf16: the low 16 bits of r are added to p's
+ * bits below bf16 precision, then cut off. fp16: the same with 13 bits; |p| under 2^-14 (fp16 subnormals, spaced 2^-24) is first
+ * shifted up by adding 2^-14, so it has the spacing of the binade above, and shifted back
+ * after. inf and NaN round to nearest as the master's copy does; a finite p past the largest
+ * 16-bit value may round to inf.
+ */
+#ifndef INF_ADAM_STATE_KERNEL_H
+#define INF_ADAM_STATE_KERNEL_H
+
+#include <float.h>
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "adam_kernel.h"
+
+/* The two 8-bit maps: mantissa bits and exponent bias (the top exponent field: 2^bits - 1). */
+#define INF_ADAM__QM_MAN 3
+#define INF_ADAM__QM_BIAS 15
+#define INF_ADAM__QV_MAN 3
+#define INF_ADAM__QV_BIAS 31
+/* Elements per work unit of the 16- and 32-bit formats (8-bit ones use their block size). */
+#define INF_ADAM__STATE_UNIT 512
+
+/* Float coefficients of one step, each rounded from double once, and the rounding key. */
+struct inf_adam__state_coef {
+    float grad_scale;
+    float weight_decay;      /* L2 term, used when l2 */
+    float decay;             /* 1 - lr * wd, used when decoupled */
+    float beta1;
+    float one_minus_beta1;
+    float beta2;
+    float one_minus_beta2;
+    float inv_bc2_sqrt;      /* 1 / sqrt(1 - beta2^step) */
+    float eps;
+    float step_size;         /* lr / (1 - beta1^step) */
+    int l2;
+    int decoupled;
+    uint32_t key0;           /* [Note: stochastic rounding] */
+    uint32_t key1;
+};
+
+/* One block (8-bit) or work unit of a segment: elements [lo, hi), their gradient from grad
+ * (element lo first: in its piece, or gathered from several as float), room for the new
+ * moments, and for 8-bit moments the block's stored scales. */
+struct inf_adam__block {
+    size_t lo;
+    size_t hi;
+    const void *grad;
+    int grad_dtype;          /* enum inf_adam_dtype */
+    float *m;
+    float *v;
+    float m_scale;
+    float v_scale;
+};
+
+/* What an 8-bit block's update saw of its new moments. */
+struct inf_adam__amax {
+    float m;
+    float v;
+    int m_bad;               /* an inf or NaN among them */
+    int v_bad;
+};
+
+/* The loops of one instruction set. */
+struct inf_adam__state_isa {
+    /* dst[k] = float(src[k]) for k < n; src has type dtype */
+    void (*convert)(float *dst, const void *src, int dtype, size_t n);
+    /* update the block's elements; 8-bit moments go to b->m, b->v and amax */
+    void (*update)(const struct inf_adam__state_coef *c, const struct inf_adam_segment *s,
+                   const struct inf_adam__block *b, struct inf_adam__amax *amax);
+    /* code n moments of one block (scale > 0, finite; inv from inf_adam__q8_inverse) */
+    void (*encode_m)(uint8_t *dst, const float *src, size_t n, float scale, float inv);
+    void (*encode_v)(uint8_t *dst, const float *src, size_t n, float scale, float inv);
+};
+
+extern const struct inf_adam__state_isa inf_adam__state_scalar;
+#if defined(__x86_64__) || defined(__i386__)
+extern const struct inf_adam__state_isa inf_adam__state_avx2;
+extern const struct inf_adam__state_isa inf_adam__state_avx512;
+#endif
+
+static inline uint32_t inf_adam__mix32(uint32_t x)
+{
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    x ^= x >> 16;
+    return x;
+}
+
+/* The part of the random bits shared by the 2^32 elements whose counters have high half hi. */
+static inline uint32_t inf_adam__random_key(const struct inf_adam__state_coef *c, uint32_t hi)
+{
+    return c->key0 ^ inf_adam__mix32(hi ^ c->key1);
+}
+
+/* [Note: stochastic rounding] the random bits of element counter j */
+static inline uint32_t inf_adam__random(const struct inf_adam__state_coef *c, uint64_t j)
+{
+    return inf_adam__mix32((uint32_t)j ^ inf_adam__random_key(c, (uint32_t)(j >> 32)));
+}
+
+static inline uint16_t inf_adam__sr_bf16(float p, uint32_t r)
+{
+    uint32_t u = inf_adam__f32_bits(p);
+
+    if (p != p)
+        return inf_adam__f32_to_bf16(p);
+    /* |p| <= FLT_MAX or inf: adding 16 bits never reaches the sign; inf stays inf */
+    return (uint16_t)((u + (r & 0xffffu)) >> 16);
+}
+
+static inline uint16_t inf_adam__sr_f16(float p, uint32_t r)
+{
+    const float low = 0x1p-14f;  /* the smallest normal fp16 */
+    float a = fabsf(p), b, t;
+
+    if (!(a <= FLT_MAX))
+        return inf_adam__f32_to_f16(p);
+    b = a < low ? a + low : a;
+    t = inf_adam__bits_f32((inf_adam__f32_bits(b) + (r & 0x1fffu)) & ~0x1fffu);
+    if (a < low)
+        t = t - low;
+    return inf_adam__f32_to_f16(copysignf(t, p));
+}
+
+/* A block's scale: its largest magnitude, NaN if it holds an inf or NaN. */
+static inline float inf_adam__q8_scale(float amax, int bad)
+{
+    return bad ? NAN : amax;
+}
+
+/* Value of an 8-bit magnitude code with `man` mantissa bits and exponent bias `bias`. */
+/* Value of an 8-bit magnitude code with `man` mantissa bits and exponent bias `bias`: its bits
+ * as the top of a float are that float times 2^(bias - 127), subnormal codes as float
+ * subnormals; the multiply back is exact. */
+static inline float inf_adam__q8_magnitude(uint32_t mag, int man, int bias)
+{
+    return inf_adam__bits_f32(mag << (23 - man)) *
+           inf_adam__bits_f32((uint32_t)(127 + 127 - bias) << 23);
+}
+
+static inline float inf_adam__q8_decode_m(uint8_t code, float scale)
+{
+    float mag = inf_adam__q8_magnitude(code & 0x7fu, INF_ADAM__QM_MAN, INF_ADAM__QM_BIAS);
+
+    return (code & 0x80u ? -mag : mag) * scale;
+}
+
+static inline float inf_adam__q8_decode_v(uint8_t code, float scale)
+{
+    return inf_adam__q8_magnitude(code, INF_ADAM__QV_MAN, INF_ADAM__QV_BIAS) * scale;
+}
+
+/* The magnitude code of |y| <= 1: t = |y| * 2^(bias - 127) has the code's exponent in its own
+ * (subnormal codes as float subnormals, t rounded to them first), and its bits rounded to
+ * `man` mantissa bits, nearest, ties to even, are the code (clamped to max_code, which only
+ * bounds what the rules never make). */
+static inline uint32_t inf_adam__q8_encode_magnitude(float mag, int man, int bias,
+                                                     uint32_t max_code)
+{
+    const int shift = 23 - man;
+    uint32_t bits = inf_adam__f32_bits(mag * inf_adam__bits_f32((uint32_t)bias << 23));
+    uint32_t code = (bits + (1u << (shift - 1)) - 1u + ((bits >> shift) & 1u)) >> shift;
+
+    return code > max_code ? max_code : code;
+}
+
+/* 1 / scale where both are normal floats (y = x * inv is then within an ulp of x / scale and
+ * never overflows), else 0: y = x / scale. One divide per block instead of one per element. */
+static inline float inf_adam__q8_inverse(float scale)
+{
+    return scale >= FLT_MIN && scale <= 0x1p126f ? 1.0f / scale : 0.0f;
+}
+
+static inline float inf_adam__q8_normalize(float x, float scale, float inv)
+{
+    return inv != 0.0f ? x * inv : x / scale;
+}
+
+static inline uint8_t inf_adam__q8_encode_m(float x, float scale, float inv)
+{
+    float y = inf_adam__q8_normalize(x, scale, inv);
+    uint32_t code = inf_adam__q8_encode_magnitude(fabsf(y), INF_ADAM__QM_MAN, INF_ADAM__QM_BIAS,
+                                                  0x7fu);
+
+    return (uint8_t)(code | ((inf_adam__f32_bits(y) >> 24) & 0x80u));
+}
+
+static inline uint8_t inf_adam__q8_encode_v(float x, float scale, float inv)
+{
+    float mag = fabsf(inf_adam__q8_normalize(x, scale, inv));
+    uint32_t code = inf_adam__q8_encode_magnitude(mag, INF_ADAM__QV_MAN, INF_ADAM__QV_BIAS,
+                                                  0xffu);
+
+    return (uint8_t)(code == 0 && mag > 0.0f ? 1u : code);
+}
+
+static inline float inf_adam__load_16(const void *src, int dtype, size_t i)
+{
+    uint16_t h = ((const uint16_t *)src)[i];
+
+    return dtype == INF_ADAM_DTYPE_BF16 ? inf_adam__bf16_to_f32(h) : inf_adam__f16_to_f32(h);
+}
+
+/* Element i of an array of enum inf_adam_dtype F32, BF16 or F16, as float (exact). */
+static inline float inf_adam__load_any(const void *src, int dtype, size_t i)
+{
+    return dtype == INF_ADAM_DTYPE_F32 ? ((const float *)src)[i] : inf_adam__load_16(src, dtype, i);
+}
+
+static inline uint16_t inf_adam__round_16(float p, int dtype)
+{
+    return dtype == INF_ADAM_DTYPE_BF16 ? inf_adam__f32_to_bf16(p) : inf_adam__f32_to_f16(p);
+}
+
+/* The parameter before the step: the master's, or the 16-bit values widened. */
+static inline float inf_adam__load_param(const struct inf_adam_segment *s, size_t i)
+{
+    return s->master ? s->master[i] : inf_adam__load_16(s->values, s->values_dtype, i);
+}
+
+/*
+ * A block is updated in two passes, each over all its elements (short loop bodies let the core
+ * overlap many elements' divide and square-root latencies): the moments, then the parameters
+ * from the new moments. Elementwise, so the passes compute exactly the formula of inf_adam.h.
+ */
+
+/* Pass 1, element i: the new m and v into b->m, b->v; stored as bf16 or float here (8-bit
+ * ones are coded after the block), their maxima and inf/NaN noted in amax for 8-bit ones. */
+static inline void inf_adam__moments_one(const struct inf_adam__state_coef *c,
+                                         const struct inf_adam_segment *s,
+                                         const struct inf_adam__block *b, size_t i,
+                                         struct inf_adam__amax *amax)
+{
+    size_t k = i - b->lo;
+    float g = inf_adam__load_any(b->grad, b->grad_dtype, k) * c->grad_scale, m, v;
+
+    if (s->moments == INF_ADAM_MOMENTS_F32) {
+        m = ((const float *)s->exp_avg)[i];
+        v = ((const float *)s->exp_avg_sq)[i];
+    } else if (s->moments == INF_ADAM_MOMENTS_BF16) {
+        m = inf_adam__bf16_to_f32(((const uint16_t *)s->exp_avg)[i]);
+        v = inf_adam__bf16_to_f32(((const uint16_t *)s->exp_avg_sq)[i]);
+    } else {
+        m = inf_adam__q8_decode_m(((const uint8_t *)s->exp_avg)[i], b->m_scale);
+        v = inf_adam__q8_decode_v(((const uint8_t *)s->exp_avg_sq)[i], b->v_scale);
+    }
+    if (c->l2)
+        g = g + c->weight_decay * inf_adam__load_param(s, i);
+    m = c->beta1 * m + c->one_minus_beta1 * g;
+    v = c->beta2 * v + (c->one_minus_beta2 * g) * g;
+    b->m[k] = m;
+    b->v[k] = v;
+
+    if (s->moments == INF_ADAM_MOMENTS_F32) {
+        ((float *)s->exp_avg)[i] = m;
+        ((float *)s->exp_avg_sq)[i] = v;
+    } else if (s->moments == INF_ADAM_MOMENTS_BF16) {
+        ((uint16_t *)s->exp_avg)[i] = inf_adam__f32_to_bf16(m);
+        ((uint16_t *)s->exp_avg_sq)[i] = inf_adam__f32_to_bf16(v);
+    } else {
+        amax->m = fmaxf(amax->m, fabsf(m));
+        amax->v = fmaxf(amax->v, fabsf(v));
+        amax->m_bad |= !(fabsf(m) <= FLT_MAX);
+        amax->v_bad |= !(fabsf(v) <= FLT_MAX);
+    }
+}
+
+/* Pass 2, element i: the parameter from the new moments in b->m, b->v. */
+static inline void inf_adam__param_one(const struct inf_adam__state_coef *c,
+                                       const struct inf_adam_segment *s,
+                                       const struct inf_adam__block *b, size_t i)
+{
+    size_t k = i - b->lo;
+    float p = inf_adam__load_param(s, i), d;
+
+    if (c->decoupled)
+        p = p * c->decay;
+    d = sqrtf(b->v[k]) * c->inv_bc2_sqrt + c->eps;
+    p = p - (c->step_size * b->m[k]) / d;
+
+    if (s->master) {
+        s->master[i] = p;
+        if (s->values_dtype != INF_ADAM_DTYPE_NONE)
+            ((uint16_t *)s->values)[i] = inf_adam__round_16(p, s->values_dtype);
+    } else {
+        uint32_t r = inf_adam__random(c, s->index + i);
+
+        ((uint16_t *)s->values)[i] = s->values_dtype == INF_ADAM_DTYPE_BF16
+                                         ? inf_adam__sr_bf16(p, r)
+                                         : inf_adam__sr_f16(p, r);
+    }
+}
+
+#endif /* INF_ADAM_STATE_KERNEL_H */
