@@ -63,6 +63,7 @@ import torch
 
 from infinity.config import AdamParams, Config, OptimizerConfig, build_lr_schedule
 from infinity.engine import _checkpoint
+from infinity.engine._client import LRSource
 from infinity.engine._overlap import UnitStepper
 from infinity.engine._partition import RankedUnits
 from infinity.engine._placement import (
@@ -186,6 +187,8 @@ class Engine:
         self._schedule_steps = 0
         if self._schedule is not None:
             self.optimizer.lr = self._schedule.lr_at(-1)
+        self.lr_source: LRSource | None = None  # a client's scheduler (infinity/engine/_client.py)
+        self._boundary: bool | None = None  # set_gradient_accumulation_boundary
         self.last_grad_norm: float | None = None
         if self.overlap:
             self._stepper = UnitStepper(self._step_on_worker, self._prefetch_state)
@@ -224,9 +227,10 @@ class Engine:
         with self.timeline.region("forward", "compute"):
             return self.module(*args, **kwargs)
 
-    def backward(self, loss: torch.Tensor) -> torch.Tensor:
-        """Backpropagate `loss` divided by gradient_accumulation_steps (times the fp16 loss
-        scale); gradients land in the units' flat buffers. Returns `loss` unchanged."""
+    def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backpropagate `loss` divided by gradient_accumulation_steps (not with
+        `scale_wrt_gas` false: a loss the caller scaled already; times the fp16 loss scale);
+        gradients land in the units' flat buffers. Returns `loss` unchanged."""
         self._check_open()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError("backward() needs a scalar loss tensor that requires grad, got "
@@ -236,7 +240,7 @@ class Engine:
         self._refuse_after_partial_step()
         self.synchronize()  # gradients accumulate again only once every unit was stepped
         scaled = loss
-        if self.config.gradient_accumulation_steps > 1:
+        if scale_wrt_gas and self.config.gradient_accumulation_steps > 1:
             scaled = scaled / self.config.gradient_accumulation_steps
         if self.config.fp16.enabled:
             scaled = scaled * self._loss_scale()
@@ -245,7 +249,7 @@ class Engine:
             if u.grad is not None:
                 u.grad.check_now = boundary
         if self.overlap and boundary:
-            self.optimizer.begin_step()
+            self._begin_optimizer_step()
             self._step_lr = self.optimizer.lr
             self._stepping = True
         try:
@@ -349,7 +353,15 @@ class Engine:
         self._zero_grads()
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary is not None:
+            return self._boundary
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Say whether the next backward and step end an accumulation (DeepSpeed's method: a
+        loop whose last accumulation of an epoch is short sets it per micro-batch); None goes
+        back to counting micro-batches."""
+        self._boundary = is_boundary
 
     def step(self) -> None:
         """Call after every backward; updates the parameters at accumulation boundaries."""
@@ -393,11 +405,18 @@ class Engine:
         clip = 1.0
         if norm is not None and self.config.gradient_clipping > 0 and norm > 0:
             clip = min(1.0, self.config.gradient_clipping / (norm + 1e-6))
-        self.optimizer.begin_step()
+        self._begin_optimizer_step()
         for i, unit in enumerate(self._trained):
             self._step_unit(i, unit, clip / scale, finite=norm is not None and math.isfinite(norm))
         self._close_step()
         self._log_and_schedule()
+
+    def _begin_optimizer_step(self) -> None:
+        """The update about to be built takes its learning rate from the client's scheduler,
+        when one was given (read per step, as torch's optimizer reads its param groups)."""
+        if self.lr_source is not None:
+            self.optimizer.lr = self.lr_source.lr()
+        self.optimizer.begin_step()
 
     def _queue_the_rest(self) -> None:
         """After an overlapped backward: queue the units backward did not hand over (resident
@@ -448,6 +467,9 @@ class Engine:
         if self._schedule is not None:  # as DeepSpeed: the schedule advances on applied steps
             self._schedule_steps += 1
             self.optimizer.lr = self._schedule.lr_at(self._schedule_steps - 1)
+        if self.lr_source is not None:
+            self.lr_source.advance()
+            self.optimizer.lr = self.lr_source.lr()
 
     def _refuse_after_partial_step(self) -> None:
         if self._partial_step:
@@ -524,16 +546,18 @@ class Engine:
 
     def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
                         client_state: dict[str, Any] | None = None, *, async_save: bool = False,
-                        async_budget_nbytes: int = ASYNC_SAVE_BUDGET_NBYTES) -> Path:
+                        async_budget_nbytes: int = ASYNC_SAVE_BUDGET_NBYTES, update_latest: bool = True) -> Path:
         """Save everything needed to continue bit-identically as `tag` (default `step<N>`)
-        under `save_dir`, crash-safe, and point `save_dir/latest` at it (docs/checkpoints.md).
-        With async_save the last `async_budget_nbytes` of copies are written while training
-        goes on; the next save, load or close() waits for it. Returns the tag's path."""
+        under `save_dir`, crash-safe, and point `save_dir/latest` at it (not with
+        `update_latest` false; docs/checkpoints.md). With async_save the last
+        `async_budget_nbytes` of copies are written while training goes on; the next save,
+        load or close() waits for it. Returns the tag's path."""
         self._check_open()
         self.wait_for_checkpoint()
         self.synchronize()
         self._pending_save = _checkpoint.save_checkpoint(
-            self, save_dir, tag, client_state, async_budget_nbytes=async_budget_nbytes if async_save else None)
+            self, save_dir, tag, client_state, async_budget_nbytes=async_budget_nbytes if async_save else None,
+            update_latest=update_latest)
         return Path(save_dir) / (tag or f"step{self.global_steps}")
 
     def wait_for_checkpoint(self) -> None:
@@ -543,12 +567,14 @@ class Engine:
             pending.result()
 
     def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None, *,
-                        load_optimizer_states: bool = True) -> dict[str, Any]:
-        """Restore a checkpoint (tag None: `load_dir/latest`); returns its client_state."""
+                        load_optimizer_states: bool = True, values_only: bool = False) -> dict[str, Any]:
+        """Restore a checkpoint (tag None: `load_dir/latest`); returns its client_state. With
+        `values_only` only the parameters' values (fp32 ones: the optimizer's master)."""
         self._check_open()
         self.wait_for_checkpoint()
         self.synchronize()
-        state = _checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states)
+        state = _checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
+                                            values_only=values_only)
         self._zero_grads()  # what was accumulated belongs to the state before the load
         self._partial_step = False
         return state

@@ -26,10 +26,12 @@ dirty once changed, and the store keeps a changed copy until its write-back succ
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import math
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -57,7 +59,7 @@ from infinity.store import TensorStore, Tier
 logger = logging.getLogger(__name__)
 
 
-__all__ = ["StepResult", "SwappedOptimizer", "UnitSpec"]
+__all__ = ["DecaySpan", "StepResult", "SwappedOptimizer", "UnitSpec"]
 
 
 class StepResult(NamedTuple):
@@ -191,6 +193,7 @@ class SwappedOptimizer(StreamedState):
         self.weight_decay, self.adamw_mode = weight_decay, adamw_mode
         self.store, self.name, self.tile_numel = store, name, tile_numel
         self.skipped_steps = 0  # steps skipped for non-finite gradients (fp16 overflow included)
+        self._decay: dict[int, tuple[list[DecaySpan], list[int]]] = {}  # group -> spans, their stops
         self._completed = 0  # steps applied; tiles hold this step between steps
         self._lock = threading.Lock()  # finish_step against itself
 
@@ -364,6 +367,22 @@ class SwappedOptimizer(StreamedState):
                 raise ValueError(f"finish_step: units {missing} were not stepped for step {target}")
             self._completed = target
 
+    def set_weight_decay(self, u: int, spans: Sequence[DecaySpan]) -> None:
+        """Give elements [start, stop) of what unit u steps their own weight decay (a client's
+        parameter groups: decay on weights, none on biases and norms); elements no span covers
+        keep the optimizer's `weight_decay`. The kernel is called once per range."""
+        self._unit(u, "set_weight_decay")
+        checked = sorted(DecaySpan(int(a), int(b), float(wd)) for a, b, wd in spans)
+        end = 0
+        for span in checked:
+            if not end <= span.start < span.stop <= self._numels[u]:
+                raise ValueError(f"unit {u}: weight decay spans must be disjoint ranges within "
+                                 f"[0, {self._numels[u]}), got {span[:2]}")
+            check_hyperparameters(lr=self.lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
+                                  weight_decay=span.weight_decay)
+            end = span.stop
+        self._decay[u] = (checked, [span.stop for span in checked])
+
     def _unit(self, u: int, verb: str) -> None:
         if self.units is None:
             raise TypeError(f"{verb}() is for unit mode (SwappedOptimizer.from_units); use step()")
@@ -386,15 +405,15 @@ class SwappedOptimizer(StreamedState):
         if streamed:
             self.store.set_next_use({key: i for i, key in enumerate(keys)})
         last = _last_tile_of(self.tiles, todo)
-        kernels: dict[int, AdamKernel] = {}  # by step number: one per pass in unit mode
+        kernels: dict[tuple[int, float], AdamKernel] = {}  # by step and decay: few per pass
 
-        def kernel_of(group: int) -> AdamKernel:
-            step = step_of(group)
-            if step not in kernels:
-                kernels[step] = AdamKernel(step=step, lr=lr, beta1=self.betas[0], beta2=self.betas[1],
-                                           eps=self.eps, weight_decay=self.weight_decay,
-                                           adamw=self.adamw_mode, grad_scale=grad_scale, pool=self._pool)
-            return kernels[step]
+        def kernel_of(group: int, weight_decay: float) -> AdamKernel:
+            key = (step_of(group), weight_decay)
+            if key not in kernels:
+                kernels[key] = AdamKernel(step=key[0], lr=lr, beta1=self.betas[0], beta2=self.betas[1],
+                                          eps=self.eps, weight_decay=weight_decay,
+                                          adamw=self.adamw_mode, grad_scale=grad_scale, pool=self._pool)
+            return kernels[key]
 
         values = self._values()
         held: str | None = None
@@ -426,8 +445,9 @@ class SwappedOptimizer(StreamedState):
 
     def _update_tile(self, t: int, tile: torch.Tensor,
                      grad_of: Callable[[int], torch.Tensor | GradPieces | None],
-                     kernel_of: Callable[[int], AdamKernel], values: GroupValues) -> None:
-        """Run the kernel over tile t's segments (one call per gradient piece in a segment);
+                     kernel_of: Callable[[int, float], AdamKernel], values: GroupValues) -> None:
+        """Run the kernel over tile t's segments (one call per gradient piece in a segment and
+        weight decay range);
         every input is fetched first, so a tile is updated whole or not at all. The tensors are
         slices of one length of checked gradients, tiles and values (see AdamKernel)."""
         work = [(seg, grad_of(seg.param)) for seg in self.tiles[t]]
@@ -441,11 +461,13 @@ class SwappedOptimizer(StreamedState):
             else:  # a float32 unit: its values are the master
                 master, exp_avg, exp_avg_sq = out, tile[0, cols], tile[1, cols]
             lowp = out if out.dtype != torch.float32 else None
-            kernel = kernel_of(seg.param)
             pieces = grad if isinstance(grad, GradPieces) else GradPieces([grad.view(-1)])
             for first, g in pieces.ranges(part.start, part.stop):
-                at = slice(first - part.start, first - part.start + g.numel())
-                kernel(master[at], g, exp_avg[at], exp_avg_sq[at], None if lowp is None else lowp[at])
+                for lo, hi, decay in _decay_ranges(self._decay.get(seg.param), first, first + g.numel(),
+                                                   self.weight_decay):
+                    at = slice(lo - part.start, hi - part.start)
+                    kernel_of(seg.param, decay)(master[at], g[lo - first:hi - first], exp_avg[at],
+                                                exp_avg_sq[at], None if lowp is None else lowp[at])
             if master_row and lowp is None:
                 out.copy_(master)
             increment_version(out)  # as an in-place op would: a graph that saved the values fails loudly
@@ -470,6 +492,35 @@ class SwappedOptimizer(StreamedState):
         for key in [self._key(t) for t in range(len(self.tiles))] + [k for k in self._keys if k]:
             self._rewrite_if_unsaved(key)
         self.store.flush()
+
+
+class DecaySpan(NamedTuple):
+    """Elements [start, stop) of a unit, stepped with their own weight decay."""
+
+    start: int
+    stop: int
+    weight_decay: float
+
+
+def _decay_ranges(decay: tuple[list[DecaySpan], list[int]] | None, start: int, stop: int,
+                  default: float) -> Iterator[tuple[int, int, float]]:
+    """[start, stop) cut where its weight decay changes: (lo, hi, weight decay), in order
+    (`decay`: a unit's spans and their stops, as `set_weight_decay` keeps them)."""
+    if decay is None:
+        yield start, stop, default
+        return
+    spans, stops = decay
+    at = start
+    for span in itertools.islice(spans, bisect.bisect_right(stops, start), None):
+        if span.start >= stop:
+            break
+        if span.start > at:
+            yield at, span.start, default
+        lo, hi = max(at, span.start), min(stop, span.stop)
+        yield lo, hi, span.weight_decay
+        at = hi
+    if at < stop:
+        yield at, stop, default
 
 
 def _last_tile_of(tiles: list[list[Segment]], order: Iterable[int]) -> dict[int, list[int]]:
