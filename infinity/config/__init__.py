@@ -7,7 +7,7 @@ from infinity.config._ignored import (
     MonitorConfig,
     WandbConfig,
 )
-from infinity.config._load import load_config
+from infinity.config._load import load_config, read_json
 from infinity.config._schedule import build_lr_schedule
 from infinity.config._sections import (
     AdamParams,
@@ -47,5 +47,6 @@ __all__ = [
     "ZeroConfig",
     "build_lr_schedule",
     "load_config",
+    "read_json",
     "parse_bytes",
 ]

@@ -10,10 +10,11 @@ from infinity.engine._placement import (
     Placed,
     attach_placed,
     choose_model_precision,
+    is_placed,
     lay_out,
     open_store,
 )
 
 __all__ = ["Engine", "LRSource", "Layout", "ParamSpec", "Placed", "attach_placed", "attach_to_model",
-           "choose_model_precision", "engine_config", "gathered", "initialize", "lay_out", "open_store", "parameter_specs",
+           "choose_model_precision", "engine_config", "gathered", "initialize", "is_placed", "lay_out", "open_store", "parameter_specs",
            "set_weight_decay"]

@@ -124,6 +124,11 @@ def open_store(layout: Layout, config: Config, *, rank: int = 0) -> TensorStore:
                        rank=rank)
 
 
+def is_placed(model: torch.nn.Module) -> bool:
+    """Whether `model`'s values wait in a store for `initialize` (see [Note: placed models])."""
+    return getattr(model, _PLACED, None) is not None
+
+
 def attach_placed(model: torch.nn.Module, placed: Placed) -> None:
     """Mark `model` as placed, for `initialize` to adopt (see [Note: placed models])."""
     object.__setattr__(model, _PLACED, placed)
