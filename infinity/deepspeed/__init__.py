@@ -10,5 +10,12 @@ from infinity.deepspeed._engine import DeepSpeedEngine
 from infinity.deepspeed._initialize import add_config_arguments, init_distributed, initialize
 from infinity.deepspeed._optimizer import EngineOptimizer
 
-__all__ = ["DeepSpeedEngine", "EngineOptimizer", "add_config_arguments", "checkpointing", "init_distributed",
-           "initialize", "zero"]
+__all__ = [
+    "DeepSpeedEngine",
+    "EngineOptimizer",
+    "add_config_arguments",
+    "checkpointing",
+    "init_distributed",
+    "initialize",
+    "zero",
+]

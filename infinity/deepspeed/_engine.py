@@ -83,19 +83,25 @@ class DeepSpeedEngine(Engine):
 
     # -- the loop --------------------------------------------------------------------------------
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+    def backward(
+        self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
+    ) -> torch.Tensor:
         """DeepSpeed's backward: returns the loss divided by gradient_accumulation_steps (unless
         `scale_wrt_gas` is false, when the loss is taken as scaled already)."""
         if retain_graph:
-            raise NotImplementedError("backward(retain_graph=True): the engine releases each unit's "
-                                      "gradients as they become final, so a graph cannot be run twice")
+            raise NotImplementedError(
+                "backward(retain_graph=True): the engine releases each unit's "
+                "gradients as they become final, so a graph cannot be run twice"
+            )
         super().backward(loss, scale_wrt_gas=scale_wrt_gas)
         gas = self.config.gradient_accumulation_steps
         return loss / gas if scale_wrt_gas and gas > 1 else loss
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         if lr_kwargs:
-            raise NotImplementedError("step(lr_kwargs=...): the engine steps the LR scheduler without arguments")
+            raise NotImplementedError(
+                "step(lr_kwargs=...): the engine steps the LR scheduler without arguments"
+            )
         boundary = self.is_gradient_accumulation_boundary()
         skipped = self.skipped_steps
         super().step()
@@ -113,9 +119,14 @@ class DeepSpeedEngine(Engine):
 
     # -- checkpoints -----------------------------------------------------------------------------
 
-    def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
-                        client_state: dict[str, Any] | None = None, save_latest: bool = True,
-                        exclude_frozen_parameters: bool = False) -> bool:
+    def save_checkpoint(
+        self,
+        save_dir: str | os.PathLike[str],
+        tag: str | None = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
         """DeepSpeed's save: tag `global_step<N>` by default, `save_dir/latest` updated unless
         `save_latest` is false; every rank calls it. The client scheduler's state is saved with
         it. Frozen parameters are saved too (the format is by name, so they cost only space)."""
@@ -123,28 +134,43 @@ class DeepSpeedEngine(Engine):
             raise ValueError(f"save_dir must be a non-empty path, got {save_dir!r}")
         state = dict(client_state or {})
         state[STATE_KEY] = self._scheduler_state()
-        super().save_checkpoint(save_dir, str(tag) if tag is not None else f"global_step{self.global_steps}",
-                                state, update_latest=save_latest)
+        super().save_checkpoint(
+            save_dir,
+            str(tag) if tag is not None else f"global_step{self.global_steps}",
+            state,
+            update_latest=save_latest,
+        )
         return True
 
-    def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None,
-                        load_module_strict: bool = True, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
-                        custom_load_fn: Any = None) -> tuple[str | None, dict[str, Any] | None]:
+    def load_checkpoint(
+        self,
+        load_dir: str | os.PathLike[str],
+        tag: str | None = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn: Any = None,
+    ) -> tuple[str | None, dict[str, Any] | None]:
         """DeepSpeed's load: returns (path loaded, client_state), or (None, None) when
         `load_dir/latest` does not exist and no tag is given. `load_module_only` reads the
         values alone (optimizer state, counters and scheduler stay)."""
         if custom_load_fn is not None:
-            raise NotImplementedError("load_checkpoint(custom_load_fn=...): the engine reads its own format")
+            raise NotImplementedError(
+                "load_checkpoint(custom_load_fn=...): the engine reads its own format"
+            )
         if tag is None:
             tag = latest_tag(load_dir)
             if tag is None:
-                logger.warning("no checkpoint to load: %s has no 'latest' file (pass tag= to load one)",
-                               Path(load_dir) / "latest")
+                logger.warning(
+                    "no checkpoint to load: %s has no 'latest' file (pass tag= to load one)",
+                    Path(load_dir) / "latest",
+                )
                 return None, None
         kept = (self._schedule_steps, self.optimizer.lr)
-        state = super().load_checkpoint(load_dir, tag, load_optimizer_states=load_optimizer_states,
-                                        values_only=load_module_only)
+        state = super().load_checkpoint(
+            load_dir, tag, load_optimizer_states=load_optimizer_states, values_only=load_module_only
+        )
         saved = state.pop(STATE_KEY, None)
         if load_module_only:
             return str(Path(load_dir) / tag), state
@@ -157,8 +183,10 @@ class DeepSpeedEngine(Engine):
     def _scheduler_state(self) -> dict[str, Any]:
         groups = self.client_optimizer.param_groups if self.client_optimizer is not None else []
         scheduler = self.lr_scheduler if not isinstance(self.lr_scheduler, ConfigSchedule) else None
-        return {"group_lrs": [float(g["lr"]) for g in groups],
-                "lr_scheduler": scheduler.state_dict() if scheduler is not None else None}
+        return {
+            "group_lrs": [float(g["lr"]) for g in groups],
+            "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
+        }
 
     def _restore_scheduler(self, saved: dict[str, Any]) -> None:
         """The client scheduler and its optimizer's learning rates as saved (torch keeps the
@@ -166,7 +194,11 @@ class DeepSpeedEngine(Engine):
         scheduler = self.lr_scheduler if not isinstance(self.lr_scheduler, ConfigSchedule) else None
         if scheduler is not None and saved.get("lr_scheduler") is not None:
             scheduler.load_state_dict(saved["lr_scheduler"])
-        owner = self.lr_source.optimizer if isinstance(self.lr_source, GroupsLR) else self.client_optimizer
+        owner = (
+            self.lr_source.optimizer
+            if isinstance(self.lr_source, GroupsLR)
+            else self.client_optimizer
+        )
         lrs = saved.get("group_lrs") or []
         if owner is not None and len(lrs) == len(owner.param_groups):
             for group, lr in zip(owner.param_groups, lrs):
@@ -176,8 +208,12 @@ class DeepSpeedEngine(Engine):
 
     # -- the model -------------------------------------------------------------------------------
 
-    def save_16bit_model(self, save_dir: str | os.PathLike[str], save_filename: str = "pytorch_model.bin",
-                         exclude_frozen_parameters: bool = False) -> bool:
+    def save_16bit_model(
+        self,
+        save_dir: str | os.PathLike[str],
+        save_filename: str = "pytorch_model.bin",
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
         """DeepSpeed's save of the model's weights (in the dtype they are stored: bf16/fp16, or
         fp32 when training in fp32) as one `torch.save` file `save_dir/save_filename`, for
         `module.load_state_dict(torch.load(...))`. Streamed: one unit's values in memory at a time.
@@ -195,10 +231,16 @@ class DeepSpeedEngine(Engine):
                 specs.append((slot.name, slot.shape, unit.dtype))
                 aliases[slot.name] = [n for n in names.get(id(slot.param), []) if n != slot.name]
         params = {n for ns in names.values() for n in ns}
-        buffers = {n: b.detach().cpu() for n, b in model.state_dict(keep_vars=True).items() if n not in params}
+        buffers = {
+            n: b.detach().cpu()
+            for n, b in model.state_dict(keep_vars=True).items()
+            if n not in params
+        }
         specs += [(n, b.shape, b.dtype) for n, b in buffers.items()]
         wanted = {s[0] for s in specs}
-        values = (item for item in self.named_parameters(lambda n: n in wanted) if item[0] in wanted)
+        values = (
+            item for item in self.named_parameters(lambda n: n in wanted) if item[0] in wanted
+        )
         if self.ranks.rank != 0:
             for _ in values:  # take part in every gather
                 pass
@@ -208,7 +250,9 @@ class DeepSpeedEngine(Engine):
         logger.info("model saved to %s", Path(save_dir) / save_filename)
         return True
 
-    def save_fp16_model(self, save_dir: str | os.PathLike[str], save_filename: str = "pytorch_model.bin") -> bool:
+    def save_fp16_model(
+        self, save_dir: str | os.PathLike[str], save_filename: str = "pytorch_model.bin"
+    ) -> bool:
         return self.save_16bit_model(save_dir, save_filename)
 
 

@@ -36,8 +36,10 @@ class _TensorRef:
 
     def __reduce_ex__(self, protocol: int) -> tuple:
         stride = torch.empty(self.shape, device="meta").stride()
-        return (torch._utils._rebuild_tensor_v2,
-                (self.storage, 0, tuple(self.shape), stride, False, OrderedDict()))
+        return (
+            torch._utils._rebuild_tensor_v2,
+            (self.storage, 0, tuple(self.shape), stride, False, OrderedDict()),
+        )
 
 
 class _Pickler(pickle.Pickler):
@@ -48,12 +50,19 @@ class _Pickler(pickle.Pickler):
         return None
 
 
-def save_streamed(path: str | os.PathLike[str], specs: Sequence[tuple[str, torch.Size, torch.dtype]],
-                  aliases: dict[str, list[str]], values: Iterator[tuple[str, torch.Tensor]]) -> None:
+def save_streamed(
+    path: str | os.PathLike[str],
+    specs: Sequence[tuple[str, torch.Size, torch.dtype]],
+    aliases: dict[str, list[str]],
+    values: Iterator[tuple[str, torch.Tensor]],
+) -> None:
     """Write the state dict `{name: tensor}` of `specs` (name, shape, dtype; each name also saved
     under its `aliases`, sharing the storage, as tied weights are) to `path`, with `values`
     giving (name, tensor) in the order of `specs`, one at a time."""
-    storages = {name: _StorageRef(str(i), dtype, shape.numel()) for i, (name, shape, dtype) in enumerate(specs)}
+    storages = {
+        name: _StorageRef(str(i), dtype, shape.numel())
+        for i, (name, shape, dtype) in enumerate(specs)
+    }
     state: dict[str, _TensorRef] = {}
     for name, shape, _ in specs:
         for key in [name, *aliases.get(name, [])]:
@@ -70,8 +79,10 @@ def save_streamed(path: str | os.PathLike[str], specs: Sequence[tuple[str, torch
         for name, shape, dtype in specs:
             got, tensor = next(values)
             if (got, tensor.shape, tensor.dtype) != (name, shape, dtype):
-                raise RuntimeError(f"{path}: got {got!r} {tuple(tensor.shape)} {tensor.dtype} where "
-                                   f"{name!r} {tuple(shape)} {dtype} was planned")
+                raise RuntimeError(
+                    f"{path}: got {got!r} {tuple(tensor.shape)} {tensor.dtype} where "
+                    f"{name!r} {tuple(shape)} {dtype} was planned"
+                )
             tensor = tensor.detach().to("cpu").contiguous()
             if tensor.storage_offset() or tensor.untyped_storage().nbytes() != tensor.nbytes:
                 tensor = tensor.clone()  # a view of a larger storage: its own bytes only

@@ -15,6 +15,6 @@ from infinity.engine._placement import (
     open_store,
 )
 
-__all__ = ["Engine", "LRSource", "Layout", "ParamSpec", "Placed", "attach_placed", "attach_to_model",
-           "choose_model_precision", "engine_config", "gathered", "initialize", "is_placed", "lay_out", "open_store", "parameter_specs",
-           "set_weight_decay"]
+__all__ = ["Engine", "LRSource", "Layout", "ParamSpec", "Placed", "attach_placed",
+           "attach_to_model", "choose_model_precision", "engine_config", "gathered", "initialize",
+           "is_placed", "lay_out", "open_store", "parameter_specs", "set_weight_decay"]

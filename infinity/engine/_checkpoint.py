@@ -58,7 +58,8 @@ MASTER = "master"
 
 def save_checkpoint(engine: Engine, directory: str | Path, tag: str | None = None,
                     client_state: dict[str, Any] | None = None, *,
-                    async_budget_nbytes: int | None = None, update_latest: bool = True) -> Future[Path]:
+                    async_budget_nbytes: int | None = None,
+                    update_latest: bool = True) -> Future[Path]:
     """Write the engine's whole training state as tag `tag` (default `step<global_steps>`)
     under `directory` and point `directory/latest` at it. Every rank calls it; see
     [Note: checkpoints of several ranks].
@@ -76,9 +77,11 @@ def save_checkpoint(engine: Engine, directory: str | Path, tag: str | None = Non
     sink = _RankZeroSink(ranks.world > 1)
     if ranks.rank == 0:
         metadata = _metadata(engine, client_state)
-        sink.open(lambda: CheckpointWriter(directory, tag, metadata=metadata, update_latest=update_latest)
+        sink.open(lambda: CheckpointWriter(directory, tag, metadata=metadata,
+                                           update_latest=update_latest)
                   if async_budget_nbytes is None else
-                  AsyncCheckpointWriter(directory, tag, metadata=metadata, budget_nbytes=async_budget_nbytes,
+                  AsyncCheckpointWriter(directory, tag, metadata=metadata,
+                                        budget_nbytes=async_budget_nbytes,
                                         update_latest=update_latest))
     try:
         _write_state(engine, sink)
@@ -164,7 +167,8 @@ def _write_state(engine: Engine, writer: _RankZeroSink) -> None:
 
 
 def load_checkpoint(engine: Engine, directory: str | Path, tag: str | None = None, *,
-                    load_optimizer_states: bool = True, values_only: bool = False) -> dict[str, Any]:
+                    load_optimizer_states: bool = True,
+                    values_only: bool = False) -> dict[str, Any]:
     """Restore what save_checkpoint wrote (tag None: the one `directory/latest` names), on any
     number of ranks; returns the saved `client_state`. With `values_only` only the parameters'
     values are read (optimizer state, counters and RNG stay as they are). CheckpointError naming
@@ -200,8 +204,8 @@ def _load(engine: Engine, directory: str | Path, tag: str | None, load_optimizer
     if values_only:
         if any(u.dtype != torch.float32 for u in engine._trained):
             raise CheckpointError("loading only the values of bf16/fp16 parameters would leave the "
-                                  "optimizer's fp32 master weights stale: load the whole checkpoint, or "
-                                  "with load_optimizer_states=False")
+                                  "optimizer's fp32 master weights stale: load the whole "
+                                  "checkpoint, or with load_optimizer_states=False")
         _load_values(engine, reader)
         logger.info("engine: parameter values loaded from %s", reader.path)
         return reader.metadata.get("client_state") or {}
@@ -241,7 +245,8 @@ def _load_values(engine: Engine, reader: CheckpointReader) -> None:
             # stage-3 shard is cut from the whole unit, assembled first).
             whole = torch.empty(unit.numel, dtype=unit.dtype) if engine.partition.params else values
             for s in unit.slots:
-                reader.read_flat(s.name, 0, s.shape.numel(), out=whole[s.offset:s.offset + s.shape.numel()])
+                reader.read_flat(s.name, 0, s.shape.numel(),
+                                 out=whole[s.offset:s.offset + s.shape.numel()])
             if whole is not values:
                 values.copy_(engine._ranked.own_values(unit, whole))
         finally:

@@ -546,7 +546,8 @@ class Engine:
 
     def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
                         client_state: dict[str, Any] | None = None, *, async_save: bool = False,
-                        async_budget_nbytes: int = ASYNC_SAVE_BUDGET_NBYTES, update_latest: bool = True) -> Path:
+                        async_budget_nbytes: int = ASYNC_SAVE_BUDGET_NBYTES,
+                        update_latest: bool = True) -> Path:
         """Save everything needed to continue bit-identically as `tag` (default `step<N>`)
         under `save_dir`, crash-safe, and point `save_dir/latest` at it (not with
         `update_latest` false; docs/checkpoints.md). With async_save the last
@@ -556,8 +557,8 @@ class Engine:
         self.wait_for_checkpoint()
         self.synchronize()
         self._pending_save = _checkpoint.save_checkpoint(
-            self, save_dir, tag, client_state, async_budget_nbytes=async_budget_nbytes if async_save else None,
-            update_latest=update_latest)
+            self, save_dir, tag, client_state, update_latest=update_latest,
+            async_budget_nbytes=async_budget_nbytes if async_save else None)
         return Path(save_dir) / (tag or f"step{self.global_steps}")
 
     def wait_for_checkpoint(self) -> None:
@@ -567,14 +568,15 @@ class Engine:
             pending.result()
 
     def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None, *,
-                        load_optimizer_states: bool = True, values_only: bool = False) -> dict[str, Any]:
+                        load_optimizer_states: bool = True,
+                        values_only: bool = False) -> dict[str, Any]:
         """Restore a checkpoint (tag None: `load_dir/latest`); returns its client_state. With
         `values_only` only the parameters' values (fp32 ones: the optimizer's master)."""
         self._check_open()
         self.wait_for_checkpoint()
         self.synchronize()
-        state = _checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
-                                            values_only=values_only)
+        state = _checkpoint.load_checkpoint(self, load_dir, tag, values_only=values_only,
+                                            load_optimizer_states=load_optimizer_states)
         self._zero_grads()  # what was accumulated belongs to the state before the load
         self._partial_step = False
         return state

@@ -48,8 +48,9 @@ def holder(param: torch.Tensor) -> Engine | None:
 
 
 @contextlib.contextmanager
-def gathered(params: torch.Tensor | Iterable[torch.Tensor], modifier_rank: int | None = None
-             ) -> Iterator[None]:
+def gathered(
+    params: torch.Tensor | Iterable[torch.Tensor], modifier_rank: int | None = None
+) -> Iterator[None]:
     """Within the block, `params` hold their real values; see the module docstring.
 
     Parameters no engine holds are left alone (they hold their values already). Raises
@@ -59,19 +60,25 @@ def gathered(params: torch.Tensor | Iterable[torch.Tensor], modifier_rank: int |
     params = [params] if isinstance(params, torch.Tensor) else list(params)
     for p in params:
         if p.device.type == "meta" and holder(p) is None:
-            raise ValueError("GatheredParameters: a parameter is on the meta device (built under zero.Init): "
-                             "its values are created by initialize; gather it after that")
+            raise ValueError(
+                "GatheredParameters: a parameter is on the meta device (built under zero.Init): "
+                "its values are created by initialize; gather it after that"
+            )
     engines = {id(e): e for e in map(holder, params) if e is not None}
     if not engines:
         yield
         return
     if len(engines) > 1:
-        raise ValueError("GatheredParameters: the parameters belong to several engines; gather each's apart")
-    engine, = engines.values()
+        raise ValueError(
+            "GatheredParameters: the parameters belong to several engines; gather each's apart"
+        )
+    (engine,) = engines.values()
     engine._check_open()
     if modifier_rank is not None and not 0 <= modifier_rank < engine.ranks.world:
-        raise ValueError(f"GatheredParameters: modifier_rank {modifier_rank} is not a rank of this job "
-                         f"(world size {engine.ranks.world})")
+        raise ValueError(
+            f"GatheredParameters: modifier_rank {modifier_rank} is not a rank of this job "
+            f"(world size {engine.ranks.world})"
+        )
     wanted = {id(p) for p in params}
     units = [(u, [s for s in u.slots if id(s.param) in wanted]) for u in engine.units]
     units = [(u, slots) for u, slots in units if slots]
@@ -82,8 +89,11 @@ def gathered(params: torch.Tensor | Iterable[torch.Tensor], modifier_rank: int |
     wholes = [_read_whole(engine, unit) for unit, _ in units]  # unit order: the same on every rank
     for (unit, slots), whole in zip(units, wholes):
         for s in slots:
-            s.param.data = whole[s.offset:s.offset + s.shape.numel()].view(s.shape).to(
-                engine.device, unit.compute_dtype)
+            s.param.data = (
+                whole[s.offset : s.offset + s.shape.numel()]
+                .view(s.shape)
+                .to(engine.device, unit.compute_dtype)
+            )
     try:
         yield
         if modifier_rank is not None:
@@ -97,11 +107,15 @@ def gathered(params: torch.Tensor | Iterable[torch.Tensor], modifier_rank: int |
 
 
 def _refuse_stale_master(units: list[tuple[FetchUnit, list[ParamSlot]]]) -> None:
-    low = [s.name for u, slots in units if u.requires_grad and u.dtype != torch.float32 for s in slots]
+    low = [
+        s.name for u, slots in units if u.requires_grad and u.dtype != torch.float32 for s in slots
+    ]
     if low:
-        raise ValueError(f"GatheredParameters(modifier_rank=...): {low[0]} is stored in {units[0][0].dtype} and "
-                         "the optimizer keeps an fp32 master of it, which a change here would not reach; "
-                         "change it before initialize, or train in fp32")
+        raise ValueError(
+            f"GatheredParameters(modifier_rank=...): {low[0]} is stored in {units[0][0].dtype} and "
+            "the optimizer keeps an fp32 master of it, which a change here would not reach; "
+            "change it before initialize, or train in fp32"
+        )
 
 
 def _read_whole(engine: Engine, unit: FetchUnit) -> torch.Tensor:
@@ -114,10 +128,14 @@ def _read_whole(engine: Engine, unit: FetchUnit) -> torch.Tensor:
         engine.store.release(unit.key, Tier.HOST)
 
 
-def _write_back(engine: Engine, unit: FetchUnit, slots: list[ParamSlot], whole: torch.Tensor, src: int) -> None:
+def _write_back(
+    engine: Engine, unit: FetchUnit, slots: list[ParamSlot], whole: torch.Tensor, src: int
+) -> None:
     """The modifier rank's values of `slots` into the unit's store entry on every rank."""
     for s in slots:
-        whole[s.offset:s.offset + s.shape.numel()] = s.param.data.detach().reshape(-1).to("cpu", unit.dtype)
+        whole[s.offset : s.offset + s.shape.numel()] = (
+            s.param.data.detach().reshape(-1).to("cpu", unit.dtype)
+        )
     engine.ranks.broadcast_(whole, f"gathered parameters of {unit.name}", src=src)
     flat = engine.store.fetch(unit.key, Tier.HOST).result()
     changed = False

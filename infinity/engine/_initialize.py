@@ -38,7 +38,8 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     return engine
 
 
-def engine_config(model: torch.nn.Module, config: Config | dict[str, Any] | str | os.PathLike[str]) -> Config:
+def engine_config(model: torch.nn.Module,
+                  config: Config | dict[str, Any] | str | os.PathLike[str]) -> Config:
     """`config` loaded for `model` on this job's ranks; a config that sets
     `activation_checkpointing` configures `infinity.checkpointing` with it."""
     if not isinstance(model, torch.nn.Module):

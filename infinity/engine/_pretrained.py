@@ -45,10 +45,16 @@ def attach_save_pretrained(engine: Engine) -> None:
     model.save_pretrained = save_pretrained
 
 
-def save_streamed(engine: Engine, save_directory: str | os.PathLike[str], is_main_process: bool = True,
-                  state_dict: dict[str, torch.Tensor] | None = None, push_to_hub: bool = False,
-                  max_shard_size: int | str = DEFAULT_MAX_SHARD, safe_serialization: bool = True,
-                  **ignored: Any) -> None:
+def save_streamed(
+    engine: Engine,
+    save_directory: str | os.PathLike[str],
+    is_main_process: bool = True,
+    state_dict: dict[str, torch.Tensor] | None = None,
+    push_to_hub: bool = False,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD,
+    safe_serialization: bool = True,
+    **ignored: Any,
+) -> None:
     """transformers' `save_pretrained`, with the values streamed from the engine's store:
     config.json (+ generation_config.json) and safetensors shards of at most `max_shard_size`
     (`model.safetensors`, or `model-0000i-of-0000n.safetensors` + index), loadable with
@@ -57,11 +63,15 @@ def save_streamed(engine: Engine, save_directory: str | os.PathLike[str], is_mai
     gathered); `is_main_process` alone writes."""
     model = engine.module
     if hasattr(model, "peft_config"):
-        raise NotImplementedError("save_pretrained of a peft model trained by the engine is not streamed: "
-                                  "export with infinity.train.export.write_adapter, or close the engine first")
+        raise NotImplementedError(
+            "save_pretrained of a peft model trained by the engine is not streamed: "
+            "export with infinity.train.export.write_adapter, or close the engine first"
+        )
     if state_dict is not None or push_to_hub or not safe_serialization:
-        raise ValueError("save_pretrained of a model in the engine's store writes its own values as "
-                         "safetensors: state_dict, push_to_hub and safe_serialization=False are not supported")
+        raise ValueError(
+            "save_pretrained of a model in the engine's store writes its own values as "
+            "safetensors: state_dict, push_to_hub and safe_serialization=False are not supported"
+        )
     max_nbytes = max_shard_size if isinstance(max_shard_size, int) else parse_bytes(max_shard_size)
     tensors = _specs(engine)
     values = _values(engine)
@@ -75,7 +85,10 @@ def save_streamed(engine: Engine, save_directory: str | os.PathLike[str], is_mai
     model.config.dtype = _stored_dtype(engine)
     model.config.architectures = [type(model).__name__]
     model.config.save_pretrained(directory)
-    if getattr(model, "generation_config", None) is not None and getattr(model, "can_generate", bool)():
+    if (
+        getattr(model, "generation_config", None) is not None
+        and getattr(model, "can_generate", bool)()
+    ):
         model.generation_config.save_pretrained(directory)
     sizes = {name: shape.numel() * dtype.itemsize for name, shape, dtype in tensors}
     shards = plan_shards(sizes, max_nbytes, "model", ".safetensors")
@@ -84,7 +97,9 @@ def save_streamed(engine: Engine, save_directory: str | os.PathLike[str], is_mai
     def pieces(name: str) -> Iterator[torch.Tensor]:
         got, tensor = next(values)
         if got != name:
-            raise RuntimeError(f"save_pretrained: the store gave {got!r} where {name!r} was planned")
+            raise RuntimeError(
+                f"save_pretrained: the store gave {got!r} where {name!r} was planned"
+            )
         yield tensor.reshape(-1)
 
     for file, names in shards:
@@ -106,7 +121,11 @@ def _values(engine: Engine) -> Iterator[tuple[str, torch.Tensor]]:
 def _buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The persistent buffers of `model` (what its state dict holds besides parameters)."""
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    return {name: t.detach().cpu() for name, t in model.state_dict(keep_vars=True).items() if name not in params}
+    return {
+        name: t.detach().cpu()
+        for name, t in model.state_dict(keep_vars=True).items()
+        if name not in params
+    }
 
 
 def _stored_dtype(engine: Engine) -> str:

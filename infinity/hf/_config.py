@@ -52,7 +52,7 @@ class _Filler:
         return node is not None and node.get(leaf) == AUTO
 
     def fill(self, key: str, value: Any, argument: str | None = None) -> None:
-        """"auto" -> value; an explicit value unlike `value` is a mismatch (unless `argument`
+        """ "auto" -> value; an explicit value unlike `value` is a mismatch (unless `argument`
         is None: fill only)."""
         node, leaf = self.node(key)
         if node is None:
@@ -63,8 +63,9 @@ class _Filler:
             self.mismatches.append(f"- {key}={node[leaf]} vs TrainingArguments {argument}={value}")
 
 
-def fill_from_training_args(config: dict[str, Any], args: Any, model: torch.nn.Module,
-                            num_training_steps: int) -> dict[str, Any]:
+def fill_from_training_args(
+    config: dict[str, Any], args: Any, model: torch.nn.Module, num_training_steps: int
+) -> dict[str, Any]:
     """A copy of `config` with "auto" filled from `args` (a transformers TrainingArguments),
     `model` and the run's `num_training_steps`; see the module docstring. Raises ValueError
     listing the explicit values that disagree with the arguments."""
@@ -72,10 +73,14 @@ def fill_from_training_args(config: dict[str, Any], args: Any, model: torch.nn.M
     micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     filler.fill("train_micro_batch_size_per_gpu", micro, "per_device_train_batch_size")
     filler.fill("gradient_accumulation_steps", accumulation, "gradient_accumulation_steps")
-    filler.fill("train_batch_size", args.world_size * micro * accumulation, "train_batch_size (calculated)")
+    filler.fill(
+        "train_batch_size", args.world_size * micro * accumulation, "train_batch_size (calculated)"
+    )
     filler.fill("gradient_clipping", args.max_grad_norm, "max_grad_norm")
     filler.fill("optimizer.params.lr", args.learning_rate, "learning_rate")
-    filler.fill("optimizer.params.betas", [args.adam_beta1, args.adam_beta2], "adam_beta1+adam_beta2")
+    filler.fill(
+        "optimizer.params.betas", [args.adam_beta1, args.adam_beta2], "adam_beta1+adam_beta2"
+    )
     filler.fill("optimizer.params.eps", args.adam_epsilon, "adam_epsilon")
     filler.fill("optimizer.params.weight_decay", args.weight_decay, "weight_decay")
     filler.fill("scheduler.params.warmup_min_lr", 0)
@@ -83,25 +88,37 @@ def fill_from_training_args(config: dict[str, Any], args: Any, model: torch.nn.M
     filler.fill("fp16.enabled", bool(args.fp16 or args.fp16_full_eval), "fp16|fp16_full_eval")
     filler.fill("bf16.enabled", bool(args.bf16 or args.bf16_full_eval), "bf16|bf16_full_eval")
     _fill_sizes(filler, model)
-    filler.fill("scheduler.params.total_num_steps", num_training_steps, "num_training_steps (calculated)")
-    filler.fill("scheduler.params.warmup_num_steps", max(1, args.get_warmup_steps(num_training_steps)),
-                "warmup_steps")
+    filler.fill(
+        "scheduler.params.total_num_steps", num_training_steps, "num_training_steps (calculated)"
+    )
+    filler.fill(
+        "scheduler.params.warmup_num_steps",
+        max(1, args.get_warmup_steps(num_training_steps)),
+        "warmup_steps",
+    )
     if filler.mismatches:
-        raise ValueError("the DeepSpeed config disagrees with the TrainingArguments (set these to \"auto\"):\n"
-                         + "\n".join(filler.mismatches))
+        raise ValueError(
+            'the DeepSpeed config disagrees with the TrainingArguments (set these to "auto"):\n'
+            + "\n".join(filler.mismatches)
+        )
     return filler.config
 
 
 def _fill_sizes(filler: _Filler, model: torch.nn.Module) -> None:
-    keys = ["zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
-            "zero_optimization.stage3_param_persistence_threshold"]
+    keys = [
+        "zero_optimization.reduce_bucket_size",
+        "zero_optimization.stage3_prefetch_bucket_size",
+        "zero_optimization.stage3_param_persistence_threshold",
+    ]
     auto = [key for key in keys if filler.is_auto(key)]
     if not auto:
         return
     hidden = _hidden_size(getattr(model, "config", None))
     if hidden is None:
-        raise ValueError(f"the model's config has no hidden_size (nor hidden_sizes) to fill {auto}: give them "
-                         "numbers instead of \"auto\"")
+        raise ValueError(
+            f"the model's config has no hidden_size (nor hidden_sizes) to fill {auto}: give them "
+            'numbers instead of "auto"'
+        )
     filler.fill(keys[0], hidden * hidden)
     if (filler.config.get("zero_optimization") or {}).get("stage") == 3:
         filler.fill(keys[1], int(0.9 * hidden * hidden))

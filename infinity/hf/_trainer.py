@@ -35,6 +35,7 @@ from infinity.hf._config import fill_from_training_args, read_config
 
 logger = logging.getLogger(__name__)
 
+
 class Trainer(transformers.Trainer):
     """transformers.Trainer with `config=` (a DeepSpeed JSON path or dict) whose model trains
     through Infinity's engine; every other argument is the Trainer's. See docs/hf.md.
@@ -42,8 +43,12 @@ class Trainer(transformers.Trainer):
     `self.engine` is the engine once `train()` started it (None before).
     """
 
-    def __init__(self, *args: Any, config: dict[str, Any] | str | os.PathLike[str] | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        config: dict[str, Any] | str | os.PathLike[str] | None = None,
+        **kwargs: Any,
+    ) -> None:
         if config is None:
             raise TypeError("infinity.hf.Trainer needs config= (a DeepSpeed JSON path or dict)")
         self.infinity_config = read_config(config)
@@ -52,37 +57,59 @@ class Trainer(transformers.Trainer):
         self._step_lr: float | None = None  # the learning rate of the last applied update
         super().__init__(*args, **kwargs)
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            raise ValueError("infinity.hf.Trainer trains through Infinity's engine: drop TrainingArguments' "
-                             "deepspeed/fsdp settings (the DeepSpeed config goes to config=)")
+            raise ValueError(
+                "infinity.hf.Trainer trains through Infinity's engine: drop TrainingArguments' "
+                "deepspeed/fsdp settings (the DeepSpeed config goes to config=)"
+            )
         self.accelerator.backward = self._engine_backward
 
     # -- starting the engine ---------------------------------------------------------------------
 
-    def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: str | None
-                              ) -> tuple[Any, Any]:
+    def _prepare_for_training(
+        self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: str | None
+    ) -> tuple[Any, Any]:
         if self.engine is not None:
-            raise RuntimeError("train() a second time on one infinity.hf.Trainer: the engine holds the model; "
-                               "make a new Trainer (resume_from_checkpoint continues a run)")
+            raise RuntimeError(
+                "train() a second time on one infinity.hf.Trainer: the engine holds the model; "
+                "make a new Trainer (resume_from_checkpoint continues a run)"
+            )
         config = fill_from_training_args(self.infinity_config, self.args, self.model, max_steps)
-        # Yours (Trainer(optimizers=...)), else the config's, else the Trainer's AdamW, as transformers picks
-        optimizer = self.create_optimizer() if self.optimizer is not None or "optimizer" not in config else None
+        # Yours (Trainer(optimizers=...)), else the config's, else the Trainer's AdamW: as
+        # transformers picks
+        optimizer = (
+            self.create_optimizer()
+            if self.optimizer is not None or "optimizer" not in config
+            else None
+        )
         scheduler = None if "scheduler" in config else self.lr_scheduler
         if scheduler is None and "scheduler" not in config:
+
             def scheduler(opt: torch.optim.Optimizer) -> Any:
-                return get_scheduler(self.args.lr_scheduler_type, optimizer=opt,
-                                     num_warmup_steps=self.args.get_warmup_steps(max_steps),
-                                     num_training_steps=max_steps,
-                                     scheduler_specific_kwargs=self.args.lr_scheduler_kwargs)
+                return get_scheduler(
+                    self.args.lr_scheduler_type,
+                    optimizer=opt,
+                    num_warmup_steps=self.args.get_warmup_steps(max_steps),
+                    num_training_steps=max_steps,
+                    scheduler_specific_kwargs=self.args.lr_scheduler_kwargs,
+                )
+
         trained = [p for p in self.model.parameters() if p.requires_grad]
         engine, engine_optimizer, _, engine_scheduler = deepspeed.initialize(
-            model=self.model, optimizer=optimizer, model_parameters=trained, lr_scheduler=scheduler, config=config)
+            model=self.model,
+            optimizer=optimizer,
+            model_parameters=trained,
+            lr_scheduler=scheduler,
+            config=config,
+        )
         self.engine = self.model_wrapped = self.deepspeed = engine
         self.optimizer = _StepsWithTheEngine(self, engine_optimizer)
         self.lr_scheduler = _MovesWithTheEngine(self, engine_scheduler)
         if resume_from_checkpoint is not None:
             path, _ = engine.load_checkpoint(resume_from_checkpoint)
             if path is None:
-                raise ValueError(f"{resume_from_checkpoint} holds no engine checkpoint (no 'latest' file)")
+                raise ValueError(
+                    f"{resume_from_checkpoint} holds no engine checkpoint (no 'latest' file)"
+                )
         for attr in ("model", "optimizer", "lr_scheduler"):
             setattr(self.callback_handler, attr, getattr(self, attr))
         self.callback_handler.train_dataloader = train_dataloader
@@ -90,12 +117,16 @@ class Trainer(transformers.Trainer):
 
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
         if self.engine is None and is_placed(self.model):
-            raise RuntimeError("evaluate()/predict() before train() on a model loaded into the store "
-                               "(infinity.hf.from_pretrained): its values reach the model through the "
-                               "engine, which train() starts")
+            raise RuntimeError(
+                "evaluate()/predict() before train() on a model loaded into the store "
+                "(infinity.hf.from_pretrained): its values reach the model through the "
+                "engine, which train() starts"
+            )
         return super().evaluation_loop(*args, **kwargs)
 
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
+    def _load_from_checkpoint(
+        self, resume_from_checkpoint: str, model: torch.nn.Module | None = None
+    ) -> None:
         """Nothing here: the engine loads its checkpoint when `train()` starts it."""
 
     def _load_best_model(self) -> None:
@@ -128,7 +159,9 @@ class Trainer(transformers.Trainer):
         self._take_engine_step()
         return self.engine.get_global_grad_norm()
 
-    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: float | None = None) -> float | None:
+    def _get_grad_norm(
+        self, model: torch.nn.Module, grad_norm: float | None = None
+    ) -> float | None:
         self._take_engine_step()
         return grad_norm if grad_norm is not None else self.engine.get_global_grad_norm()
 
@@ -147,8 +180,12 @@ class Trainer(transformers.Trainer):
         if self.engine is None:
             return super().save_model(output_dir, _internal_call)
         zero = self.engine.config.zero_optimization
-        if _internal_call and zero.stage == 3 and not zero.stage3_gather_16bit_weights_on_model_save \
-                and not self.args.save_only_model:
+        if (
+            _internal_call
+            and zero.stage == 3
+            and not zero.stage3_gather_16bit_weights_on_model_save
+            and not self.args.save_only_model
+        ):
             return None
         if not self.args.should_save:  # the other ranks take part in the ZeRO-3 gathers
             self.model.save_pretrained(output_dir or self.args.output_dir, is_main_process=False)

@@ -193,7 +193,8 @@ class SwappedOptimizer(StreamedState):
         self.weight_decay, self.adamw_mode = weight_decay, adamw_mode
         self.store, self.name, self.tile_numel = store, name, tile_numel
         self.skipped_steps = 0  # steps skipped for non-finite gradients (fp16 overflow included)
-        self._decay: dict[int, tuple[list[DecaySpan], list[int]]] = {}  # group -> spans, their stops
+        # group -> its own weight decays: spans, and their stops (to bisect)
+        self._decay: dict[int, tuple[list[DecaySpan], list[int]]] = {}
         self._completed = 0  # steps applied; tiles hold this step between steps
         self._lock = threading.Lock()  # finish_step against itself
 
@@ -378,8 +379,8 @@ class SwappedOptimizer(StreamedState):
             if not end <= span.start < span.stop <= self._numels[u]:
                 raise ValueError(f"unit {u}: weight decay spans must be disjoint ranges within "
                                  f"[0, {self._numels[u]}), got {span[:2]}")
-            check_hyperparameters(lr=self.lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
-                                  weight_decay=span.weight_decay)
+            check_hyperparameters(lr=self.lr, beta1=self.betas[0], beta2=self.betas[1],
+                                  eps=self.eps, weight_decay=span.weight_decay)
             end = span.stop
         self._decay[u] = (checked, [span.stop for span in checked])
 
@@ -410,9 +411,10 @@ class SwappedOptimizer(StreamedState):
         def kernel_of(group: int, weight_decay: float) -> AdamKernel:
             key = (step_of(group), weight_decay)
             if key not in kernels:
-                kernels[key] = AdamKernel(step=key[0], lr=lr, beta1=self.betas[0], beta2=self.betas[1],
-                                          eps=self.eps, weight_decay=weight_decay,
-                                          adamw=self.adamw_mode, grad_scale=grad_scale, pool=self._pool)
+                kernels[key] = AdamKernel(step=key[0], lr=lr, beta1=self.betas[0],
+                                          beta2=self.betas[1], eps=self.eps,
+                                          weight_decay=weight_decay, adamw=self.adamw_mode,
+                                          grad_scale=grad_scale, pool=self._pool)
             return kernels[key]
 
         values = self._values()
@@ -463,8 +465,9 @@ class SwappedOptimizer(StreamedState):
             lowp = out if out.dtype != torch.float32 else None
             pieces = grad if isinstance(grad, GradPieces) else GradPieces([grad.view(-1)])
             for first, g in pieces.ranges(part.start, part.stop):
-                for lo, hi, decay in _decay_ranges(self._decay.get(seg.param), first, first + g.numel(),
-                                                   self.weight_decay):
+                decays = _decay_ranges(self._decay.get(seg.param), first, first + g.numel(),
+                                       self.weight_decay)
+                for lo, hi, decay in decays:
                     at = slice(lo - part.start, hi - part.start)
                     kernel_of(seg.param, decay)(master[at], g[lo - first:hi - first], exp_avg[at],
                                                 exp_avg_sq[at], None if lowp is None else lowp[at])

@@ -33,12 +33,20 @@ class Net(torch.nn.Module):
 
 def dataset() -> torch.utils.data.TensorDataset:
     g = torch.Generator().manual_seed(7)
-    return torch.utils.data.TensorDataset(torch.randn(40, 12, generator=g), torch.randint(0, 3, (40,), generator=g))
+    return torch.utils.data.TensorDataset(
+        torch.randn(40, 12, generator=g), torch.randint(0, 3, (40,), generator=g)
+    )
 
 
 def param_groups(net: torch.nn.Module) -> list[dict]:
-    decay = [p for n, p in net.named_parameters() if n.endswith("weight") and not n.startswith("norm")]
-    rest = [p for n, p in net.named_parameters() if not (n.endswith("weight") and not n.startswith("norm"))]
+    decay = [
+        p for n, p in net.named_parameters() if n.endswith("weight") and not n.startswith("norm")
+    ]
+    rest = [
+        p
+        for n, p in net.named_parameters()
+        if not (n.endswith("weight") and not n.startswith("norm"))
+    ]
     return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
 
 
@@ -61,8 +69,13 @@ def main() -> None:
     optimizer = torch.optim.AdamW(param_groups(net), lr=2e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_then_decay)
     engine, optimizer, trainloader, scheduler = deepspeed.initialize(
-        args=args, model=net, model_parameters=net.parameters(), optimizer=optimizer, lr_scheduler=scheduler,
-        training_data=dataset())
+        args=args,
+        model=net,
+        model_parameters=net.parameters(),
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        training_data=dataset(),
+    )
 
     done = 0  # micro-batches trained
     if args.resume:

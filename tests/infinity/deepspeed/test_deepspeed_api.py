@@ -32,8 +32,13 @@ class Net(torch.nn.Module):
 
 def _groups(net: torch.nn.Module, decay: float = 0.3) -> list[dict]:
     weights = [net.a.weight, net.b.weight]
-    return [{"params": weights, "weight_decay": decay},
-            {"params": [p for p in net.parameters() if all(p is not w for w in weights)], "weight_decay": 0.0}]
+    return [
+        {"params": weights, "weight_decay": decay},
+        {
+            "params": [p for p in net.parameters() if all(p is not w for w in weights)],
+            "weight_decay": 0.0,
+        },
+    ]
 
 
 def _config(tmp_path=None, **extra) -> dict:
@@ -77,19 +82,38 @@ def test_a_client_optimizer_is_taken_over_with_its_groups(tmp_path, kind):
     net = copy.deepcopy(ref)
     _train_plain(ref, kind(_groups(ref), lr=0.05, betas=(0.8, 0.95), eps=1e-6))
     engine, optimizer, loader, scheduler = deepspeed.initialize(
-        model=net, optimizer=kind(_groups(net), lr=0.05, betas=(0.8, 0.95), eps=1e-6), config=_config(tmp_path))
+        model=net,
+        optimizer=kind(_groups(net), lr=0.05, betas=(0.8, 0.95), eps=1e-6),
+        config=_config(tmp_path),
+    )
     assert loader is None and scheduler is None
-    assert isinstance(optimizer, torch.optim.Optimizer) and optimizer.param_groups[0]["weight_decay"] == 0.3
-    _assert_same(_train(engine), ref)  # one decay for all (0.3 or 0) would be far off for norm and biases
+    assert (
+        isinstance(optimizer, torch.optim.Optimizer)
+        and optimizer.param_groups[0]["weight_decay"] == 0.3
+    )
+    _assert_same(
+        _train(engine), ref
+    )  # one decay for all (0.3 or 0) would be far off for norm and biases
     engine.close()
 
 
 def test_weight_decay_ranges_cut_a_unit_where_the_decay_changes():
     spans = [DecaySpan(2, 5, 0.1), DecaySpan(5, 6, 0.0), DecaySpan(9, 12, 0.2)]
     decay = (spans, [s.stop for s in spans])
-    assert list(_decay_ranges(decay, 0, 14, 0.5)) == [(0, 2, 0.5), (2, 5, 0.1), (5, 6, 0.0), (6, 9, 0.5),
-                                                      (9, 12, 0.2), (12, 14, 0.5)]
-    assert list(_decay_ranges(decay, 3, 10, 0.5)) == [(3, 5, 0.1), (5, 6, 0.0), (6, 9, 0.5), (9, 10, 0.2)]
+    assert list(_decay_ranges(decay, 0, 14, 0.5)) == [
+        (0, 2, 0.5),
+        (2, 5, 0.1),
+        (5, 6, 0.0),
+        (6, 9, 0.5),
+        (9, 12, 0.2),
+        (12, 14, 0.5),
+    ]
+    assert list(_decay_ranges(decay, 3, 10, 0.5)) == [
+        (3, 5, 0.1),
+        (5, 6, 0.0),
+        (6, 9, 0.5),
+        (9, 10, 0.2),
+    ]
     assert list(_decay_ranges(None, 3, 10, 0.5)) == [(3, 10, 0.5)]
 
 
@@ -97,25 +121,41 @@ def test_a_callable_scheduler_moves_the_lr_of_every_update_and_is_returned(tmp_p
     torch.manual_seed(0)
     ref = Net()
     net = copy.deepcopy(ref)
-    opt = torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=0.0)  # the config's default decay
+    opt = torch.optim.AdamW(
+        ref.parameters(), lr=0.1, weight_decay=0.0
+    )  # the config's default decay
     _train_plain(ref, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
     engine, optimizer, _, scheduler = deepspeed.initialize(
-        model=net, model_parameters=net.parameters(), config=_config(optimizer={"type": "AdamW", "params": {"lr": 0.1}}),
-        lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5))
-    assert isinstance(scheduler, torch.optim.lr_scheduler.StepLR) and scheduler.optimizer is optimizer
+        model=net,
+        model_parameters=net.parameters(),
+        config=_config(optimizer={"type": "AdamW", "params": {"lr": 0.1}}),
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5),
+    )
+    assert (
+        isinstance(scheduler, torch.optim.lr_scheduler.StepLR) and scheduler.optimizer is optimizer
+    )
     _assert_same(_train(engine), ref)
-    assert engine.get_lr() == [0.1 * 0.5 ** STEPS] == scheduler.get_last_lr()
+    assert engine.get_lr() == [0.1 * 0.5**STEPS] == scheduler.get_last_lr()
     with pytest.raises(RuntimeError, match="engine.step"):
         optimizer.step()
     engine.close()
 
 
 def test_the_config_scheduler_and_a_manual_lr(tmp_path):
-    engine, optimizer, _, scheduler = deepspeed.initialize(model=Net(), config=_config(
-        optimizer={"type": "AdamW", "params": {"lr": 0.1}},
-        scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 2, "warmup_max_lr": 0.1}}))
+    engine, optimizer, _, scheduler = deepspeed.initialize(
+        model=Net(),
+        config=_config(
+            optimizer={"type": "AdamW", "params": {"lr": 0.1}},
+            scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 2, "warmup_max_lr": 0.1}},
+        ),
+    )
     _train(engine)
-    assert scheduler.get_last_lr() == engine.get_lr() == [0.1] == [g["lr"] for g in optimizer.param_groups]
+    assert (
+        scheduler.get_last_lr()
+        == engine.get_lr()
+        == [0.1]
+        == [g["lr"] for g in optimizer.param_groups]
+    )
     with pytest.raises(RuntimeError, match="engine steps"):
         scheduler.step()
     engine.close()
@@ -124,8 +164,9 @@ def test_the_config_scheduler_and_a_manual_lr(tmp_path):
     ref = Net()
     net = copy.deepcopy(ref)
     opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
-    engine, optimizer, _, _ = deepspeed.initialize(model=net, optimizer=torch.optim.AdamW(net.parameters(), lr=0.1),
-                                                   config=_config())
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=net, optimizer=torch.optim.AdamW(net.parameters(), lr=0.1), config=_config()
+    )
     for x in _batches():
         ref(x).backward()
         opt.step()
@@ -138,16 +179,29 @@ def test_the_config_scheduler_and_a_manual_lr(tmp_path):
     engine.close()
 
 
-@pytest.mark.parametrize("optimizer, match", [
-    (lambda ps: torch.optim.SGD(ps, lr=0.1), "torch.optim.Adam or torch.optim.AdamW"),
-    (lambda ps: torch.optim.AdamW(ps, lr=0.1, amsgrad=True), "amsgrad"),
-    (lambda ps: torch.optim.AdamW([{"params": ps[:2], "lr": 0.2}, {"params": ps[2:]}], lr=0.1), "differ in lr"),
-    (lambda ps: torch.optim.AdamW(ps[1:], lr=0.1), "'a.weight' requires grad but is in no optimizer group"),
-])
+@pytest.mark.parametrize(
+    "optimizer, match",
+    [
+        (lambda ps: torch.optim.SGD(ps, lr=0.1), "torch.optim.Adam or torch.optim.AdamW"),
+        (lambda ps: torch.optim.AdamW(ps, lr=0.1, amsgrad=True), "amsgrad"),
+        (
+            lambda ps: torch.optim.AdamW(
+                [{"params": ps[:2], "lr": 0.2}, {"params": ps[2:]}], lr=0.1
+            ),
+            "differ in lr",
+        ),
+        (
+            lambda ps: torch.optim.AdamW(ps[1:], lr=0.1),
+            "'a.weight' requires grad but is in no optimizer group",
+        ),
+    ],
+)
 def test_an_optimizer_the_engine_cannot_run_is_refused(optimizer, match):
     net = Net()
     with pytest.raises((TypeError, ValueError), match=match):
-        deepspeed.initialize(model=net, optimizer=optimizer(list(net.parameters())), config=_config())
+        deepspeed.initialize(
+            model=net, optimizer=optimizer(list(net.parameters())), config=_config()
+        )
     assert net.a.weight.numel() == 60  # refused before anything moved
 
 
@@ -161,22 +215,33 @@ def test_what_initialize_refuses():
     with pytest.raises(NotImplementedError, match="model parallelism"):
         deepspeed.initialize(model=net, config=_config(), mpu=object())
     with pytest.raises(ValueError, match="two DeepSpeed configs"):
-        deepspeed.initialize(args=argparse.Namespace(deepspeed_config="x.json"), model=net, config=_config())
+        deepspeed.initialize(
+            args=argparse.Namespace(deepspeed_config="x.json"), model=net, config=_config()
+        )
     with pytest.raises(ValueError, match="no DeepSpeed config"):
         deepspeed.initialize(model=net)
     opt = torch.optim.AdamW(net.parameters())
     with pytest.raises(ValueError, match="needs the optimizer it was built on"):
-        deepspeed.initialize(model=net, config=_config(), lr_scheduler=torch.optim.lr_scheduler.StepLR(opt, 1))
+        deepspeed.initialize(
+            model=net, config=_config(), lr_scheduler=torch.optim.lr_scheduler.StepLR(opt, 1)
+        )
     with pytest.raises(ValueError, match="groups may differ in weight_decay only"):
-        deepspeed.initialize(model=net, config=_config(), model_parameters=[{"params": list(net.parameters()),
-                                                                            "lr": 5.0}])
+        deepspeed.initialize(
+            model=net,
+            config=_config(),
+            model_parameters=[{"params": list(net.parameters()), "lr": 5.0}],
+        )
     assert net.a.weight.numel() == 60
 
 
 def test_accepted_but_not_done_is_one_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="infinity.deepspeed"):
-        engine, *_ = deepspeed.initialize(model=Net(), config=_config(
-            pipeline={"stages": 2}, tensorboard={"enabled": True, "output_path": "tb"}))
+        engine, *_ = deepspeed.initialize(
+            model=Net(),
+            config=_config(
+                pipeline={"stages": 2}, tensorboard={"enabled": True, "output_path": "tb"}
+            ),
+        )
     engine.close()
     lines = [r.getMessage() for r in caplog.records if "accepted, not done" in r.getMessage()]
     assert len(lines) == 1 and "pipeline" in lines[0] and "tensorboard" in lines[0]
@@ -187,7 +252,9 @@ def test_the_training_loader_gives_micro_batches_in_the_same_order_every_time():
     orders = []
     for _ in range(2):
         torch.manual_seed(0)
-        engine, _, loader, _ = deepspeed.initialize(model=Net(), config=_config(), training_data=data)
+        engine, _, loader, _ = deepspeed.initialize(
+            model=Net(), config=_config(), training_data=data
+        )
         orders.append([batch[0][:, 0].tolist() for batch in loader])
         engine.close()
     assert orders[0] == orders[1] and [len(b) for b in orders[0]] == [3, 3, 3, 1]
@@ -201,8 +268,11 @@ def test_checkpoint_options_as_deepspeed(tmp_path):
     torch.manual_seed(0)
     net = Net()
     engine, optimizer, _, _ = deepspeed.initialize(
-        model=net, optimizer=torch.optim.AdamW(net.parameters(), lr=0.1), config=_config(),
-        lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5))
+        model=net,
+        optimizer=torch.optim.AdamW(net.parameters(), lr=0.1),
+        config=_config(),
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5),
+    )
     assert engine.load_checkpoint(tmp_path / "none") == (None, None)
     trained = _train(engine)
     assert engine.save_checkpoint(tmp_path / "run", client_state={"x": 1}) is True
@@ -214,8 +284,11 @@ def test_checkpoint_options_as_deepspeed(tmp_path):
     torch.manual_seed(1)
     other = Net()
     fresh, fresh_opt, _, fresh_sched = deepspeed.initialize(
-        model=other, optimizer=torch.optim.AdamW(other.parameters(), lr=0.1), config=_config(),
-        lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5))
+        model=other,
+        optimizer=torch.optim.AdamW(other.parameters(), lr=0.1),
+        config=_config(),
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5),
+    )
     path, client_state = fresh.load_checkpoint(tmp_path / "run", load_module_only=True)
     assert path == str(tmp_path / "run" / f"global_step{STEPS}") and client_state == {"x": 1}
     assert fresh.global_steps == 0 and fresh.get_lr() == [0.1]  # values only
@@ -223,7 +296,9 @@ def test_checkpoint_options_as_deepspeed(tmp_path):
     fresh.load_checkpoint(tmp_path / "run", load_lr_scheduler_states=False)
     assert fresh.global_steps == STEPS and fresh.get_lr() == [0.1] and fresh_sched.last_epoch == 0
     fresh.load_checkpoint(tmp_path / "run")
-    assert fresh.get_lr() == engine.get_lr() == [0.1 * 0.5 ** STEPS] and fresh_sched.last_epoch == STEPS
+    assert (
+        fresh.get_lr() == engine.get_lr() == [0.1 * 0.5**STEPS] and fresh_sched.last_epoch == STEPS
+    )
     assert [g["lr"] for g in fresh_opt.param_groups] == [g["lr"] for g in optimizer.param_groups]
     with pytest.raises(NotImplementedError, match="custom_load_fn"):
         fresh.load_checkpoint(tmp_path / "run", custom_load_fn=print)
@@ -233,8 +308,9 @@ def test_checkpoint_options_as_deepspeed(tmp_path):
 
 def test_save_16bit_model_streams_a_torch_file_for_the_module_class(tmp_path):
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=20,
-                                                                 n_positions=8))
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=20, n_positions=8)
+    )
     engine, *_ = deepspeed.initialize(model=model, config=_config(tmp_path, bf16={"enabled": True}))
     engine.backward(engine(torch.randint(0, 20, (3, 8)), labels=torch.randint(0, 20, (3, 8))).loss)
     engine.step()
@@ -259,7 +335,9 @@ def test_gathered_parameters_read_and_write_the_store(tmp_path):
     with deepspeed.zero.GatheredParameters([net.a.weight, net.b.bias, free]):
         assert torch.equal(net.a.weight, expected)
         net.a.weight.data.zero_()  # no modifier rank: not written back
-    assert net.a.weight.numel() == 0 and torch.equal(dict(engine.named_parameters())["a.weight"], expected)
+    assert net.a.weight.numel() == 0 and torch.equal(
+        dict(engine.named_parameters())["a.weight"], expected
+    )
     with deepspeed.zero.GatheredParameters(net.a.weight, modifier_rank=0):
         net.a.weight.data.fill_(2.0)
     assert torch.equal(dict(engine.named_parameters())["a.weight"], torch.full_like(expected, 2.0))
@@ -283,7 +361,9 @@ def test_zero_init_builds_into_the_store():
     with pytest.raises(ValueError, match="meta device"):
         with deepspeed.zero.GatheredParameters(net.a.weight):
             pass
-    engine, *_ = deepspeed.initialize(model=net, optimizer=torch.optim.AdamW(_groups(net), lr=0.1), config=_config())
+    engine, *_ = deepspeed.initialize(
+        model=net, optimizer=torch.optim.AdamW(_groups(net), lr=0.1), config=_config()
+    )
     with deepspeed.zero.GatheredParameters([net.a.weight, net.norm.weight]):
         assert net.a.weight.abs().sum() > 0 and torch.equal(net.norm.weight, torch.ones(10))
     _train(engine)
@@ -301,8 +381,15 @@ def test_command_line_flags_and_a_process_group_of_one():
 
 def test_save_pretrained_of_a_model_in_the_store_writes_its_values(tmp_path):
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    config = transformers.LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
     model = transformers.LlamaForCausalLM(config)
     engine = infinity.initialize(model, _config(tmp_path))
     engine.backward(engine(torch.randint(0, 32, (3, 6)), labels=torch.randint(0, 32, (3, 6))).loss)
@@ -319,5 +406,7 @@ def test_save_pretrained_of_a_model_in_the_store_writes_its_values(tmp_path):
         model.save_pretrained(tmp_path / "x", state_dict={})
     engine.close()
     model.save_pretrained(tmp_path / "after")  # the model's own method once its values are back
-    assert torch.equal(transformers.LlamaForCausalLM.from_pretrained(tmp_path / "after").lm_head.weight,
-                       values["model.embed_tokens.weight"])
+    assert torch.equal(
+        transformers.LlamaForCausalLM.from_pretrained(tmp_path / "after").lm_head.weight,
+        values["model.embed_tokens.weight"],
+    )

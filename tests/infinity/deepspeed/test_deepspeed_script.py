@@ -24,19 +24,43 @@ def _config(tmp_path: Path) -> Path:
     nvme = tmp_path / "nvme"
     nvme.mkdir()
     offload = {"device": "nvme", "nvme_path": str(nvme)}
-    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "gradient_clipping": 1.0,
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "sub_group_size": 256,
-                                    "offload_param": offload, "offload_optimizer": offload}}
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "sub_group_size": 256,
+            "offload_param": offload,
+            "offload_optimizer": offload,
+        },
+    }
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(config))
     return path
 
 
 def _run(tmp_path: Path, config: Path, out: str, *extra: str) -> dict:
-    command = [sys.executable, str(SCRIPT), "--deepspeed", "--deepspeed_config", str(config),
-               "--save-dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / out), *extra]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    command = [
+        sys.executable,
+        str(SCRIPT),
+        "--deepspeed",
+        "--deepspeed_config",
+        str(config),
+        "--save-dir",
+        str(tmp_path / "ckpt"),
+        "--out",
+        str(tmp_path / out),
+        *extra,
+    ]
+    run = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads((tmp_path / out).read_text())
     result["losses"] = {int(k): v for k, v in result["losses"].items()}
@@ -54,7 +78,7 @@ def _plain_pytorch() -> tuple[dict[int, float], dict[int, float], torch.nn.Modul
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_then_decay)
     data = dataset()
     order = list(torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0))
-    batches = [data[order[i:i + MICRO]] for i in range(0, len(order), MICRO)]
+    batches = [data[order[i : i + MICRO]] for i in range(0, len(order), MICRO)]
     losses, lrs = {}, {}
     for micro in range(STEPS * GAS):
         x, y = batches[micro % len(batches)]
@@ -78,12 +102,17 @@ def test_a_deepspeed_script_trains_resumes_and_saves_unchanged(tmp_path):
 
     assert sorted(whole["losses"]) == list(range(STEPS * GAS))
     for micro, loss in losses.items():
-        assert abs(whole["losses"][micro] - loss) <= 1e-5 * abs(loss), (micro, whole["losses"][micro], loss)
+        assert abs(whole["losses"][micro] - loss) <= 1e-5 * abs(loss), (
+            micro,
+            whole["losses"][micro],
+            loss,
+        )
     assert whole["lrs"] == lrs  # every update ran at the client scheduler's learning rate
     for name, p in net.named_parameters():
         torch.testing.assert_close(whole["params"][name], p.detach(), rtol=1e-5, atol=1e-6)
 
-    # The fresh process trained micro-batches 6.. from the step-3 checkpoint, exactly as the whole run.
+    # The fresh process trained micro-batches 6.. from the step-3 checkpoint, exactly as the
+    # whole run did.
     assert sorted(resumed["losses"]) == list(range(3 * GAS, STEPS * GAS))
     assert all(resumed["losses"][m] == whole["losses"][m] for m in resumed["losses"])
     assert all(torch.equal(resumed["params"][n], whole["params"][n]) for n in whole["params"])

@@ -10,8 +10,17 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).parent))
+from hf_case import (  # noqa: E402
+    SAVE_AT,
+    STEPS,
+    Tokens,
+    arguments,
+    base_model,
+    ds_config,
+    train_logs,
+)
+
 import infinity.hf  # noqa: E402
-from hf_case import SAVE_AT, STEPS, Tokens, arguments, base_model, ds_config, train_logs  # noqa: E402
 
 
 def main() -> None:
@@ -19,14 +28,23 @@ def main() -> None:
     base = base_model()
     train, evaluation = Tokens(2 * 2 * 2 * STEPS, 1), Tokens(16, 2)
     common = {"ddp_backend": "gloo", "save_strategy": "no"}
-    plain = transformers.Trainer(model=base_model(), args=arguments(str(out / "plain"), **common),
-                                 train_dataset=train, eval_dataset=evaluation)
+    plain = transformers.Trainer(
+        model=base_model(),
+        args=arguments(str(out / "plain"), **common),
+        train_dataset=train,
+        eval_dataset=evaluation,
+    )
     plain.train()
     plain_eval = plain.evaluate()["eval_loss"]
     nvme = str(out / "nvme")
     os.makedirs(nvme, exist_ok=True)
-    ours = infinity.hf.Trainer(model=base, args=arguments(str(out / "ours"), ddp_backend="gloo", save_steps=SAVE_AT),
-                               train_dataset=train, eval_dataset=evaluation, config=ds_config(nvme))
+    ours = infinity.hf.Trainer(
+        model=base,
+        args=arguments(str(out / "ours"), ddp_backend="gloo", save_steps=SAVE_AT),
+        train_dataset=train,
+        eval_dataset=evaluation,
+        config=ds_config(nvme),
+    )
     ours.train()
     ours_eval = ours.evaluate()["eval_loss"]
     ours.save_model(str(out / "model"))
@@ -34,15 +52,31 @@ def main() -> None:
     with torch.no_grad():
         logits = ours.model(x).logits
     final = dict(ours.engine.named_parameters())  # every rank: a stage-3 gather
-    again = infinity.hf.Trainer(model=base_model(), args=arguments(str(out / "again"), **common),
-                                train_dataset=train, eval_dataset=evaluation, config=ds_config(nvme))
+    again = infinity.hf.Trainer(
+        model=base_model(),
+        args=arguments(str(out / "again"), **common),
+        train_dataset=train,
+        eval_dataset=evaluation,
+        config=ds_config(nvme),
+    )
     again.train(resume_from_checkpoint=str(out / "ours" / f"checkpoint-{SAVE_AT}"))
     resumed = dict(again.engine.named_parameters())
     if int(os.environ["RANK"]) == 0:
-        torch.save({"plain": train_logs(plain), "ours": train_logs(ours), "again": train_logs(again),
-                    "plain_eval": plain_eval, "ours_eval": ours_eval, "x": x, "logits": logits,
-                    "final": final, "resumed": resumed, "plain_params": dict(plain.model.named_parameters())},
-                   out / "result.pt")
+        torch.save(
+            {
+                "plain": train_logs(plain),
+                "ours": train_logs(ours),
+                "again": train_logs(again),
+                "plain_eval": plain_eval,
+                "ours_eval": ours_eval,
+                "x": x,
+                "logits": logits,
+                "final": final,
+                "resumed": resumed,
+                "plain_params": dict(plain.model.named_parameters()),
+            },
+            out / "result.pt",
+        )
 
 
 if __name__ == "__main__":

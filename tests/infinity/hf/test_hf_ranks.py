@@ -27,10 +27,26 @@ def _free_port() -> int:
 
 
 def test_the_trainer_on_two_ranks_at_stage_3(tmp_path):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-               "--master_port", str(_free_port()), str(CHILD), str(tmp_path)]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=900,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)})
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        str(CHILD),
+        str(tmp_path),
+    ]
+    run = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)},
+    )
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     result = torch.load(tmp_path / "result.pt")
     plain, ours, again = result["plain"], result["ours"], result["again"]
