@@ -148,7 +148,8 @@ def test_auto_is_filled_from_the_training_arguments_as_transformers_fills_it(tmp
 
 
 def test_the_config_optimizer_and_scheduler_replace_the_trainers(tmp_path):
-    """A config naming its optimizer and scheduler trains with them, "auto" from the arguments:
+    """A config naming its optimizer and scheduler trains with them, "auto" from the arguments
+    (and with gradient checkpointing):
     WarmupLR over the Trainer's 3 warmup steps up to its learning rate (docs/engine.md: update k
     runs at lr_at(k - 1), linear warmup lr_at(s) = max * s / 3)."""
     config = {
@@ -163,11 +164,12 @@ def test_the_config_optimizer_and_scheduler_replace_the_trainers(tmp_path):
             },
         },
     }
-    args = arguments(str(tmp_path / "out"), save_strategy="no", max_steps=4)
+    args = arguments(str(tmp_path / "out"), save_strategy="no", max_steps=4, activation_checkpointing=True)
     trainer = infinity.hf.Trainer(
         model=base_model(), args=args, train_dataset=Tokens(16, 1), config=config
     )
     trainer.train()
+    assert trainer.model.is_activation_checkpointing  # recomputed under the engine's hooks
     assert [e["learning_rate"] for e in train_logs(trainer)] == pytest.approx(
         [0.0, 0.0, 1e-3, 2e-3]
     )
