@@ -164,7 +164,8 @@ def test_the_config_optimizer_and_scheduler_replace_the_trainers(tmp_path):
             },
         },
     }
-    args = arguments(str(tmp_path / "out"), save_strategy="no", max_steps=4, activation_checkpointing=True)
+    args = arguments(str(tmp_path / "out"), save_strategy="no", max_steps=4,
+                     activation_checkpointing=True)
     trainer = infinity.hf.Trainer(
         model=base_model(), args=args, train_dataset=Tokens(16, 1), config=config
     )
