@@ -267,15 +267,20 @@ def test_the_training_loader_gives_micro_batches_in_the_same_order_every_time():
         deepspeed.initialize(model=Net(), config=_config(), training_data=iter([1, 2]))
 
 
-def test_checkpoint_options_as_deepspeed(tmp_path):
-    torch.manual_seed(0)
+def _halving(seed: int) -> tuple:
+    """An engine over a new Net (initialised from `seed`), a client AdamW halving its lr."""
+    torch.manual_seed(seed)
     net = Net()
-    engine, optimizer, _, _ = deepspeed.initialize(
+    return deepspeed.initialize(
         model=net,
         optimizer=torch.optim.AdamW(net.parameters(), lr=0.1),
         config=_config(),
         lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5),
     )
+
+
+def test_checkpoint_options_as_deepspeed(tmp_path):
+    engine, optimizer, _, _ = _halving(0)
     assert engine.load_checkpoint(tmp_path / "none") == (None, None)
     trained = _train(engine)
     assert engine.save_checkpoint(tmp_path / "run", client_state={"x": 1}) is True
@@ -284,14 +289,7 @@ def test_checkpoint_options_as_deepspeed(tmp_path):
     engine.save_checkpoint(tmp_path / "run", tag="side", save_latest=False)
     assert (tmp_path / "run" / "latest").read_text().strip() == f"global_step{STEPS}"
 
-    torch.manual_seed(1)
-    other = Net()
-    fresh, fresh_opt, _, fresh_sched = deepspeed.initialize(
-        model=other,
-        optimizer=torch.optim.AdamW(other.parameters(), lr=0.1),
-        config=_config(),
-        lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5),
-    )
+    fresh, fresh_opt, _, fresh_sched = _halving(1)
     path, client_state = fresh.load_checkpoint(tmp_path / "run", load_module_only=True)
     assert path == str(tmp_path / "run" / f"global_step{STEPS}") and client_state == {"x": 1}
     assert fresh.global_steps == 0 and fresh.get_lr() == [0.1]  # values only
