@@ -74,14 +74,14 @@ class Trainer(transformers.Trainer):
                 "make a new Trainer (resume_from_checkpoint continues a run)"
             )
         config = fill_from_training_args(self.infinity_config, self.args, self.model, max_steps)
-        # Yours (Trainer(optimizers=...)), else the config's, else the Trainer's AdamW: as
-        # transformers picks
+        # Yours (Trainer(optimizers=...)), else the config's, else the Trainer's own, as
+        # transformers picks them.
         optimizer = (
             self.create_optimizer()
             if self.optimizer is not None or "optimizer" not in config
             else None
         )
-        scheduler = None if "scheduler" in config else self.lr_scheduler
+        scheduler = self.lr_scheduler
         if scheduler is None and "scheduler" not in config:
 
             def scheduler(opt: torch.optim.Optimizer) -> Any:
@@ -101,7 +101,7 @@ class Trainer(transformers.Trainer):
             lr_scheduler=scheduler,
             config=config,
         )
-        self.engine = self.model_wrapped = self.deepspeed = engine
+        self.engine = self.model_wrapped = engine
         self.optimizer = _StepsWithTheEngine(self, engine_optimizer)
         self.lr_scheduler = _MovesWithTheEngine(self, engine_scheduler)
         if resume_from_checkpoint is not None:

@@ -29,6 +29,22 @@ from hf_case import (  # noqa: E402
 )
 
 
+class _Seen(transformers.TrainerCallback):
+    """What the Trainer tells its callbacks: step ends, logs, saves."""
+
+    def __init__(self) -> None:
+        self.steps, self.logs, self.saves = [], [], []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps.append(state.global_step)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs or {}))
+
+    def on_save(self, args, state, control, **kwargs):
+        self.saves.append(state.global_step)
+
+
 def _close(a: float, b: float, rtol: float = 1e-5) -> bool:
     return abs(a - b) <= rtol * abs(b)
 
@@ -46,14 +62,18 @@ def test_the_trainer_on_infinity_logs_evaluates_saves_and_resumes_as_the_trainer
         eval_dataset=evaluation,
     )
     plain.train()
+    seen = _Seen()
     ours = infinity.hf.Trainer(
         model=copy_of(base),
         args=arguments(ours_dir, save_steps=SAVE_AT),
         train_dataset=train,
         eval_dataset=evaluation,
         config=ds_config(nvme),
+        callbacks=[seen],
     )
     ours.train()
+    assert seen.steps == list(range(1, STEPS + 1)) and seen.saves == [SAVE_AT, STEPS]
+    assert [log["loss"] for log in seen.logs if "loss" in log] == [e["loss"] for e in train_logs(ours)]
 
     expected, got = train_logs(plain), train_logs(ours)
     assert [e["step"] for e in got] == list(range(1, STEPS + 1)) == [e["step"] for e in expected]
@@ -64,6 +84,9 @@ def test_the_trainer_on_infinity_logs_evaluates_saves_and_resumes_as_the_trainer
         )
         assert g["learning_rate"] == pytest.approx(e["learning_rate"], rel=1e-12)
     assert _close(ours.evaluate()["eval_loss"], plain.evaluate()["eval_loss"])
+    torch.testing.assert_close(
+        ours.predict(evaluation).predictions, plain.predict(evaluation).predictions, rtol=1e-4, atol=1e-5
+    )
 
     ours.save_model(model_dir)
     loaded = transformers.LlamaForCausalLM.from_pretrained(model_dir)
@@ -182,14 +205,17 @@ def test_from_pretrained_reads_a_folder_or_the_hub_cache_offline(tmp_path, monke
     config = ds_config(str(tmp_path))
     model = infinity.hf.from_pretrained(folder, config)
     assert all(p.numel() == 0 for p in model.parameters())  # the values are in the store
+    args = arguments(str(tmp_path / "out"), save_strategy="no", max_steps=2)
     trainer = infinity.hf.Trainer(
-        model=model,
-        args=arguments(str(tmp_path / "out"), save_strategy="no"),
-        eval_dataset=Tokens(4, 2),
-        config=config,
+        model=model, args=args, train_dataset=Tokens(8, 1), eval_dataset=Tokens(4, 2), config=config
     )
     with pytest.raises(RuntimeError, match="before train"):
         trainer.evaluate()
+    trainer.train()  # the engine adopts the loaded store: the values it trains are the folder's
+    plain = transformers.Trainer(model=base_model(), args=args, train_dataset=Tokens(8, 1))
+    plain.train()
+    for e, g in zip(train_logs(plain), train_logs(trainer), strict=True):
+        assert _close(g["loss"], e["loss"]) and _close(g["grad_norm"], float(e["grad_norm"]))
 
     cache = tmp_path / "cache"
     snapshot = cache / "models--someone--tiny" / "snapshots" / "abc123"
