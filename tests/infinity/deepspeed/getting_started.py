@@ -101,7 +101,8 @@ def main() -> None:
                 if engine.global_steps == STEPS:
                     break
     engine.save_16bit_model(args.save_dir)
-    json.dump({"losses": losses, "lrs": lrs}, open(args.out, "w"))
+    with open(args.out, "w") as out:
+        json.dump({"losses": losses, "lrs": lrs}, out)
     torch.save(dict(engine.named_parameters()), args.out + ".pt")
 
 

@@ -17,7 +17,7 @@ def base_model() -> transformers.PreTrainedModel:
         vocab_size=48,
         hidden_size=16,
         intermediate_size=32,
-        num_hidden_layers=2,
+        num_hidden_layers=1,
         num_attention_heads=2,
         num_key_value_heads=1,
         max_position_embeddings=32,

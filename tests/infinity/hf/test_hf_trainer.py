@@ -200,22 +200,22 @@ def test_the_config_optimizer_and_scheduler_replace_the_trainers(tmp_path):
 
 
 def test_from_pretrained_reads_a_folder_or_the_hub_cache_offline(tmp_path, monkeypatch):
+    """A model streamed into the store goes straight into the Trainer, which adopts the store:
+    trained at learning rate 0, it evaluates as the folder's model does."""
     folder = tmp_path / "llama"
     base_model().save_pretrained(folder)
     config = ds_config(str(tmp_path))
     model = infinity.hf.from_pretrained(folder, config)
     assert all(p.numel() == 0 for p in model.parameters())  # the values are in the store
-    args = arguments(str(tmp_path / "out"), save_strategy="no", max_steps=2)
+    args = arguments(str(tmp_path / "out"), save_strategy="no", max_steps=1, learning_rate=0.0)
     trainer = infinity.hf.Trainer(
-        model=model, args=args, train_dataset=Tokens(8, 1), eval_dataset=Tokens(4, 2), config=config
+        model=model, args=args, train_dataset=Tokens(4, 1), eval_dataset=Tokens(4, 2), config=config
     )
     with pytest.raises(RuntimeError, match="before train"):
         trainer.evaluate()
-    trainer.train()  # the engine adopts the loaded store: the values it trains are the folder's
-    plain = transformers.Trainer(model=base_model(), args=args, train_dataset=Tokens(8, 1))
-    plain.train()
-    for e, g in zip(train_logs(plain), train_logs(trainer), strict=True):
-        assert _close(g["loss"], e["loss"]) and _close(g["grad_norm"], float(e["grad_norm"]))
+    trainer.train()
+    plain = transformers.Trainer(model=base_model(), args=args, eval_dataset=Tokens(4, 2))
+    assert _close(trainer.evaluate()["eval_loss"], plain.evaluate()["eval_loss"])
 
     cache = tmp_path / "cache"
     snapshot = cache / "models--someone--tiny" / "snapshots" / "abc123"
