@@ -381,11 +381,15 @@ def test_command_line_flags_and_a_process_group_of_one():
 
 
 def test_init_distributed_without_torchrun_starts_a_group_of_one():
-    code = ("import torch.distributed as dist, infinity.deepspeed as ds\n"
-            "ds.init_distributed(); ds.init_distributed()\n"
-            "print(dist.get_world_size(), dist.get_rank(), dist.get_backend())")
+    code = (
+        "import torch.distributed as dist, infinity.deepspeed as ds\n"
+        "ds.init_distributed(); ds.init_distributed()\n"
+        "print(dist.get_world_size(), dist.get_rank(), dist.get_backend())"
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split() == ["1", "0", "gloo"]
 

@@ -61,7 +61,9 @@ def _run(tmp_path: Path, config: Path, out: str, *extra: str) -> dict:
         timeout=600,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
-    assert run.returncode == 0 and (tmp_path / out).is_file(), run.stdout[-2000:] + run.stderr[-3000:]
+    assert run.returncode == 0 and (tmp_path / out).is_file(), (
+        run.stdout[-2000:] + run.stderr[-3000:]
+    )
     result = json.loads((tmp_path / out).read_text())
     result["losses"] = {int(k): v for k, v in result["losses"].items()}
     result["lrs"] = {int(k): v for k, v in result["lrs"].items()}

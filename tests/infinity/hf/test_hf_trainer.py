@@ -73,7 +73,9 @@ def test_the_trainer_on_infinity_logs_evaluates_saves_and_resumes_as_the_trainer
     )
     ours.train()
     assert seen.steps == list(range(1, STEPS + 1)) and seen.saves == [SAVE_AT, STEPS]
-    assert [log["loss"] for log in seen.logs if "loss" in log] == [e["loss"] for e in train_logs(ours)]
+    assert [log["loss"] for log in seen.logs if "loss" in log] == [
+        e["loss"] for e in train_logs(ours)
+    ]
 
     expected, got = train_logs(plain), train_logs(ours)
     assert [e["step"] for e in got] == list(range(1, STEPS + 1)) == [e["step"] for e in expected]
@@ -85,7 +87,10 @@ def test_the_trainer_on_infinity_logs_evaluates_saves_and_resumes_as_the_trainer
         assert g["learning_rate"] == pytest.approx(e["learning_rate"], rel=1e-12)
     assert _close(ours.evaluate()["eval_loss"], plain.evaluate()["eval_loss"])
     torch.testing.assert_close(
-        ours.predict(evaluation).predictions, plain.predict(evaluation).predictions, rtol=1e-4, atol=1e-5
+        ours.predict(evaluation).predictions,
+        plain.predict(evaluation).predictions,
+        rtol=1e-4,
+        atol=1e-5,
     )
 
     ours.save_model(model_dir)
@@ -187,8 +192,9 @@ def test_the_config_optimizer_and_scheduler_replace_the_trainers(tmp_path):
             },
         },
     }
-    args = arguments(str(tmp_path / "out"), save_strategy="no", max_steps=4,
-                     activation_checkpointing=True)
+    args = arguments(
+        str(tmp_path / "out"), save_strategy="no", max_steps=4, activation_checkpointing=True
+    )
     trainer = infinity.hf.Trainer(
         model=base_model(), args=args, train_dataset=Tokens(16, 1), config=config
     )
