@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from infinity.checkpoint._safetensors import write_safetensors
-from infinity.checkpoint._shards import plan_shards, write_index
+from infinity.checkpoint import plan_shards, write_index, write_safetensors
 from infinity.config import parse_bytes
 
 if TYPE_CHECKING:
