@@ -8,7 +8,6 @@ import dataclasses
 import datetime
 import logging
 import os
-import tempfile
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -270,15 +269,17 @@ def init_distributed(
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if rank < 0 and "RANK" in os.environ:
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if rank < 0:  # one process: a group of one, through a file no other job shares
-        rank, world_size = 0, 1
-        init_method = init_method or f"file://{tempfile.mkdtemp(prefix='infinity-dist-')}/store"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if rank < 0 and init_method is None:  # one process: a group of one over an in-memory store
+        if verbose:
+            logger.info("init_distributed: one process over %s", backend)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
     if init_method is None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(distributed_port))
         init_method = "env://"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if verbose:
         logger.info(
             "init_distributed: rank %d of %d over %s (%s)", rank, world_size, backend, init_method
