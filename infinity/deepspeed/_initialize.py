@@ -274,7 +274,9 @@ def init_distributed(
     if rank < 0 and init_method is None:  # one process: a group of one over an in-memory store
         if verbose:
             logger.info("init_distributed: one process over %s", backend)
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
         return
     if init_method is None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
