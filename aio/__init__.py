@@ -1,5 +1,6 @@
 """aio: asynchronous file I/O for tensors and buffers (kernel AIO, io_uring or threads)."""
 
+from aio._files import direct_io_supported
 from aio.buffers import aligned_empty
 from aio.checksum import crc32c, crc32c_hardware_available
 from aio.errors import AIOError, AIOTimeoutError
@@ -22,4 +23,5 @@ __all__ = [
     "available_backends",
     "crc32c",
     "crc32c_hardware_available",
+    "direct_io_supported",
 ]

@@ -111,6 +111,19 @@ def open_file(path: str, writable: bool, name: str | None = None) -> OpenFile:
                     (st.st_dev, st.st_ino), target)
 
 
+def direct_io_supported(directory: str) -> bool:
+    """Whether the engine opens files in `directory` with O_DIRECT (else reads may come from the
+    page cache); probes with a file it creates and removes."""
+    probe = os.path.join(directory, ".odirect-probe")
+    try:
+        opened = open_file(probe, writable=True)
+        opened.close()
+        return opened.direct_fd >= 0
+    finally:
+        if os.path.exists(probe):
+            os.unlink(probe)
+
+
 class FileTable:
     """Cache of OpenFile by path. Thread-safe."""
 

@@ -2,7 +2,8 @@
 
 With a `handle`, the transfer runs on the native engine and the event loop waits for it in a
 worker thread, so the loop never blocks. Without one (or for objects the engine cannot address)
-the file is read or written through aiofiles, buffered.
+the file is read or written through aiofiles, buffered: aiofiles comes with the `asyncio` extra
+(`pip install 'infinity-offload[asyncio]'`), and only that path needs it.
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ import asyncio
 import errno
 import os
 from typing import Any
-
-import aiofiles
 
 from aio.buffers import byte_view
 from aio.errors import AIOError
@@ -30,7 +29,7 @@ async def read(path: str | os.PathLike[str], buffer: Any, offset: int = 0, *,
         raise ValueError(f"cannot read into a read-only {type(buffer).__name__}")
     path = os.fspath(path)
     try:
-        async with aiofiles.open(path, "rb", buffering=0) as f:
+        async with _aiofiles().open(path, "rb", buffering=0) as f:
             await f.seek(offset)
             data = await f.read(view.nbytes)
     except OSError as exc:
@@ -52,7 +51,7 @@ async def write(path: str | os.PathLike[str], buffer: Any, offset: int = 0, *,
     view = byte_view(buffer)
     path = os.fspath(path)
     try:
-        async with aiofiles.open(path, "r+b", buffering=0, opener=_open_for_update) as f:
+        async with _aiofiles().open(path, "r+b", buffering=0, opener=_open_for_update) as f:
             await f.seek(offset)
             done = 0
             while done < view.nbytes:  # raw files may write short; resume
@@ -62,6 +61,16 @@ async def write(path: str | os.PathLike[str], buffer: Any, offset: int = 0, *,
         raise AIOError(exc.errno or errno.EIO, exc.strerror, path, op="write", offset=offset,
                        nbytes=view.nbytes) from None
     return done
+
+
+def _aiofiles() -> Any:
+    """The aiofiles module, or ImportError naming the extra that installs it."""
+    try:
+        import aiofiles
+    except ImportError:
+        raise ImportError("aio.asyncio without a handle needs aiofiles: pip install "
+                          "'infinity-offload[asyncio]' (or pass handle=aio.Handle())") from None
+    return aiofiles
 
 
 def _open_for_update(path: str, flags: int) -> int:

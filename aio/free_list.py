@@ -34,11 +34,6 @@ class FreeList:
         """Size of the largest hole, 0 when the space is full."""
         return self._by_size[-1][0] if self._by_size else 0
 
-    @property
-    def hole_count(self) -> int:
-        """Number of separate holes."""
-        return len(self._by_size)
-
     def holes(self) -> list[tuple[int, int]]:
         """``(start, size)`` of every hole in address order (for stats and tests)."""
         return sorted(self._by_start.items())

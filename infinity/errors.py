@@ -32,6 +32,18 @@ class CheckpointError(ValueError):
         self.tensor = tensor
 
 
+class NonFiniteGradientError(ValueError):
+    """A gradient of the step holds inf/nan (fp32/bf16; under fp16 an overflow skips the step
+    instead). The message names the unit and says what the step changed: nothing when the step
+    was refused before any unit was stepped, the units stepped before it when the optimizer
+    overlapped backward (the engine then refuses to go on until a checkpoint load)."""
+
+
+class ClosedError(ValueError, RuntimeError):
+    """An object was used after close() (the engine, the store, ...). A ValueError and a
+    RuntimeError at once, what callers caught before it had a name of its own."""
+
+
 class InputError(ValueError):
     """Training input that cannot be used (model directory, data, sequence length, output path);
     the message names it and what would work."""

@@ -11,7 +11,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Every package of the project, top layer first, with the packages it may import (besides
-# itself and third-party modules). Arrows point down only (docs: DESIGN.md's layer picture).
+# itself and third-party modules). Arrows point down only (docs/design.md, "Layers", lists it).
 # A key is a module path: "infinity.store" is infinity/store/ with everything under it,
 # "infinity.config" is infinity/config.py (or an infinity/config/ package). "infinity.__init__"
 # is the package's front door, infinity/__init__.py alone. An allowed name covers the packages
@@ -24,28 +24,29 @@ LAYERS: dict[str, set[str]] = {
     "infinity.cli": {"infinity.train", "infinity.models", "infinity.checkpoint", "infinity.memory",
                      "infinity.errors", "aio"},
     # the Hugging Face Trainer and DeepSpeed's API over the engine (docs/hf.md)
-    "infinity.hf": {"infinity.deepspeed", "infinity.models", "infinity.engine", "infinity.config",
-                    "infinity.errors"},
-    "infinity.deepspeed": {"infinity.engine", "infinity.checkpointing", "infinity.checkpoint",
+    "infinity.hf": {"infinity.deepspeed", "infinity.models", "infinity.config", "infinity.errors"},
+    "infinity.deepspeed": {"infinity.engine", "infinity.recompute", "infinity.checkpoint",
                            "infinity.zero", "infinity.config", "infinity.errors"},
     "infinity.train": {"infinity.engine", "infinity.models", "infinity.checkpoint", "infinity.zero",
                        "infinity.optim", "infinity.config", "infinity.store", "infinity.memory",
                        "infinity.errors", "aio"},
-    "infinity.__init__": {"infinity.models", "infinity.engine", "infinity.checkpointing", "infinity.config", "infinity.errors"},
+    "infinity.__init__": {"infinity.models", "infinity.engine", "infinity.recompute",
+                          "infinity.config", "infinity.errors"},
     # models sits above the engine: a loaded model's store is laid out by the engine's own plan
     # (precision, units, budgets), so initialize adopts it without a copy.
     "infinity.models": {"infinity.engine", "infinity.zero", "infinity.config", "infinity.store",
                         "infinity.memory", "infinity.errors", "aio"},
-    "infinity.engine": {"infinity.checkpointing", "infinity.config", "infinity.zero", "infinity.optim", "infinity.checkpoint",
-                        "infinity.store", "infinity.memory", "infinity.errors", "aio"},
-    # checkpointing: activation checkpointing (DeepSpeed's deepspeed.checkpointing), configured
-    # from the config section; the engine configures it, the zero hooks see its recompute.
-    "infinity.checkpointing": {"infinity.config", "infinity.errors"},
+    "infinity.engine": {"infinity.recompute", "infinity.config", "infinity.zero", "infinity.optim",
+                        "infinity.checkpoint", "infinity.store", "infinity.memory",
+                        "infinity.errors", "aio"},
+    # recompute: activation recomputation (DeepSpeed's deepspeed.checkpointing), configured from
+    # the config section; the engine configures it, the zero hooks see its recompute.
+    "infinity.recompute": {"infinity.config", "infinity.errors"},
     "infinity.checkpoint": {"infinity.config", "infinity.store", "infinity.memory",
                             "infinity.errors", "aio"},
     "infinity.zero": {"infinity.config", "infinity.store", "infinity.memory", "infinity.errors",
                       "aio"},
-    "infinity.config": {"infinity.optim", "infinity.errors", "aio"},  # optim: LR schedules; aio: its options
+    "infinity.config": {"infinity.errors", "aio"},  # aio: its options
     "infinity.optim": {"infinity.store", "infinity.memory", "infinity.errors", "aio"},
     "infinity.store": {"infinity.memory", "infinity.errors", "aio"},
     "infinity.memory": {"infinity.errors", "aio"},
@@ -140,9 +141,19 @@ def _imports(path: pathlib.Path, root: pathlib.Path):
             yield target
 
 
+def _private_owner(name: str) -> str | None:
+    """The package whose private module `name` is ("infinity.zero" for infinity.zero._common.x),
+    or None when no part of `name` is private."""
+    parts = name.split(".")
+    private = next((i for i, p in enumerate(parts) if p.startswith("_") and not p.startswith("__")),
+                   None)
+    return None if private is None else ".".join(parts[:private])
+
+
 def layering_violations(root: pathlib.Path, layers: dict[str, set[str]]) -> list[str]:
-    """Every import in aio/, infinity/, tools/ under `root` that points up or sideways, and
-    every file whose package is not in `layers`."""
+    """Every import in aio/, infinity/, tools/ under `root` that points up or sideways, or that
+    reaches into another package's private module, and every file whose package is not in
+    `layers`."""
     bad = []
     tops = {key.split(".")[0] for key in layers}
     for top in SOURCE_DIRS:
@@ -163,12 +174,38 @@ def layering_violations(root: pathlib.Path, layers: dict[str, set[str]]) -> list
                 elif target != owner and not any(_covers(ok, target) for ok in layers[owner]):
                     bad.append(f"{rel} imports {name} ({owner} may import only "
                                f"{sorted(layers[owner]) or 'nothing of the project'})")
+                elif (package := _private_owner(name)) and not _covers(
+                        package, _module_key(path, root)):
+                    bad.append(f"{rel} imports {name}, a private module of {package}: import "
+                               f"the name from {package}, which exports it")
     return bad
 
 
 def test_imports_point_down_the_layers():
     bad = layering_violations(ROOT, LAYERS)
-    assert not bad, "imports against the layering (DESIGN.md):\n" + "\n".join(bad)
+    assert not bad, "imports against the layering (docs/design.md):\n" + "\n".join(bad)
+
+
+def _design_layers() -> dict[str, set[str]]:
+    """The layer table of docs/design.md ("may import" names x for infinity.x, except the
+    top-level names; "-" for nothing), in its order."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    rows = text.split("| package | may import", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    tops = {key.split(".")[0] for key in LAYERS}
+    table = {}
+    for row in rows:
+        package, allowed = (cell.strip() for cell in row.strip("|").split("|")[:2])
+        names = [] if allowed == "-" else [n.strip() for n in allowed.split(",")]
+        table[package.strip("`")] = {n if n in tops else f"infinity.{n}" for n in names}
+    return table
+
+
+def test_design_doc_lists_the_layer_table():
+    """docs/design.md shows LAYERS, row for row in the same order: change both together."""
+    design = _design_layers()
+    assert list(design) == list(LAYERS), "docs/design.md lists the packages in another order"
+    differ = {k: (design[k], LAYERS[k]) for k in LAYERS if design[k] != LAYERS[k]}
+    assert not differ, f"docs/design.md's layer table differs (doc, test): {differ}"
 
 
 def test_layer_table_points_down_only():
@@ -201,11 +238,13 @@ SYNTHETIC_LAYERS = {
 }
 SYNTHETIC_CLEAN = {
     "aio/__init__.py": "import aiofiles\nfrom aio import _native\n",
-    "aio/_native.py": "import os\n",
+    "aio/_native.py": "import os\nfrom aio._aio_cffi import ffi\n",  # a native extension
     "infinity/__init__.py": "from infinity.errors import ConfigError\n",
     "infinity/errors.py": "",
     "infinity/memory/__init__.py": "from . import arena\n",
-    "infinity/memory/arena.py": "from ..errors import BudgetError\nimport aio._aio_cffi\n",
+    "infinity/memory/arena.py": "from ..errors import BudgetError\nfrom ._backing import x\n",
+    "infinity/memory/_backing.py": "from infinity.memory import _move\n",
+    "infinity/memory/_move.py": "",
     "infinity/store/__init__.py": "from infinity import errors\nfrom infinity.memory import arena\n",
     "infinity/storage/__init__.py": "import importlib\nimportlib.import_module('infinity.store')\n",
     "tools/__init__.py": "import infinity.store\nimport aio\n",
@@ -229,9 +268,14 @@ SYNTHETIC_CLEAN = {
     ("infinity/zero/__init__.py", "", "infinity/zero/__init__.py belongs to no package"),
     ("infinity/engine.py", "", "infinity/engine.py belongs to no package"),
     ("infinity/memory/up.py", "import infinity.nowhere\n", "imports infinity.nowhere"),
+    ("infinity/store/up.py", "from infinity.memory._backing import x\n",
+     "private module of infinity.memory"),
+    ("infinity/store/up.py", "from ..memory import _move\n", "private module of infinity.memory"),
+    ("infinity/store/up.py", "import aio._native\n", "private module of aio"),
 ], ids=["upward", "relative-upward", "relative-from-package", "importlib", "import_module-relative",
         "dunder-import", "import_module-keyword", "prefix-without-dot", "aio-knows-no-infinity", "front-door",
-        "unlisted-package", "unlisted-module", "missing-module"])
+        "unlisted-package", "unlisted-module", "missing-module", "private-module",
+        "private-module-relative", "private-module-of-aio"])
 def test_layering_checker_catches(tmp_path, rel, text, complaint):
     root = _tree(tmp_path, SYNTHETIC_CLEAN)
     assert layering_violations(root, SYNTHETIC_LAYERS) == []

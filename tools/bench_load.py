@@ -42,7 +42,7 @@ out = {}
 if what == "meta":
     build_on_meta(directory, torch.float32)
 else:
-    placed = infinity.models.load(directory, config, window=int(window))._infinity_placed
+    placed = infinity.models.load(directory, config, window=int(window)).infinity_placed
     out = {"stored": sum(u.nbytes for u in placed.layout.units),
            "host_tier": placed.store.budgets[infinity.store.Tier.HOST]}
 out["seconds"] = time.perf_counter() - start

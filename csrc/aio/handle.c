@@ -4,7 +4,8 @@
  *
  * Locking: a queue's lock guards its pending list, held list and counters; the handle's
  * req_lock guards every request's progress. Order: queue lock, then req_lock, never the other
- * way round.
+ * way round. fault_lock guards the installed faults and the submission counts; see [Note: fault
+ * injection costs nothing when off].
  */
 #define _GNU_SOURCE
 #include "inf_aio.h"
@@ -67,9 +68,11 @@ struct inf_aio_handle {
     pthread_mutex_t req_lock;
     pthread_cond_t req_cond;       /* broadcast whenever a request becomes done */
     pthread_mutex_t fault_lock;
-    struct fault faults[MAX_FAULTS];
-    int nfaults;                   /* under fault_lock, like faults and seq */
-    uint64_t seq[3];               /* piece submissions so far: reads, writes, both */
+    struct fault faults[MAX_FAULTS]; /* installed, not yet reached; under fault_lock */
+    int nfaults;                   /* under fault_lock */
+    atomic_int faults_armed;       /* nfaults, read without the lock by every piece submission */
+    uint64_t seq[3];               /* submissions counted (while faults are armed): reads, writes,
+                                    * both; under fault_lock */
 };
 
 /* --- pieces and requests ----------------------------------------------------------------- */
@@ -156,13 +159,22 @@ static void piece_complete(struct queue *q, struct piece *p, int64_t res)
     }
 }
 
+/* [Note: fault injection costs nothing when off] Every piece submission asks fault_match
+ * whether a fault applies. With none installed (the production case, and a test's once its
+ * faults have fired) that is one atomic load: no lock, no count. Faults are counted from the
+ * moment they are installed ("nth from now"), so the pieces submitted while none is armed need
+ * no number. A fault leaves the list when its piece comes (it fires, or, when two faults name
+ * the same piece, the first one installed fires and the other is dropped). */
+
 /* Count this submission and return the fault that applies to it, if any. */
 static const struct fault *fault_match(struct inf_aio_handle *h, int op, struct fault *out)
 {
     const struct fault *hit = NULL;
     uint64_t seq_op, seq_any;
-    int i;
+    int i, kept = 0;
 
+    if (atomic_load_explicit(&h->faults_armed, memory_order_acquire) == 0)
+        return NULL;
     /* Counting and matching under one lock, so a fault added meanwhile counts from a number
      * no piece has taken yet. */
     pthread_mutex_lock(&h->fault_lock);
@@ -170,12 +182,16 @@ static const struct fault *fault_match(struct inf_aio_handle *h, int op, struct 
     seq_any = h->seq[2]++;
     for (i = 0; i < h->nfaults; i++) {
         const struct fault *f = &h->faults[i];
-        if ((f->op == -1 && f->nth == seq_any) || (f->op == op && f->nth == seq_op)) {
+
+        if (f->nth >= h->seq[f->op == -1 ? 2 : f->op]) {
+            h->faults[kept++] = *f; /* its piece has not come yet */
+        } else if (!hit) {          /* its piece is this one (the counts move by one a call) */
             *out = *f;
             hit = out;
-            break;
-        }
+        }                           /* else a second fault on this piece: dropped */
     }
+    h->nfaults = kept;
+    atomic_store_explicit(&h->faults_armed, kept, memory_order_release);
     pthread_mutex_unlock(&h->fault_lock);
     return hit;
 }
@@ -594,6 +610,7 @@ int inf_aio_fault_add(struct inf_aio_handle *h, int op, uint64_t nth, int kind, 
 
         h->faults[h->nfaults++] =
             (struct fault){.op = op, .nth = base + nth, .kind = kind, .value = value};
+        atomic_store_explicit(&h->faults_armed, h->nfaults, memory_order_release);
     }
     pthread_mutex_unlock(&h->fault_lock);
     return ret;

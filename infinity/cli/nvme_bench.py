@@ -272,7 +272,7 @@ def _run(args: argparse.Namespace, workdir: str, fio: str | None) -> dict[str, A
     results: dict[str, Any] = {
         "tool": PROG, "argv": args.argv, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "host": platform.node(), "kernel": platform.release(), "path": os.path.abspath(args.path),
-        "filesystem": bench.filesystem_of(args.path), "o_direct": bench.direct_io_supported(workdir),
+        "filesystem": bench.filesystem_of(args.path), "o_direct": aio.direct_io_supported(workdir),
         "size_bytes": args.size, "units": {"gbps": "1e9 bytes/s", "latency": "seconds"}}
     print(f"{PROG}: {_human(args.size)} in {workdir} ({results['filesystem']}, "
           f"O_DIRECT {'yes' if results['o_direct'] else 'NO: reads may be served from RAM'})")

@@ -30,7 +30,6 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from aio._files import open_file
 from aio.buffers import aligned_empty
 from aio.handle import Handle
 from aio.request import Request
@@ -135,18 +134,6 @@ def drop_page_cache(path: str) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-
-
-def direct_io_supported(directory: str) -> bool:
-    """Whether files in `directory` are opened with O_DIRECT by the engine (else reads may be cached)."""
-    probe = os.path.join(directory, ".odirect-probe")
-    try:
-        opened = open_file(probe, writable=True)  # the engine's own opener decides
-        opened.close()
-        return opened.direct_fd >= 0
-    finally:
-        if os.path.exists(probe):
-            os.unlink(probe)
 
 
 def filesystem_of(path: str) -> str:

@@ -8,7 +8,6 @@ from infinity.config._ignored import (
     WandbConfig,
 )
 from infinity.config._load import load_config, read_json
-from infinity.config._schedule import build_lr_schedule
 from infinity.config._sections import (
     AdamParams,
     AioConfig,
@@ -45,7 +44,6 @@ __all__ = [
     "WarmupDecayLRParams",
     "WarmupLRParams",
     "ZeroConfig",
-    "build_lr_schedule",
     "load_config",
     "read_json",
     "parse_bytes",

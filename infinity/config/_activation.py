@@ -1,6 +1,7 @@
-"""`activation_checkpointing`: DeepSpeed's keys for `infinity.checkpointing.checkpoint`.
+"""`activation_checkpointing`: DeepSpeed's keys for activation recomputation
+(`infinity.recompute.run`).
 
-`initialize` hands this section to `infinity.checkpointing.configure` when a config sets any
+`initialize` hands this section to `infinity.recompute.configure` when a config sets any
 of it; what each key does there is in docs/scale.md ("Activation memory").
 """
 
@@ -18,23 +19,23 @@ _NO_MODEL_PARALLELISM = ("Infinity has no model parallelism: checkpointed activa
 
 @dataclass(kw_only=True, frozen=True)
 class ActivationCheckpointingConfig(Section):
-    """How `infinity.checkpointing.checkpoint` keeps and recomputes activations."""
+    """How `infinity.recompute.run` keeps and recomputes activations."""
 
     partition_activations: bool = False
     """DeepSpeed: partition checkpointed activations across model-parallel ranks. No effect
     here. Default false."""
     cpu_checkpointing: bool = False
-    """Keep the inputs saved at checkpoint boundaries in (pinned) host memory while compute is
+    """Keep the inputs saved at recompute boundaries in (pinned) host memory while compute is
     on an accelerator; on the CPU they are there already. Default false."""
     contiguous_memory_optimization: bool = False
     """DeepSpeed: copy partitioned checkpoints into one buffer. No effect here. Default false."""
     number_checkpoints: int | None = None
     """DeepSpeed: checkpoints the contiguous buffer holds. No effect here. Default null."""
     synchronize_checkpoint_boundary: bool = False
-    """Synchronise the accelerator before and after each run of a checkpointed function
+    """Synchronise the accelerator before and after each run of a recomputed function
     (forward and its recompute). Default false."""
     profile: bool = False
-    """Time each run of a checkpointed function (`infinity.checkpointing.timings()`).
+    """Time each run of a recomputed function (`infinity.recompute.timings()`).
     Default false."""
 
     NOT_HONOURED: ClassVar[dict[str, str]] = {

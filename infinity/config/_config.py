@@ -11,8 +11,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-import torch
-
 from infinity.config._activation import ActivationCheckpointingConfig
 from infinity.config._ignored import (
     FlopsProfilerConfig,
@@ -92,7 +90,7 @@ class Config(Section):
     """DeepSpeed: print memory use at points of the step. Default false."""
     activation_checkpointing: ActivationCheckpointingConfig = field(
         default_factory=ActivationCheckpointingConfig)
-    """For infinity.checkpointing.checkpoint (docs/scale.md, "Activation memory")."""
+    """For infinity.recompute.run (docs/scale.md, "Activation memory")."""
     flops_profiler: FlopsProfilerConfig = field(default_factory=FlopsProfilerConfig)
     """Accepted, not acted on."""
     tensorboard: MonitorConfig = field(default_factory=MonitorConfig)
@@ -175,12 +173,6 @@ class Config(Section):
     def precision(self) -> Literal["fp32", "fp16", "bf16"]:
         """The parameter (storage) dtype: fp16 or bf16 when enabled, else fp32."""
         return "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
-
-    @property
-    def param_dtype(self) -> torch.dtype:
-        """`precision` as a torch dtype."""
-        return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[
-            self.precision]
 
     @property
     def batch_pending(self) -> bool:

@@ -242,8 +242,3 @@ class ZeroConfig(Section):
         check(self.stage == 3 or self.offload_optimizer.ratio == 1.0, "offload_optimizer.ratio",
               self.offload_optimizer.ratio,
               f"1.0 with stage {self.stage}: partial offload (ratio < 1) needs ZeRO stage 3")
-
-    @property
-    def overlap_comm_effective(self) -> bool:
-        """DeepSpeed's dynamic default: overlap_comm is true for stage 3 unless set."""
-        return self.stage == 3 if self.overlap_comm is None else self.overlap_comm

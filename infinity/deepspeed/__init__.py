@@ -4,8 +4,7 @@ training_dataloader, lr_scheduler) with DeepSpeed's meanings; `zero.Init`,
 `zero.GatheredParameters`, `checkpointing` (activation checkpointing), `add_config_arguments`
 and `init_distributed` are there too."""
 
-from infinity import checkpointing
-from infinity.deepspeed import zero
+from infinity.deepspeed import checkpointing, zero
 from infinity.deepspeed._engine import DeepSpeedEngine
 from infinity.deepspeed._initialize import add_config_arguments, init_distributed, initialize
 from infinity.deepspeed._optimizer import EngineOptimizer

@@ -167,7 +167,7 @@ class DeepSpeedEngine(Engine):
                     Path(load_dir) / "latest",
                 )
                 return None, None
-        kept = (self._schedule_steps, self.optimizer.lr)
+        kept = (self.counters.schedule_steps, self.optimizer.lr)
         state = super().load_checkpoint(
             load_dir, tag, load_optimizer_states=load_optimizer_states, values_only=load_module_only
         )
@@ -175,7 +175,7 @@ class DeepSpeedEngine(Engine):
         if load_module_only:
             return str(Path(load_dir) / tag), state
         if not load_lr_scheduler_states:
-            self._schedule_steps, self.optimizer.lr = kept
+            self.counters.schedule_steps, self.optimizer.lr = kept
         elif saved is not None:
             self._restore_scheduler(saved)
         return str(Path(load_dir) / tag), state

@@ -262,4 +262,4 @@ class ConfigSchedule:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        return {"last_batch_iteration": self.engine._schedule_steps - 1}
+        return {"last_batch_iteration": self.engine.counters.schedule_steps - 1}

@@ -8,13 +8,14 @@ from infinity.engine._params import ParamSpec, parameter_specs
 from infinity.engine._placement import (
     Layout,
     Placed,
-    attach_placed,
     choose_model_precision,
-    is_placed,
     lay_out,
     open_store,
 )
+from infinity.engine._schedule import build_lr_schedule
+from infinity.engine._step_state import StepCounters, StepPhase
 
-__all__ = ["Engine", "LRSource", "Layout", "ParamSpec", "Placed", "attach_placed",
-           "attach_to_model", "choose_model_precision", "engine_config", "gathered", "initialize",
-           "is_placed", "lay_out", "open_store", "parameter_specs", "set_weight_decay"]
+__all__ = ["Engine", "LRSource", "Layout", "ParamSpec", "Placed", "StepCounters", "StepPhase",
+           "attach_to_model", "build_lr_schedule", "choose_model_precision", "engine_config",
+           "gathered", "initialize", "lay_out", "open_store", "parameter_specs",
+           "set_weight_decay"]

@@ -45,6 +45,7 @@ from infinity.checkpoint import (
     rng_state,
     save_rng_state,
 )
+from infinity.engine._step_state import StepCounters
 from infinity.errors import CheckpointError
 from infinity.store import Tier
 
@@ -153,14 +154,15 @@ def _write_state(engine: Engine, writer: _RankZeroSink) -> None:
     """Every tensor of the engine's state, whole, one unit at a time (gathered from the ranks
     where they are partitioned)."""
     for unit in engine.units:
-        for name, values in _unit_values(engine, unit):
+        for name, values in engine.ranked.unit_values(engine.store, unit):
             writer.add(name, values)
     states = engine.optimizer.iter_state()
-    for i, unit in enumerate(engine._trained):
-        local = next(states)[1] if i in engine._opt_index else None  # None: this rank owns none of it
+    for i, unit in enumerate(engine.ranked.trained):
+        # None: this rank owns none of it
+        local = next(states)[1] if i in engine.ranked.optimizer_index else None
         rows = ([MASTER] if unit.dtype != torch.float32 else []) + list(ADAM_STATES)
         for row in rows:
-            flat = engine._ranked.whole_state(i, None if local is None else local[row]).reshape(-1)
+            flat = engine.ranked.whole_state(i, None if local is None else local[row]).reshape(-1)
             for s in unit.slots:
                 writer.add(optimizer_state_name(row, s.name),
                            flat[s.offset:s.offset + s.shape.numel()].view(s.shape))
@@ -202,14 +204,14 @@ def _load(engine: Engine, directory: str | Path, tag: str | None, load_optimizer
     for unit in engine.units:
         _check_unit(reader, names, unit)
     if values_only:
-        if any(u.dtype != torch.float32 for u in engine._trained):
+        if any(u.dtype != torch.float32 for u in engine.ranked.trained):
             raise CheckpointError("loading only the values of bf16/fp16 parameters would leave the "
                                   "optimizer's fp32 master weights stale: load the whole "
                                   "checkpoint, or with load_optimizer_states=False")
         _load_values(engine, reader)
         logger.info("engine: parameter values loaded from %s", reader.path)
         return reader.metadata.get("client_state") or {}
-    has_moments = all(optimizer_state_name(state, s.name) in names for u in engine._trained
+    has_moments = all(optimizer_state_name(state, s.name) in names for u in engine.ranked.trained
                       for s in u.slots for state in ADAM_STATES)
     if not has_moments and load_optimizer_states:
         raise CheckpointError(f"checkpoint {reader.path} holds no Adam moments for every "
@@ -239,30 +241,16 @@ def _load(engine: Engine, directory: str | Path, tag: str | None, load_optimizer
 def _load_values(engine: Engine, reader: CheckpointReader) -> None:
     """Every unit's values from the checkpoint, into the store (this rank's part)."""
     for unit in engine.units:
-        values = engine.store.fetch(unit.key, Tier.HOST).result()
-        try:
+        with engine.store.hold(unit.key, Tier.HOST, dirty=True) as values:
             # Read chunk by chunk into the values themselves unless they are partitioned (a
             # stage-3 shard is cut from the whole unit, assembled first).
-            whole = torch.empty(unit.numel, dtype=unit.dtype) if engine.partition.params else values
+            whole = torch.empty(unit.numel, dtype=unit.dtype) if engine.partition.params \
+                else values
             for s in unit.slots:
                 reader.read_flat(s.name, 0, s.shape.numel(),
                                  out=whole[s.offset:s.offset + s.shape.numel()])
             if whole is not values:
-                values.copy_(engine._ranked.own_values(unit, whole))
-        finally:
-            engine.store.release(unit.key, Tier.HOST, dirty=True)
-
-
-def _unit_values(engine: Engine, unit) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, values) of the unit's parameters, whole (gathered at stage 3 on several ranks);
-    the unit's entry is held while they are written."""
-    flat = engine.store.fetch(unit.key, Tier.HOST).result()
-    try:
-        flat = engine._ranked.whole_values(flat, unit)
-        for s in unit.slots:
-            yield s.name, flat[s.offset:s.offset + s.shape.numel()].view(s.shape)
-    finally:
-        engine.store.release(unit.key, Tier.HOST)
+                values.copy_(engine.ranked.own_values(unit, whole))
 
 
 def _check_unit(reader: CheckpointReader, names: set[str], unit) -> None:
@@ -278,11 +266,11 @@ def _optimizer_states(engine: Engine, reader: CheckpointReader, names: set[str],
                       has_moments: bool) -> Iterator[tuple[int, dict[str, Any]]]:
     """What SwappedOptimizer.load_state takes, unit by unit: rows read from the checkpoint one
     tile's segment at a time as the optimizer fills its tiles (this rank's part of them)."""
-    for i, unit in enumerate(engine._trained):
-        j = engine._opt_index.get(i)
+    for i, unit in enumerate(engine.ranked.trained):
+        j = engine.ranked.optimizer_index.get(i)
         if j is None:  # this rank steps no element of the unit
             continue
-        first, real, numel = engine._ranked.own_state_span(i)
+        first, real, numel = engine.ranked.own_state_span(i)
         state: dict[str, Any] = {"step": step}
         for row in [MASTER, *ADAM_STATES]:
             if row != MASTER and not has_moments:
@@ -325,11 +313,9 @@ def _metadata(engine: Engine, client_state: dict[str, Any] | None) -> dict[str, 
     module_config = getattr(engine.module, "config", None)
     generation = getattr(engine.module, "generation_config", None)
     return {
-        "engine": {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+        "engine": {**dataclasses.asdict(engine.counters),
                    "world_size": engine.ranks.world, "zero_stage": engine.config.zero_optimization.stage,
-                   "skipped_steps": engine.skipped_steps,
-                   "optimizer_step": engine.optimizer.completed_steps,
-                   "schedule_steps": engine._schedule_steps, "lr": engine.optimizer.lr,
+                   "optimizer_step": engine.optimizer.completed_steps, "lr": engine.optimizer.lr,
                    "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None},
         "config": json.loads(json.dumps(dataclasses.asdict(engine.config), default=str))
         if dataclasses.is_dataclass(engine.config) else str(engine.config),
@@ -340,10 +326,7 @@ def _metadata(engine: Engine, client_state: dict[str, Any] | None) -> dict[str, 
 
 
 def _restore_counters(engine: Engine, saved: dict[str, Any]) -> None:
-    engine.global_steps = int(saved.get("global_steps", 0))
-    engine.micro_steps = int(saved.get("micro_steps", 0))
-    engine.skipped_steps = int(saved.get("skipped_steps", 0))
-    engine._schedule_steps = int(saved.get("schedule_steps", 0))
+    engine.counters = StepCounters.from_saved(saved)
     if "lr" in saved:
         engine.optimizer.lr = float(saved["lr"])
     scaler = saved.get("loss_scaler")

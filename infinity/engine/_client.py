@@ -33,11 +33,11 @@ class LRSource(Protocol):
 def set_weight_decay(engine: Engine, decay_of: Mapping[str, float]) -> None:
     """Give each parameter named in `decay_of` its weight decay in the engine's optimizer (the
     others keep the optimizer's), on this rank's part of each unit."""
-    for i, unit in enumerate(engine._trained):
-        j = engine._opt_index.get(i)
+    for i, unit in enumerate(engine.ranked.trained):
+        j = engine.ranked.optimizer_index.get(i)
         if j is None:  # this rank steps no element of the unit
             continue
-        first, real, _ = engine._ranked.own_state_span(i)
+        first, real, _ = engine.ranked.own_state_span(i)
         spans = []
         for slot in unit.slots:
             if slot.name not in decay_of:

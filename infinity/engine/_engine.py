@@ -9,41 +9,12 @@ live in the tiered store (DeepSpeed's engine API), on one process or on data-par
 
 Order of one step (at a boundary): release every unit (the values are about to change), global
 gradient norm over the units' flat gradient buffers, fp16 overflow check (skip, lower the scale),
-clip factor, one optimizer step over the units, zero the gradient buffers, LR schedule.
+clip factor, one optimizer step over the units, zero the gradient buffers, LR schedule. The
+step's phase (`engine.phase`, infinity/engine/_step_state.py) says where the step is.
 
-[Note: optimizer overlapped with backward] When the step needs no gradient but a unit's own
-(no clipping, no fp16 overflow check), the backward of a boundary micro-batch steps each unit on
-a worker thread as soon as its gradients are final, while backward goes on with earlier layers.
-The unit was released first, so nothing computes from its values while they change. Each unit
-gets the same kernel call with the same gradient and grad_scale as after backward, so the
-result is the same. The store is told the unit's values are needed again soon (the worker reads
-them; the trace alone says "at the next forward", so they went first and were read from NVMe
-again), and once stepped, that they are needed last. A unit's gradient is let go as soon as it
-is stepped, so the gradients held at once are those of the units backward is ahead of the
-worker by, not the whole model's. Resident units (held until the step) are stepped after backward. With
-clipping or fp16 the whole step runs after backward (the norm / overflow needs every gradient).
-It pays where the step waits on something other than the cores backward computes on (NVMe,
-an accelerator); with CPU compute and everything in RAM the worker and backward only take turns
-on the same cores (interleaved A/B on a 294M GPT: 1.11x plain PyTorch overlapped, see
-docs/performance.md), so `infinity.overlap_optimizer` "auto" leaves it off there. With several
-ranks, the collectives that make a unit's gradient final (all-reduce, or reduce-scatter) run in
-the backward hook before the unit is handed to the worker; the worker runs only the Adam step,
-never a collective.
-
-[Note: the step's tail in the next forward] Backward finishes units last layer first, so when it
-ends the worker still has the first layers to step (with NVMe: read state, update, write back),
-and those are what the next forward needs first. On one process `step()` does not wait for
-them: the units not started yet are re-sorted into forward order (resident units first) and
-`step()` returns; the next forward waits for each unit's step before fetching its values (the
-coordinator's `ready` callback) and prefetches only units already stepped, so the forward's
-reads and the tail's reads and write-backs share the disk (issue 7: the forward alone read at
-~1.2 GB/s against the ~2 GB/s of reads and writes together). Each unit still gets the kernel call
-it got before, with the step's learning rate (taken when backward started; the schedule moves
-on at `step()` as before), so the result is the same. What needs the whole step done waits for
-it: the next backward (gradients accumulate again only after every unit was stepped), and
-named_parameters, checkpoints, close and `synchronize()`. A unit whose step failed on the worker
-is stepped again on the waiting thread (retry-safe) and its error raised there if it fails again.
-With several ranks `step()` waits as before (stages 1-2 gather the values after the step).
+The optimizer overlapped with backward, and the tail of its step that runs into the next
+forward: [Note: optimizer overlapped with backward] and [Note: the step's tail in the next
+forward] in infinity/engine/_overlap.py.
 """
 
 from __future__ import annotations
@@ -61,10 +32,10 @@ from typing import Any
 
 import torch
 
-from infinity.config import AdamParams, Config, OptimizerConfig, build_lr_schedule
+from infinity.config import AdamParams, Config, OptimizerConfig
 from infinity.engine import _checkpoint
 from infinity.engine._client import LRSource
-from infinity.engine._overlap import UnitStepper
+from infinity.engine._overlap import OverlappedStep
 from infinity.engine._partition import RankedUnits
 from infinity.engine._placement import (
     choose_model_precision,
@@ -74,11 +45,12 @@ from infinity.engine._placement import (
     take_placed,
 )
 from infinity.engine._plan import MemoryPlan
+from infinity.engine._schedule import build_lr_schedule
+from infinity.engine._step_state import StepCounters, StepPhase, check_move
 from infinity.engine._timeline import Timeline
-from infinity.errors import ConfigError
+from infinity.errors import ClosedError, ConfigError, NonFiniteGradientError
 from infinity.memory import peak_rss_bytes, set_mmap_threshold
 from infinity.optim import DynamicLossScaler, SwappedOptimizer
-from infinity.store import TensorStore, Tier
 from infinity.zero import (
     FetchUnit,
     ModelHooks,
@@ -91,12 +63,11 @@ from infinity.zero import (
     is_deferred,
     place_units,
 )
+from infinity.zero.grads import pieces_are_finite
 
 logger = logging.getLogger(__name__)
 
 ASYNC_SAVE_BUDGET_NBYTES = 256 << 20  # host copies a background checkpoint save may queue
-
-_FETCHES_PER_UNIT_STEP = 4.0  # store fetches one unit's step makes (values, tiles): next-use hints
 
 _DEFAULT_OPTIMIZER = OptimizerConfig(type="AdamW", params=AdamParams())  # no "optimizer" section
 
@@ -107,17 +78,18 @@ class Engine:
     Attributes:
         module: the wrapped model (its parameters hold empty placeholders between uses, unless
             every unit is resident: offload_param none on one process, see `keeps_units_resident`).
-        global_steps: optimizer steps taken (skipped fp16 steps included, as DeepSpeed counts).
-        micro_steps: calls of `step()` (one per micro-batch).
+        phase: where the optimizer step is (StepPhase; docs/engine.md, "The step's phases").
+        counters: the step counts (StepCounters); `global_steps` (optimizer steps taken, skipped
+            fp16 steps included, as DeepSpeed counts), `micro_steps` (calls of `step()`) and
+            `skipped_steps` read them.
+        last_grad_norm: the global gradient norm of the last step (unscaled; None before one).
     """
 
     def __init__(self, model: torch.nn.Module, config: Config) -> None:
         self.config = config
         self.module = model
-        self.global_steps = 0
-        self.micro_steps = 0
-        self.skipped_steps = 0
-        self._closed = False
+        self.counters = StepCounters()
+        self.phase = StepPhase.IDLE
         zero = config.zero_optimization
         adam = (config.optimizer or _DEFAULT_OPTIMIZER).params
         self._schedule = None if config.scheduler is None else \
@@ -149,14 +121,8 @@ class Engine:
         self.store = open_store(layout, config, rank=self.ranks.rank) if placed is None else placed.store
         self.coordinator: ParamCoordinator | None = None
         self._hooks: ModelHooks | None = None
-        self._stepper: UnitStepper | None = None
-        self._stepping = False  # units are stepped during this backward
-        self._tail_open = False  # see [Note: the step's tail in the next forward]
-        self._partial_step = False  # an overlapped step failed after some units were updated
-        self._step_lr = 0.0  # the learning rate of the step being built on the worker
-        self._trained = [u for u in self.units if u.requires_grad]
-        self._index = {u: i for i, u in enumerate(self._trained)}
-        self._ranked = RankedUnits(self.partition, self._trained)
+        self._stepper: OverlappedStep | None = None  # the overlapped step, when overlapping
+        self.ranked = RankedUnits(self.partition, [u for u in self.units if u.requires_grad])
         try:
             partition = self.partition if self.ranks.world > 1 else None
             if deferred:  # see [Note: deferred parameters]
@@ -165,8 +131,8 @@ class Engine:
             elif placed is None:
                 place_units(self.units, self.store, home=self.plan.param_home, device=self.device,
                             partition=partition)
-            for u in self._trained:  # in RAM unless the budget cannot hold them there
-                u.grad = self._ranked.make_grad(u, self.store, self.plan.grads_tier)
+            for u in self.ranked.trained:  # in RAM unless the budget cannot hold them there
+                u.grad = self.ranked.make_grad(u, self.store, self.plan.grads_tier)
             self.coordinator = ParamCoordinator(
                 self.units, self.store, fetch_tier=self.plan.fetch_tier, device=self.device,
                 prefetch_numel=self.plan.prefetch_numel, max_live_numel=zero.stage3_max_live_parameters,
@@ -184,17 +150,14 @@ class Engine:
             scale=fp16.initial_scale, window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
             min_scale=fp16.min_loss_scale) if fp16.enabled and fp16.dynamic else None
         self._static_scale = fp16.initial_scale if fp16.enabled and not fp16.dynamic else 1.0
-        self._schedule_steps = 0
         if self._schedule is not None:
             self.optimizer.lr = self._schedule.lr_at(-1)
         self.lr_source: LRSource | None = None  # a client's scheduler (infinity/engine/_client.py)
         self._boundary: bool | None = None  # set_gradient_accumulation_boundary
         self.last_grad_norm: float | None = None
         if self.overlap:
-            self._stepper = UnitStepper(self._step_on_worker, self._prefetch_state)
-        self.units_stepped_in_backward = 0
-        self.units_left_to_forward = 0  # units of a step not yet stepped when step() returned
-        self.optimizer_wait_s = 0.0  # forward waiting for units of the last step's tail
+            self._stepper = OverlappedStep(self.ranked.trained, self._step_at, self._prefetch_state,
+                                           self.coordinator.next_use)
         self._pending_save: Future[Path] | None = None  # a background checkpoint save
 
     def _make_optimizer(self) -> SwappedOptimizer:
@@ -204,10 +167,30 @@ class Engine:
         p = opt.params
         hyper = {"lr": p.lr, "betas": p.betas, "eps": p.eps, "weight_decay": p.weight_decay,
                  "adamw_mode": opt.decoupled_weight_decay}
-        specs = self._ranked.optimizer_specs()
-        self._opt_index = {i: j for j, i in enumerate(specs)}  # trained unit -> optimizer unit
-        return SwappedOptimizer.from_units(list(specs.values()), self.store, state_tier=self.plan.state_tier,
-                                           tile_numel=self.plan.tile_numel, **hyper)
+        specs = self.ranked.optimizer_specs
+        # What one unit's step fetches from the store: its tiles, its values, a gradient kept there.
+        stored_grad = self.plan.grads_tier is not None
+        self.coordinator.next_use.set_step_fetches({
+            self.ranked.trained[i].key: -(-spec.numel // self.plan.tile_numel) + 1 + stored_grad
+            for i, spec in specs.items()})
+        return SwappedOptimizer(list(specs.values()), self.store, state_tier=self.plan.state_tier,
+                                tile_numel=self.plan.tile_numel, **hyper)
+
+    @property
+    def global_steps(self) -> int:
+        return self.counters.global_steps
+
+    @property
+    def micro_steps(self) -> int:
+        return self.counters.micro_steps
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.counters.skipped_steps
+
+    @property
+    def units_stepped_in_backward(self) -> int:
+        return 0 if self._stepper is None else self._stepper.stepped_in_backward
 
     # -- training loop -------------------------------------------------------------------------
 
@@ -235,9 +218,9 @@ class Engine:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError("backward() needs a scalar loss tensor that requires grad, got "
                              f"{type(loss).__name__}{tuple(getattr(loss, 'shape', ()))}")
-        if self._stepping:
+        if self.phase is StepPhase.STEPPING:
             raise RuntimeError("backward() twice in one accumulation boundary: call step() first")
-        self._refuse_after_partial_step()
+        self._refuse_if_broken()
         self.synchronize()  # gradients accumulate again only once every unit was stepped
         scaled = loss
         if scale_wrt_gas and self.config.gradient_accumulation_steps > 1:
@@ -245,13 +228,13 @@ class Engine:
         if self.config.fp16.enabled:
             scaled = scaled * self._loss_scale()
         boundary = self.is_gradient_accumulation_boundary()
-        for u in self._trained:  # inf/nan survive the sums: checked once, at the boundary
+        for u in self.ranked.trained:  # inf/nan survive the sums: checked once, at the boundary
             if u.grad is not None:
                 u.grad.check_now = boundary
-        if self.overlap and boundary:
+        if self._stepper is not None and boundary:
             self._begin_optimizer_step()
-            self._step_lr = self.optimizer.lr
-            self._stepping = True
+            self._stepper.begin(self.optimizer.lr)
+            self._move(StepPhase.STEPPING)
         try:
             with self.timeline.region("backward", "compute"):
                 scaled.backward()
@@ -259,103 +242,21 @@ class Engine:
             self.coordinator.end_backward()
         return loss
 
-    def _grads_final(self, unit: FetchUnit) -> None:
-        """Coordinator callback: average the unit's gradient over the ranks at the boundary
-        (stages 0-1), and start its optimizer step when overlapping."""
-        self.timeline.record(unit.key, "grads final", time.perf_counter())
-        if unit.requires_grad and self.is_gradient_accumulation_boundary():
-            self._ranked.average(self._index[unit])
-        if self._stepping and unit.requires_grad and not unit.persistent \
-                and unit.state is UnitState.RELEASED:
-            # The worker reads these values again soon (not the next forward, as the trace says):
-            # keep the copy backward used in RAM.
-            self._keep_for_worker({self._index[unit]: self._stepper.pending()})
-            self._stepper.submit(self._index[unit])
-            self.units_stepped_in_backward += 1
-
-    def _unit_ready(self, unit: FetchUnit, wait: bool) -> bool:
-        """Coordinator callback before it fetches a unit's values: False while the last step's
-        tail is still stepping the unit; with `wait`, wait for that (stepping it here if it
-        failed on the worker) and return True. See [Note: the step's tail in the next forward]."""
-        i = self._index.get(unit)
-        future = self._stepper.future(i) if self._tail_open and i is not None else None
-        if future is None:
-            return True
-        if not wait:
-            return future.done() and future.exception() is None
-        start = time.perf_counter()
-        try:
-            if self._settle_unit(i, unit, future):
-                self._stepper.mark_done(i)
-        finally:
-            self.optimizer_wait_s += time.perf_counter() - start
-        return True
-
-    def _settle_unit(self, i: int, unit: FetchUnit, future: Future[None]) -> bool:
-        """Wait for unit i's step on the worker; if it failed, step it here (retry-safe: tiles
-        already stepped are skipped), raising if that fails too. True if it was stepped here."""
-        error = future.exception()
-        if error is None:
-            return False
-        logger.warning("optimizer step of %s on the worker failed (%s); retrying", unit.key, error)
-        try:
-            self._step_unit(i, unit, 1.0, lr=self._step_lr)
-        except ValueError:  # a non-finite gradient (found in backward or where it was stepped):
-            self._partial_step = True  # no retry helps, and the units stepped before it stay so
-            raise
-        return True
-
-    def _keep_for_worker(self, ahead: dict[int, int]) -> None:
-        """Tell the store that unit i's values are read by the worker after `ahead[i]` other
-        units (a few store fetches each: their values and tiles)."""
-        self.store.set_next_use({self._trained[i].key: _FETCHES_PER_UNIT_STEP * (n + 1) for i, n in ahead.items()})
-
-    def _step_on_worker(self, i: int) -> None:
-        unit = self._trained[i]
-        self._step_unit(i, unit, 1.0, lr=self._step_lr)
-        if not self._tail_open:  # stepped during backward: next used at the far end of the next forward
-            self.store.set_next_use({unit.key: math.inf})
-
-    def _prefetch_state(self, i: int) -> None:
-        j = self._opt_index.get(i)
-        if j is not None:  # this rank steps part of the unit
-            self.optimizer.prefetch_unit(j)
-
-    def _step_unit(self, i: int, unit: FetchUnit, grad_scale: float, *, finite: bool = False,
-                   lr: float | None = None) -> None:
-        """Step unit i; `finite`: its gradient is known to be free of inf/nan (a finite norm);
-        `lr`: the step's learning rate (default: the optimizer's)."""
-        j = self._opt_index.get(i)
-        if j is None:  # this rank owns no element of the unit
-            return
-        with self.timeline.region(unit.key, "optimizer"):
-            if unit.grad is None:
-                self.optimizer.step_unit(j, torch.zeros(unit.numel, dtype=unit.compute_dtype),
-                                         grad_scale=grad_scale, lr=lr)
-                return
-            if unit.grad.finite is False:  # overlapped: found as its gradient became final
-                raise ValueError(f"the gradient of {unit.key} has non-finite values (inf/nan): no parameter "
-                                 f"of it was updated; units stepped during backward before it keep their "
-                                 f"update (infinity.overlap_optimizer false makes the step all or nothing)")
-            with unit.grad.read_pieces() as pieces:  # checked already where accumulated
-                self.optimizer.step_unit(j, self._ranked.grad_part(i, pieces), grad_scale=grad_scale,
-                                         check_finite=not finite and unit.grad.finite is None, lr=lr)
-            unit.grad.zero()  # used up: a gradient held in RAM is freed while the other units step
-
     def zero_grad(self) -> None:
         """Drop the gradients accumulated since the last step (DeepSpeed's engine.zero_grad;
         `step()` does it itself): e.g. to skip a batch whose step failed on a non-finite
         gradient, which changed nothing. Counters are kept."""
         self._check_open()
-        if self._stepping:
-            raise RuntimeError("zero_grad() between a boundary backward and its step(): call step() first")
+        if self.phase is StepPhase.STEPPING:
+            raise RuntimeError("zero_grad() between a boundary backward and its step(): "
+                               "call step() first")
         self.synchronize()
         self._zero_grads()
 
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary is not None:
             return self._boundary
-        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+        return (self.counters.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
         """Say whether the next backward and step end an accumulation (DeepSpeed's method: a
@@ -366,50 +267,72 @@ class Engine:
     def step(self) -> None:
         """Call after every backward; updates the parameters at accumulation boundaries."""
         self._check_open()
-        self._refuse_after_partial_step()
+        self._refuse_if_broken()
         if self.is_gradient_accumulation_boundary():
             with self.timeline.region("step", "compute"):
-                self._take_step()
-        self.micro_steps += 1
+                self.coordinator.release_all()
+                self.ranked.average_rest()
+                if self.phase is StepPhase.STEPPING:
+                    self._end_overlapped_step()
+                else:  # (step() twice without a backward between: the last step comes first)
+                    self.synchronize()
+                    self._step_after_backward()
+        self.counters.micro_steps += 1
 
-    def _loss_scale(self) -> float:
-        return self.scaler.scale if self.scaler is not None else self._static_scale
-
-    def _take_step(self) -> None:
-        self.coordinator.release_all()
-        self._ranked.average_rest()
-        if self._stepping:
-            self.global_steps += 1
-            self._stepping = False
-            self._queue_the_rest()
+    def synchronize(self) -> None:
+        """Wait for the optimizer work the last `step()` left running (see [Note: the step's
+        tail in the next forward]); raises a unit's error if stepping it again fails too."""
+        if self._stepper is None or not self._stepper.tail_open:
             return
-        self.synchronize()  # step() twice without a backward between: the last step comes first
-        scale = self._loss_scale()
-        # The norm is a pass over every gradient: taken when clipping or the fp16 overflow check
-        # needs it (as in the overlapped step, last_grad_norm is None otherwise).
-        norm = self._grad_norm() / scale if self.config.gradient_clipping > 0 or self.config.fp16.enabled else None
-        self.last_grad_norm = norm
-        if not self.config.fp16.enabled and (norm is None or not math.isfinite(norm)):
-            self._refuse_non_finite()  # before any unit is stepped (a finite norm says all are finite)
-        self.global_steps += 1
-        if self.config.fp16.enabled:
-            overflow = not math.isfinite(norm)
-            if self.scaler is not None:
-                self.scaler.update(overflow)
-            if overflow:
-                logger.info("step %d skipped: gradient overflow, loss scale now %g",
-                            self.global_steps, self._loss_scale())
-                self.skipped_steps += 1
-                self._zero_grads()
-                return
-        clip = 1.0
-        if norm is not None and self.config.gradient_clipping > 0 and norm > 0:
-            clip = min(1.0, self.config.gradient_clipping / (norm + 1e-6))
-        self._begin_optimizer_step()
-        for i, unit in enumerate(self._trained):
-            self._step_unit(i, unit, clip / scale, finite=norm is not None and math.isfinite(norm))
+        try:
+            self._settling(self._stepper.settle)
+        finally:
+            # Settled; or an error left the step unfinished, as a failed step() does. (BROKEN:
+            # a non-finite gradient.)
+            if self.phase is StepPhase.TAIL_OPEN:
+                self._move(StepPhase.IDLE)
         self._close_step()
-        self._log_and_schedule()
+
+    # -- the step --------------------------------------------------------------------------------
+
+    def _step_after_backward(self) -> None:
+        """Every gradient is final: the global norm and finiteness decide the step, then every
+        unit is stepped (all or nothing: a refused step changes nothing, step count included)."""
+        self._move(StepPhase.VALIDATING)
+        try:
+            scale = self._loss_scale()
+            # The norm is a pass over every gradient: taken when clipping or the fp16 overflow
+            # check needs it (last_grad_norm is None otherwise; overlapped, it comes with the
+            # gradients as they become final).
+            norm = None
+            if self.config.gradient_clipping > 0 or self.config.fp16.enabled:
+                norm = self._grad_norm([_grad_square(u) for u in self.ranked.trained]) / scale
+            self.last_grad_norm = norm
+            if not self.config.fp16.enabled and (norm is None or not math.isfinite(norm)):
+                # before any unit is stepped (a finite norm says all are finite)
+                self._refuse_non_finite()
+            self.counters.global_steps += 1
+            if self.config.fp16.enabled:
+                overflow = not math.isfinite(norm)
+                if self.scaler is not None:
+                    self.scaler.update(overflow)
+                if overflow:
+                    logger.info("step %d skipped: gradient overflow, loss scale now %g",
+                                self.global_steps, self._loss_scale())
+                    self.counters.skipped_steps += 1
+                    self._zero_grads()
+                    return
+            clip = 1.0
+            if norm is not None and self.config.gradient_clipping > 0 and norm > 0:
+                clip = min(1.0, self.config.gradient_clipping / (norm + 1e-6))
+            self._begin_optimizer_step()
+            finite = norm is not None and math.isfinite(norm)
+            for i, unit in enumerate(self.ranked.trained):
+                self._step_unit(i, unit, clip / scale, finite=finite)
+            self._close_step()
+            self._log_and_schedule()
+        finally:
+            self._move(StepPhase.IDLE)
 
     def _begin_optimizer_step(self) -> None:
         """The update about to be built takes its learning rate from the client's scheduler,
@@ -418,43 +341,102 @@ class Engine:
             self.optimizer.lr = self.lr_source.lr()
         self.optimizer.begin_step()
 
-    def _queue_the_rest(self) -> None:
-        """After an overlapped backward: queue the units backward did not hand over (resident
-        ones, units that got no gradient), then wait for them all, or on one process let the
-        next forward wait unit by unit (see [Note: the step's tail in the next forward])."""
-        self.last_grad_norm = None
-        for i in range(len(self._trained)):
-            if self._stepper.future(i) is None:
-                self._stepper.submit(i)
-        self._tail_open = True
-        # Several ranks wait (stages 1-2 gather the values after the step); so does a bad gradient.
-        if self.ranks.world > 1 or any(u.grad is not None and u.grad.finite is False for u in self._trained):
-            self.synchronize()  # (a non-finite gradient fails the step here, not at the next call)
+    def _end_overlapped_step(self) -> None:
+        """step() after an overlapped backward: queue the units backward did not hand over
+        (resident ones, units that got no gradient), take the norm, then wait for them all, or
+        on one process let the next forward wait unit by unit (see [Note: the step's tail in
+        the next forward])."""
+        self._move(StepPhase.VALIDATING)
+        self.counters.global_steps += 1
+        try:
+            squares = self._stepper.queue_rest(lambda i: _grad_square(self.ranked.trained[i]))
+            self.last_grad_norm = self._grad_norm(squares)
+        finally:
+            self._move(StepPhase.TAIL_OPEN)
+        # Several ranks wait (stages 1-2 gather the values after the step); so does a bad
+        # gradient (a non-finite gradient fails the step here, not at the next call).
+        trained = self.ranked.trained
+        if self.ranks.world > 1 or any(u.grad is not None and u.grad.finite is False
+                                       for u in trained):
+            self.synchronize()
         else:
             def forward_order(i: int) -> tuple[bool, int]:
-                return not self._trained[i].persistent, self._trained[i].index
+                return not trained[i].persistent, trained[i].index
 
-            left = self._stepper.reorder(key=forward_order)
-            self.units_left_to_forward += len(left)
-            # The next forward reads these values right after they are updated: keep them in RAM.
-            self._keep_for_worker({i: n for n, i in enumerate(left)})
+            self._stepper.leave_to_forward(forward_order)
         self._log_and_schedule()
 
-    def synchronize(self) -> None:
-        """Wait for the optimizer work the last `step()` left running (see [Note: the step's
-        tail in the next forward]); raises a unit's error if stepping it again fails too."""
-        if not self._tail_open:
+    def _grads_final(self, unit: FetchUnit) -> None:
+        """Coordinator callback: average the unit's gradient over the ranks at the boundary
+        (stages 0-1); when overlapping, take its square and start its optimizer step."""
+        self.timeline.record(unit.key, "grads final", time.perf_counter())
+        i = self.ranked.index.get(unit)
+        if i is None:  # frozen
             return
-        futures = self._stepper.take()
-        self._tail_open = False  # if a retry raises, the step stays unfinished, as step() left it before
-        for i, unit in enumerate(self._trained):
-            self._settle_unit(i, unit, futures[i])
-        self._close_step()
+        if self.is_gradient_accumulation_boundary():
+            self.ranked.average(i)
+        if self.phase is StepPhase.STEPPING:
+            released = not unit.persistent and unit.state is UnitState.RELEASED
+            self._stepper.grads_final(i, _grad_square(unit), hand_over=released)
+
+    def _unit_ready(self, unit: FetchUnit, wait: bool) -> bool:
+        """Coordinator callback before it fetches a unit's values: False while the last step's
+        tail is still stepping the unit; with `wait`, wait for that (stepping it here if it
+        failed on the worker) and return True. See [Note: the step's tail in the next forward]."""
+        i = self.ranked.index.get(unit)
+        if self._stepper is None or i is None:
+            return True
+        return self._settling(lambda: self._stepper.ready(i, wait))
+
+    def _settling(self, settle: Callable[[], Any]) -> Any:
+        """settle(); a non-finite gradient found where a unit of the tail is stepped again
+        breaks the step (the units stepped before it keep their update)."""
+        try:
+            return settle()
+        except NonFiniteGradientError:
+            if self.phase is not StepPhase.BROKEN:
+                self._move(StepPhase.BROKEN)
+            raise
+
+    def _step_at(self, i: int, lr: float) -> None:
+        """Step trained unit i at the overlapped step's learning rate (grad_scale 1: no clipping,
+        no fp16)."""
+        self._step_unit(i, self.ranked.trained[i], 1.0, lr=lr)
+
+    def _prefetch_state(self, i: int) -> None:
+        j = self.ranked.optimizer_index.get(i)
+        if j is not None:  # this rank steps part of the unit
+            self.optimizer.prefetch_unit(j)
+
+    def _step_unit(self, i: int, unit: FetchUnit, grad_scale: float, *, finite: bool = False,
+                   lr: float | None = None) -> None:
+        """Step unit i; `finite`: its gradient is known to be free of inf/nan (a finite norm);
+        `lr`: the step's learning rate (default: the optimizer's)."""
+        j = self.ranked.optimizer_index.get(i)
+        if j is None:  # this rank steps no element of the unit
+            return
+        with self.timeline.region(unit.key, "optimizer"):
+            if unit.grad is None:
+                self.optimizer.step_unit(j, torch.zeros(unit.numel, dtype=unit.compute_dtype),
+                                         grad_scale=grad_scale, lr=lr)
+                return
+            with unit.grad.read_pieces() as pieces:
+                # Overlapped: found in backward, or here (not kept: it surfaces where the tail
+                # settles, the next forward at the latest, whenever the worker found it).
+                if not finite and (unit.grad.finite is False or
+                                   unit.grad.finite is None and not pieces_are_finite(pieces)):
+                    raise NonFiniteGradientError(
+                        f"the gradient of {unit.key} has non-finite values (inf/nan): no parameter "
+                        f"of it was updated; units stepped during backward before it keep their "
+                        f"update (infinity.overlap_optimizer false makes the step all or nothing)")
+                self.optimizer.step_unit(j, self.ranked.grad_part(i, pieces), grad_scale=grad_scale,
+                                         check_finite=False, lr=lr)
+            unit.grad.zero()  # used up: a gradient held in RAM is freed while the other units step
 
     def _close_step(self) -> None:
         """Every unit is stepped: the optimizer's step is complete, the gradients start over."""
         self.optimizer.finish_step()
-        self._ranked.gather_values(self.store)
+        self.ranked.gather_values(self.store)
         self._zero_grads()
 
     def _log_and_schedule(self) -> None:
@@ -465,14 +447,14 @@ class Engine:
                         "n/a" if self.last_grad_norm is None else f"{self.last_grad_norm:.4g}",
                         p.prefetch_hits, p.on_demand, p.stall_s)
         if self._schedule is not None:  # as DeepSpeed: the schedule advances on applied steps
-            self._schedule_steps += 1
-            self.optimizer.lr = self._schedule.lr_at(self._schedule_steps - 1)
+            self.counters.schedule_steps += 1
+            self.optimizer.lr = self._schedule.lr_at(self.counters.schedule_steps - 1)
         if self.lr_source is not None:
             self.lr_source.advance()
             self.optimizer.lr = self.lr_source.lr()
 
-    def _refuse_after_partial_step(self) -> None:
-        if self._partial_step:
+    def _refuse_if_broken(self) -> None:
+        if self.phase is StepPhase.BROKEN:
             raise RuntimeError("the last step failed on a non-finite gradient after some units were updated "
                                "during backward (the optimizer overlapped it): load a checkpoint "
                                "(engine.load_checkpoint) to go on from a consistent state")
@@ -480,26 +462,28 @@ class Engine:
     def _refuse_non_finite(self) -> None:
         """Raise, with nothing changed, when a gradient of this step holds inf/nan (on any
         rank: every rank takes or refuses the step)."""
-        bad = [u.key for u in self._trained if u.grad is not None and not u.grad.is_finite()]
-        if self._ranked.sum_over_shards(float(len(bad)), "non-finite gradient count") > 0:
-            raise ValueError(f"non-finite gradient values (inf/nan) in {', '.join(bad) or 'another rank'}: "
-                             "the step was not taken, no parameter changed")
+        bad = [u.key for u in self.ranked.trained if u.grad is not None and not u.grad.is_finite()]
+        if self.ranked.sum_over_shards(float(len(bad)), "non-finite gradient count") > 0:
+            raise NonFiniteGradientError(
+                f"non-finite gradient values (inf/nan) in {', '.join(bad) or 'another rank'}: "
+                "the step was not taken, no parameter changed")
 
-    def _grad_norm(self) -> float:
-        """L2 norm over every unit's gradient buffer (sum of squares in float64; over every
+    def _grad_norm(self, squares: list[float]) -> float:
+        """L2 norm from each unit's gradient sum of squares (in unit order, float64; over every
         rank's shard when the gradients are partitioned)."""
-        total = 0.0
-        for u in self._trained:
-            if u.grad is not None and u.grad.has_grad:
-                with u.grad.read_pieces() as pieces:
-                    total += sum(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in pieces)
-        return math.sqrt(self._ranked.sum_over_shards(total, "gradient norm"))
+        return math.sqrt(self.ranked.sum_over_shards(sum(squares), "gradient norm"))
 
     def _zero_grads(self) -> None:
-        self._ranked.new_step()
-        for u in self._trained:
+        self.ranked.new_step()
+        for u in self.ranked.trained:
             if u.grad is not None:
                 u.grad.zero()
+
+    def _loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else self._static_scale
+
+    def _move(self, to: StepPhase) -> None:
+        self.phase = check_move(self.phase, to)
 
     # -- modes and views -------------------------------------------------------------------------
 
@@ -522,18 +506,19 @@ class Engine:
         self.coordinator.release_all()
         for unit in self.units:
             if select is None or any(select(s.name) for s in unit.slots):
-                for name, values in _unit_values(self.store, unit, self._ranked):
-                    if select is None or select(name):
-                        yield name, values
+                yield from [(name, values.clone())
+                            for name, values in self.ranked.unit_values(self.store, unit)
+                            if select is None or select(name)]
 
     def stats(self) -> dict[str, Any]:
         """Store tiers and moves, prefetch counters, steps, and peak host memory (VmHWM)."""
+        stepper = self._stepper
+        overlapped = {"units_stepped_in_backward": self.units_stepped_in_backward,
+                      "units_left_to_forward": 0 if stepper is None else stepper.left_to_forward,
+                      "forward_wait_s": 0.0 if stepper is None else stepper.forward_wait_s}
         return {"store": self.store.stats(), "prefetch": asdict(self.coordinator.stats),
                 "global_steps": self.global_steps, "skipped_steps": self.skipped_steps,
-                "optimizer": {"overlap": self.overlap,
-                              "units_stepped_in_backward": self.units_stepped_in_backward,
-                              "units_left_to_forward": self.units_left_to_forward,
-                              "forward_wait_s": self.optimizer_wait_s},
+                "optimizer": {"overlap": self.overlap, **overlapped},
                 "loss_scale": self._loss_scale() if self.config.fp16.enabled else None,
                 "peak_rss_bytes": peak_rss_bytes()}
 
@@ -571,14 +556,19 @@ class Engine:
                         load_optimizer_states: bool = True,
                         values_only: bool = False) -> dict[str, Any]:
         """Restore a checkpoint (tag None: `load_dir/latest`); returns its client_state. With
-        `values_only` only the parameters' values (fp32 ones: the optimizer's master)."""
+        `values_only` only the parameters' values (fp32 ones: the optimizer's master). After a
+        broken step it is the way on: the worker's work is waited for, nothing retried."""
         self._check_open()
         self.wait_for_checkpoint()
-        self.synchronize()
+        if self.phase is StepPhase.BROKEN:
+            self._stepper.drain()
+        else:
+            self.synchronize()
         state = _checkpoint.load_checkpoint(self, load_dir, tag, values_only=values_only,
                                             load_optimizer_states=load_optimizer_states)
         self._zero_grads()  # what was accumulated belongs to the state before the load
-        self._partial_step = False
+        if self.phase is StepPhase.BROKEN:
+            self._move(StepPhase.IDLE)
         return state
 
     # -- end -------------------------------------------------------------------------------------
@@ -586,13 +576,13 @@ class Engine:
     def close(self, *, restore_params: bool = True) -> None:
         """Remove every hook and free the store. With restore_params the model gets its current
         values back as ordinary tensors (needs RAM for the whole model), else placeholders stay."""
-        if self._closed:
+        if self.phase is StepPhase.CLOSED:
             return
-        self._closed = True
         try:
             self.wait_for_checkpoint()
             self.synchronize()
         finally:
+            self._move(StepPhase.CLOSED)
             self._teardown(restore_params=restore_params)
 
     def _teardown(self, *, restore_params: bool) -> None:
@@ -600,7 +590,6 @@ class Engine:
         try:
             if self._stepper is not None:
                 self._stepper.shutdown()
-            self._stepping = self._tail_open = False
             if self.coordinator is not None:
                 self.coordinator.abort_pass()  # a failed forward may have left modules in use
                 self.coordinator.release_all()
@@ -609,9 +598,10 @@ class Engine:
             if restore_params and not self.ranks.failed:
                 for unit in self.units:
                     if unit.key in self.store:
-                        values = dict(_unit_values(self.store, unit, self._ranked))
+                        values = {name: v.to(self.device, unit.compute_dtype, copy=True)
+                                  for name, v in self.ranked.unit_values(self.store, unit)}
                         for s in unit.slots:
-                            s.param.data = values[s.name].to(self.device, unit.compute_dtype)
+                            s.param.data = values[s.name]
         finally:
             self.store.close()
 
@@ -622,8 +612,18 @@ class Engine:
         self.close()
 
     def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("the engine is closed")
+        if self.phase is StepPhase.CLOSED:
+            raise ClosedError("the engine is closed")
+
+
+def _grad_square(unit: FetchUnit) -> float:
+    """The sum of squares of the unit's gradient of this step, the term of the global norm it
+    contributes (float32 norms of its pieces, squared and summed in float64; 0.0 when it has
+    none)."""
+    if unit.grad is None or not unit.grad.has_grad:
+        return 0.0
+    with unit.grad.read_pieces() as pieces:
+        return sum(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in pieces)
 
 
 def _mmap_threshold(config: Config, plan: MemoryPlan) -> int | None:
@@ -641,13 +641,3 @@ def _fingerprint(config: Config, units: list[FetchUnit]) -> str:
               if f.name not in ("infinity", "auto_filled")}
     layout = [(u.key, u.numel, str(u.dtype), u.requires_grad) for u in units]
     return repr((sorted(fields.items()), config.infinity.compute_dtype, layout))
-
-
-def _unit_values(store: TensorStore, unit: FetchUnit, ranked: RankedUnits) -> Iterator[tuple[str, torch.Tensor]]:
-    flat = store.fetch(unit.key, Tier.HOST).result()
-    try:
-        flat = ranked.whole_values(flat, unit)
-        copies = [(s.name, flat[s.offset:s.offset + s.shape.numel()].view(s.shape).clone()) for s in unit.slots]
-    finally:
-        store.release(unit.key, Tier.HOST)
-    yield from copies

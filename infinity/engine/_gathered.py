@@ -120,12 +120,9 @@ def _refuse_stale_master(units: list[tuple[FetchUnit, list[ParamSlot]]]) -> None
 
 def _read_whole(engine: Engine, unit: FetchUnit) -> torch.Tensor:
     """A copy of the unit's whole values (gathered from the ranks at stage 3)."""
-    flat = engine.store.fetch(unit.key, Tier.HOST).result()
-    try:
-        whole = engine._ranked.whole_values(flat, unit)
+    with engine.store.hold(unit.key, Tier.HOST) as flat:
+        whole = engine.ranked.whole_values(flat, unit)
         return whole.clone() if whole is flat else whole
-    finally:
-        engine.store.release(unit.key, Tier.HOST)
 
 
 def _write_back(
@@ -137,10 +134,5 @@ def _write_back(
             s.param.data.detach().reshape(-1).to("cpu", unit.dtype)
         )
     engine.ranks.broadcast_(whole, f"gathered parameters of {unit.name}", src=src)
-    flat = engine.store.fetch(unit.key, Tier.HOST).result()
-    changed = False
-    try:
-        flat.copy_(engine._ranked.own_values(unit, whole))
-        changed = True
-    finally:
-        engine.store.release(unit.key, Tier.HOST, dirty=changed)
+    with engine.store.hold(unit.key, Tier.HOST, dirty=True) as flat:
+        flat.copy_(engine.ranked.own_values(unit, whole))

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from infinity import checkpointing
+from infinity import recompute
 from infinity.config import ActivationCheckpointingConfig, Config, load_config
 from infinity.engine._engine import Engine
 from infinity.engine._gathered import track
@@ -29,9 +29,14 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     Raises ConfigError (a ValueError) or ConfigPathError (an OSError) naming the key at fault,
     and BudgetError when host_memory_budget cannot hold the memory plan; all before anything
     is moved. A rank that dies or a collective that times out raises RankError on the others.
-    A config that sets `activation_checkpointing` configures `infinity.checkpointing` with it
+    A config that sets `activation_checkpointing` configures `infinity.recompute` with it
     (as `deepspeed.checkpointing.configure` would). A transformers model's `save_pretrained`
     then writes the values from the store (infinity/engine/_pretrained.py).
+
+    A model from `infinity.models.load` carries its store in `model.infinity_placed` (a
+    `Placed`): initialize adopts that store instead of placing the parameters again, and
+    removes the attribute; `config` must lay the model out as the load's did (ConfigError
+    names what differs, and the model keeps its store for a retry).
     """
     engine = Engine(model, engine_config(model, config))
     attach_to_model(engine)
@@ -41,12 +46,12 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
 def engine_config(model: torch.nn.Module,
                   config: Config | dict[str, Any] | str | os.PathLike[str]) -> Config:
     """`config` loaded for `model` on this job's ranks; a config that sets
-    `activation_checkpointing` configures `infinity.checkpointing` with it."""
+    `activation_checkpointing` configures `infinity.recompute` with it."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"initialize() needs a torch.nn.Module, got {type(model).__name__}")
     loaded = load_config(config, model=model, world_size=environment_world_size())
     if loaded.activation_checkpointing != ActivationCheckpointingConfig():
-        checkpointing.configure(deepspeed_config=loaded.activation_checkpointing)
+        recompute.configure(deepspeed_config=loaded.activation_checkpointing)
     return loaded
 
 

@@ -1,13 +1,196 @@
-"""The optimizer worker of [Note: optimizer overlapped with backward]: units are queued as their
-gradients become final and stepped one at a time, in queue order, on one thread; each queued
-unit has a future. The queue can be re-sorted while it runs ([Note: the step's tail in the next
-forward], infinity/engine/_engine.py)."""
+"""The optimizer step overlapped with backward.
+
+[Note: optimizer overlapped with backward] When the step needs no gradient but a unit's own
+(no clipping, no fp16 overflow check), the backward of a boundary micro-batch steps each unit on
+a worker thread as soon as its gradients are final, while backward goes on with earlier layers.
+The unit was released first, so nothing computes from its values while they change. Each unit
+gets the same kernel call with the same gradient and grad_scale as after backward, so the
+result is the same. The store is told the unit's values are needed again soon (the worker reads
+them; the trace alone says "at the next forward", so they went first and were read from NVMe
+again), and once stepped, that they are needed last. A unit's gradient is let go as soon as it
+is stepped, so the gradients held at once are those of the units backward is ahead of the
+worker by, not the whole model's. Resident units (held until the step) are stepped after
+backward. With clipping or fp16 the whole step runs after backward (the norm / overflow needs
+every gradient). Each unit's gradient sum of squares is taken as the gradient becomes final,
+before the worker frees it; step() sums them in unit order (over every rank's shard), so
+`last_grad_norm` is the norm the step after backward reports, to the bit. It pays where the
+step waits on something other than the cores backward computes on (NVMe, an accelerator); with
+CPU compute and everything in RAM the worker and backward only take turns on the same cores
+(interleaved A/B on a 294M GPT: 1.11x plain PyTorch overlapped, see docs/performance.md), so
+`infinity.overlap_optimizer` "auto" leaves it off there. With several
+ranks, the collectives that make a unit's gradient final (all-reduce, or reduce-scatter) run in
+the backward hook before the unit is handed to the worker; the worker runs only the Adam step,
+never a collective. The engine's callbacks run outside the coordinator's lock ([Note:
+callbacks outside the lock], infinity/zero/coordinator.py).
+
+[Note: the step's tail in the next forward] Backward finishes units last layer first, so when it
+ends the worker still has the first layers to step (with NVMe: read state, update, write back),
+and those are what the next forward needs first. On one process `step()` does not wait for
+them: the units not started yet are re-sorted into forward order (resident units first) and
+`step()` returns; the next forward waits for each unit's step before fetching its values (the
+coordinator's `ready` callback) and prefetches only units already stepped, so the forward's
+reads and the tail's reads and write-backs share the disk (issue 7: the forward alone read at
+~1.2 GB/s against the ~2 GB/s of reads and writes together). Each unit still gets the kernel call
+it got before, with the step's learning rate (taken when backward started; the schedule moves
+on at `step()` as before), so the result is the same. What needs the whole step done waits for
+it: the next backward (gradients accumulate again only after every unit was stepped), and
+named_parameters, checkpoints, close and `synchronize()`. A unit whose step failed on the worker
+is stepped again on the waiting thread (retry-safe) and its error raised there if it fails again;
+a non-finite gradient (NonFiniteGradientError) breaks the step (phase BROKEN: units before it
+were updated), any other error leaves it to be tried again. With several ranks `step()` waits
+as before (stages 1-2 gather the values after the step).
+
+`OverlappedStep` owns what one such step needs besides the engine: the worker, the step's
+learning rate, each unit's gradient sum of squares as its gradient becomes final (the global
+norm's terms), and the tail (units still being stepped after step() returned). `UnitStepper` is
+the worker: units are queued as their gradients become final and stepped one at a time, in
+queue order, on one thread; each queued unit has a future, and the queue can be re-sorted while
+it runs.
+"""
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
 import threading
-from collections.abc import Callable, Hashable
+import time
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+
+from infinity.zero import FetchUnit
+from infinity.zero.next_use import NextUseClock
+
+logger = logging.getLogger(__name__)
+
+
+class OverlappedStep:
+    """The overlapped optimizer step of the engine's trained units (one step at a time).
+
+    Args:
+        units: the trained units; unit i is `units[i]`.
+        step: `step(i, lr)` steps unit i at learning rate lr, on the worker (or, for a unit
+            whose step failed there, on the thread that waits for it: it must be retry-safe).
+        read_ahead: starts reading unit i's optimizer state without waiting (a hint).
+        next_use: the units' next-use clock (infinity.zero.next_use).
+    """
+
+    def __init__(self, units: Sequence[FetchUnit], step: Callable[[int, float], None],
+                 read_ahead: Callable[[int], None], next_use: NextUseClock) -> None:
+        self._units, self._step, self._next_use = list(units), step, next_use
+        self._stepper = UnitStepper(self._run, read_ahead)
+        self.lr = 0.0  # of the step being built: taken when its backward started
+        self._squares: list[float | None] = [None] * len(self._units)
+        self._tail = False  # step() returned; the units' futures are not settled yet
+        self.stepped_in_backward = 0  # units handed to the worker during backward
+        self.left_to_forward = 0  # units of a step not stepped yet when step() returned
+        self.forward_wait_s = 0.0  # forward waiting for units of the last step's tail
+
+    # -- during backward ----------------------------------------------------------------------
+
+    def begin(self, lr: float) -> None:
+        """A boundary backward starts: its units are stepped at `lr` (the schedule moves on at
+        step(), before the tail is done)."""
+        self.lr = lr
+        self._squares = [None] * len(self._units)
+
+    def grads_final(self, i: int, square: float, *, hand_over: bool) -> None:
+        """Unit i's gradient is final, with sum of squares `square`; `hand_over`: step it on the
+        worker now."""
+        self._squares[i] = square
+        if hand_over:
+            # The worker reads these values again soon (not at the next forward, as the trace
+            # says): keep the copy backward used in RAM.
+            ahead = [self._units[k].key for k in self._stepper.queued()]
+            self._next_use.read_by_optimizer([self._units[i].key], after=ahead)
+            self._stepper.submit(i)
+            self.stepped_in_backward += 1
+
+    # -- at step() ------------------------------------------------------------------------------
+
+    def queue_rest(self, square_of: Callable[[int], float]) -> list[float]:
+        """Backward is over: queue the units it did not hand over (resident ones, units that
+        got no gradient), each one's square taken (`square_of(i)`) before its step frees its
+        gradient. Returns every unit's square, in unit order. The tail is open from here."""
+        for i in range(len(self._units)):
+            if self._squares[i] is None:
+                self._squares[i] = square_of(i)
+            if self._stepper.future(i) is None:
+                self._stepper.submit(i)
+        self._tail = True
+        return list(self._squares)
+
+    def leave_to_forward(self, forward_order: Callable[[int], Hashable]) -> None:
+        """step() returns before the tail is done: the units not started run in
+        `forward_order` from now on, and their values stay in RAM for the next forward."""
+        left = self._stepper.reorder(key=forward_order)
+        self.left_to_forward += len(left)
+        self._next_use.read_by_optimizer([self._units[i].key for i in left])
+
+    # -- the tail -------------------------------------------------------------------------------
+
+    @property
+    def tail_open(self) -> bool:
+        return self._tail
+
+    def future(self, i: int) -> Future[None] | None:
+        """Unit i's future in this step (None: not queued)."""
+        return self._stepper.future(i)
+
+    def ready(self, i: int, wait: bool) -> bool:
+        """Whether unit i's values may be fetched: False while the tail still steps it; with
+        `wait`, wait for that (stepping it here if it failed on the worker) and return True."""
+        future = self.future(i) if self._tail else None
+        if future is None:
+            return True
+        if not wait:
+            return future.done() and future.exception() is None
+        start = time.perf_counter()
+        try:
+            if self._settle(i, future):
+                self._stepper.mark_done(i)
+        finally:
+            self.forward_wait_s += time.perf_counter() - start
+        return True
+
+    def settle(self) -> None:
+        """Wait for every unit of the step, stepping again here those that failed on the
+        worker. A unit that fails again raises its error once the worker is idle; the tail is
+        closed either way (the step stays unfinished, as a failed step() leaves it)."""
+        futures = self._stepper.take()
+        self._tail = False
+        try:
+            for i in range(len(self._units)):
+                self._settle(i, futures[i])
+        except BaseException:
+            concurrent.futures.wait(futures.values())
+            raise
+
+    def drain(self) -> None:
+        """Wait for the worker to finish what it was given and close the tail, retrying
+        nothing: the step is abandoned (a checkpoint load follows)."""
+        futures = self._stepper.take()
+        self._tail = False
+        concurrent.futures.wait(futures.values())
+
+    def shutdown(self) -> None:
+        """Finish what is queued and stop the worker."""
+        self._stepper.shutdown()
+
+    def _settle(self, i: int, future: Future[None]) -> bool:
+        """Wait for unit i's step; if it failed, step it here, raising if that fails too.
+        True if it was stepped here."""
+        error = future.exception()
+        if error is None:
+            return False
+        logger.warning("optimizer step of %s on the worker failed (%s); retrying",
+                       self._units[i].key, error)
+        self._step(i, self.lr)
+        return True
+
+    def _run(self, i: int) -> None:
+        self._step(i, self.lr)
+        if not self._tail:  # stepped during backward: next used at the far end of the next forward
+            self._next_use.stepped(self._units[i].key)
 
 
 class UnitStepper:
@@ -39,10 +222,11 @@ class UnitStepper:
             self._read_ahead(i)
         self._executor.submit(self._run_next)
 
-    def pending(self) -> int:
-        """Units queued or running: how many a unit submitted now waits for."""
+    def queued(self) -> list[int]:
+        """Units running or queued, in the order they will be done: what a unit submitted now
+        waits for."""
         with self._lock:
-            return len(self._waiting) + (self._running is not None)
+            return self._order()
 
     def reorder(self, key: Callable[[int], Hashable]) -> list[int]:
         """Units not started yet run in `key` order from now on (the new first one has its
@@ -50,7 +234,7 @@ class UnitStepper:
         they will be done: the running one, then the queue."""
         with self._lock:
             self._waiting.sort(key=lambda queued: key(queued[0]))
-            left = ([] if self._running is None else [self._running]) + [i for i, _ in self._waiting]
+            left = self._order()
             first = self._waiting[0][0] if self._waiting and self._running is not None else None
         if first is not None:
             self._read_ahead(first)
@@ -74,6 +258,9 @@ class UnitStepper:
     def shutdown(self) -> None:
         """Finish what is queued and stop the thread."""
         self._executor.shutdown(wait=True)
+
+    def _order(self) -> list[int]:
+        return ([] if self._running is None else [self._running]) + [i for i, _ in self._waiting]
 
     def _run_next(self) -> None:
         with self._lock:

@@ -19,6 +19,8 @@ infinity.zero.ranks.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from infinity.optim import UnitSpec
@@ -27,17 +29,22 @@ from infinity.zero import FetchUnit, GradBuffer, Partition, RamGrad, StoredGrad
 
 
 class RankedUnits:
-    """What this rank does with each trained unit (`trained[i]`) under `partition`."""
+    """What this rank does with each trained unit (`trained[i]`, `index[unit]` is i) under
+    `partition`. `optimizer_specs` (trained unit i -> what this rank's optimizer steps of it)
+    and `optimizer_index` (i -> the optimizer's unit) lack the units this rank steps no
+    element of."""
 
     def __init__(self, partition: Partition, trained: list[FetchUnit]) -> None:
         self.partition = partition
         self.ranks = partition.ranks
         self.trained = trained
+        self.index = {u: i for i, u in enumerate(trained)}
+        self.optimizer_specs = self._optimizer_specs()
+        self.optimizer_index = {i: j for j, i in enumerate(self.optimizer_specs)}
         self._averaged: set[int] = set()  # units whose gradient was averaged this step
 
-    def optimizer_specs(self) -> dict[int, UnitSpec]:
-        """Trained unit index -> what this rank's optimizer steps of it (a unit whose shard is
-        all padding is absent at stages 1 and 2)."""
+    def _optimizer_specs(self) -> dict[int, UnitSpec]:
+        """A unit whose shard is all padding is absent at stages 1 and 2."""
         specs = {}
         for i, u in enumerate(self.trained):
             shard = self.ranks.shard(u.numel)
@@ -112,13 +119,18 @@ class RankedUnits:
             return
         for u in self.trained:
             shard = self.ranks.shard(u.numel)
-            flat = store.fetch(u.key, Tier.HOST).result()
-            changed = False
-            try:
+            with store.hold(u.key, Tier.HOST, dirty=True) as flat:
                 flat.copy_(self.ranks.all_gather(shard.padded(flat), u.numel, f"values {u.key}"))
-                changed = True
-            finally:
-                store.release(u.key, Tier.HOST, dirty=changed)
+
+    def unit_values(self, store: TensorStore,
+                    unit: FetchUnit) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, values) of the unit's parameters, whole (gathered at stage 3 on several
+        ranks): views of the store's copy, whose use is held until the iteration ends (clone
+        what is kept past it)."""
+        with store.hold(unit.key, Tier.HOST) as flat:
+            flat = self.whole_values(flat, unit)
+            for s in unit.slots:
+                yield s.name, flat[s.offset:s.offset + s.shape.numel()].view(s.shape)
 
     def whole_values(self, shard: torch.Tensor, unit: FetchUnit) -> torch.Tensor:
         """A unit's whole values from what the store holds (stage 3: gathered from the ranks)."""

@@ -2,10 +2,12 @@
 the store), and the hand-over of a model whose parameters were already placed.
 
 [Note: placed models] `infinity.models.load` streams a checkpoint straight into a store laid
-out exactly as `initialize` would lay it out, and attaches (layout, store) to the model. The
-engine then adopts them instead of placing the parameters again: no copy, no moment where the
-model exists whole in memory. The config given to `initialize` must lay the model out the same
-way (precision, persistence threshold, tiers); the store's budgets stay those of the load.
+out exactly as `initialize` would lay it out, and hands (layout, store) over in the model's
+public attribute `infinity_placed` (a `Placed`; the documented contract between the two, see
+both docstrings). The engine then adopts them instead of placing the parameters again and
+removes the attribute: no copy, no moment where the model exists whole in memory. The config
+given to `initialize` must lay the model out the same way (precision, persistence threshold,
+tiers); the store's budgets stay those of the load.
 """
 
 from __future__ import annotations
@@ -24,8 +26,6 @@ from infinity.zero import FetchUnit, plan_units
 
 logger = logging.getLogger(__name__)
 
-_PLACED = "_infinity_placed"  # attribute of a model whose parameters are already in a store
-
 
 @dataclass(frozen=True, slots=True)
 class Layout:
@@ -42,7 +42,8 @@ class Layout:
 
 @dataclass(frozen=True, slots=True)
 class Placed:
-    """A model's parameters already in `store` per `layout` (see [Note: placed models])."""
+    """A model's parameters already in `store` per `layout`: what `infinity.models.load` leaves
+    in `model.infinity_placed` for `initialize` to adopt (see [Note: placed models])."""
 
     layout: Layout
     store: TensorStore
@@ -77,7 +78,7 @@ def lay_out(model: torch.nn.Module, config: Config, precision: Precision, device
 
 def optimizer_overlaps(config: Config, device: torch.device) -> bool:
     """Whether units are stepped during backward: see [Note: optimizer overlapped with
-    backward] (infinity/engine/_engine.py) and `infinity.overlap_optimizer`."""
+    backward] (infinity/engine/_overlap.py) and `infinity.overlap_optimizer`."""
     asked = config.infinity.overlap_optimizer
     if config.gradient_clipping > 0 or config.fp16.enabled:
         if asked is True:
@@ -124,26 +125,16 @@ def open_store(layout: Layout, config: Config, *, rank: int = 0) -> TensorStore:
                        rank=rank)
 
 
-def is_placed(model: torch.nn.Module) -> bool:
-    """Whether `model`'s values wait in a store for `initialize` (see [Note: placed models])."""
-    return getattr(model, _PLACED, None) is not None
-
-
-def attach_placed(model: torch.nn.Module, placed: Placed) -> None:
-    """Mark `model` as placed, for `initialize` to adopt (see [Note: placed models])."""
-    object.__setattr__(model, _PLACED, placed)
-
-
 def take_placed(model: torch.nn.Module, config: Config, precision: Precision,
                 device: torch.device, *, sharded_params: bool = False) -> Placed | None:
-    """The placement attached to `model` (detached from it: one engine owns the store), after
+    """`model.infinity_placed` (removed from it: one engine owns the store), after
     checking that `config` lays the model out the same way; None for an ordinary model.
 
     Raises ConfigError naming what differs, or when the engine keeps only a shard of each
     unit (`sharded_params`: stage 3 on several ranks), which a loaded store does not hold;
     the model keeps its placement then.
     """
-    placed: Placed | None = getattr(model, _PLACED, None)
+    placed: Placed | None = getattr(model, "infinity_placed", None)
     if placed is None:
         return None
     if sharded_params:
@@ -164,5 +155,5 @@ def take_placed(model: torch.nn.Module, config: Config, precision: Precision,
     if differ:
         raise ConfigError("this model was loaded into the store under another config; initialize it "
                           "with the config given to infinity.models.load. Differs: " + "; ".join(differ))
-    object.__delattr__(model, _PLACED)
+    del model.infinity_placed
     return placed

@@ -19,6 +19,7 @@ import torch
 
 from infinity.checkpoint import plan_shards, write_index, write_safetensors
 from infinity.config import parse_bytes
+from infinity.engine._step_state import StepPhase
 
 if TYPE_CHECKING:
     from infinity.engine._engine import Engine
@@ -36,7 +37,7 @@ def attach_save_pretrained(engine: Engine) -> None:
         return
 
     def save_pretrained(save_directory: str | os.PathLike[str], *args: Any, **kwargs: Any) -> None:
-        if engine._closed:
+        if engine.phase is StepPhase.CLOSED:
             return own(model, save_directory, *args, **kwargs)
         return save_streamed(engine, save_directory, *args, **kwargs)
 

@@ -30,7 +30,6 @@ import transformers
 from transformers.optimization import get_scheduler
 
 import infinity.deepspeed as deepspeed
-from infinity.engine import is_placed
 from infinity.hf._config import fill_from_training_args, read_config
 
 logger = logging.getLogger(__name__)
@@ -116,7 +115,7 @@ class Trainer(transformers.Trainer):
         return engine, train_dataloader
 
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
-        if self.engine is None and is_placed(self.model):
+        if self.engine is None and getattr(self.model, "infinity_placed", None) is not None:
             raise RuntimeError(
                 "evaluate()/predict() before train() on a model loaded into the store "
                 "(infinity.hf.from_pretrained): its values reach the model through the "

@@ -100,11 +100,6 @@ class Block:
         """Current byte offset in the arena (aligned); changes when the arena compacts."""
         return self._offset
 
-    @property
-    def live(self) -> bool:
-        """False once the block has been freed."""
-        return self._live
-
     def __repr__(self) -> str:
         state = f"offset={self._offset}" if self._live else "freed"
         return f"Block(shape={tuple(self.shape)}, dtype={self.dtype}, {state})"

@@ -22,7 +22,6 @@ from infinity.config import load_config
 from infinity.engine import (
     Layout,
     Placed,
-    attach_placed,
     choose_model_precision,
     lay_out,
     open_store,
@@ -55,7 +54,9 @@ def load(path: str | os.PathLike[str], config: dict[str, Any] | str | os.PathLik
     into fp32 parameters, or the reverse). Tied weights (lm_head = embed_tokens) load once.
 
     Until `initialize`, the parameters hold empty placeholders: the model is for training
-    through the engine (pass it the same config).
+    through the engine (pass it the same config). The store and its layout travel in
+    `model.infinity_placed` (an `infinity.engine.Placed`), which `initialize` adopts and
+    removes.
 
     `prepare`, when given, takes the model built on meta (checkpoint names already matched)
     and returns the model to place, e.g. wrapped with LoRA adapters and its base frozen
@@ -95,7 +96,7 @@ def load(path: str | os.PathLike[str], config: dict[str, Any] | str | os.PathLik
     logger.info("models: %s loaded into the %s tier (%d bytes, %d units) in %.1f s through a %d-byte window",
                 directory, layout.plan.param_home.label, nbytes, len(layout.units),
                 time.perf_counter() - started, window)
-    attach_placed(model, Placed(layout, store))
+    model.infinity_placed = Placed(layout, store)  # for initialize: [Note: placed models]
     return model
 
 

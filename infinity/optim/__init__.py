@@ -4,14 +4,13 @@ from infinity.optim._native import adam_step, available_isas, resolve_isa
 from infinity.optim.cpu_adam import CPUAdam
 from infinity.optim.loss_scaler import DynamicLossScaler
 from infinity.optim.lr_schedule import LRSchedule, WarmupCosineLR, WarmupDecayLR, WarmupLR
-from infinity.optim.swapped import DecaySpan, StepResult, SwappedOptimizer, UnitSpec
+from infinity.optim.swapped import DecaySpan, SwappedOptimizer, UnitSpec
 
 __all__ = [
     "CPUAdam",
     "DecaySpan",
     "DynamicLossScaler",
     "LRSchedule",
-    "StepResult",
     "SwappedOptimizer",
     "UnitSpec",
     "WarmupCosineLR",

@@ -1,26 +1,27 @@
-"""How the swapped optimizer cuts its state into tiles, and the values a pass over tiles updates.
+"""How the swapped optimizer cuts each unit's Adam state into tiles, and what a tile holds.
 
-A tile is one store entry of shape (rows, n): [master,] exp_avg, exp_avg_sq for n elements of
-one or more "groups" (a parameter, or an engine fetch unit). Rows and grouping are decided here;
-the streaming itself is in `infinity.optim.swapped`.
+[Note: tile formats] A tile is one store entry holding the state of elements [start, stop) of
+one unit, in the rows of its `TileFormat`. Today the rows are float32: master, exp_avg and
+exp_avg_sq for a bf16/fp16 unit; exp_avg and exp_avg_sq for a float32 unit, whose values entry
+is its master. Everything that depends on how rows are stored goes through the format: the
+bytes of a tile (`nbytes`, which the host budget check uses), a new tile (`new`), the update
+(`step`, the kernel calls) and the float32 rows that checkpoints read and write (`read_rows`,
+`write_rows`: views today, dequantized and requantized copies for a compressed format). A
+format that stores rows otherwise (bf16 or block-quantized moments with per-block scales, no
+master) is another TileFormat: the streaming, the retry-safe step record and the checkpoint
+streaming in `swapped` and `_state` stay as they are.
 """
 
 from __future__ import annotations
 
-import bisect
-import itertools
-import logging
-import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
+from torch.autograd.graph import increment_version
 
-from infinity.store import TensorStore, Tier
-
-logger = logging.getLogger(__name__)
-
-GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from infinity.optim._decay import UnitKernels
+from infinity.optim._grads import GradPieces
 
 
 class UnitSpec(NamedTuple):
@@ -33,164 +34,81 @@ class UnitSpec(NamedTuple):
     offset: int = 0  # first element stepped in the values entry (it holds offset + numel or more)
 
 
-class Segment(NamedTuple):
-    """The part of one group (parameter or unit) that falls in one tile."""
+class Tile(NamedTuple):
+    """Elements [start, stop) of one unit's state: the I/O unit of a step."""
 
-    param: int  # index of the parameter (param mode) or unit (unit mode)
-    param_offset: int  # first element in the flattened group
-    tile_offset: int  # first element in the tile
+    unit: int
+    start: int  # first element, in the unit's elements stepped
     numel: int
 
-
-def cut_tiles(numels: Sequence[int], tile_numel: int) -> list[list[Segment]]:
-    """Cut groups laid end to end into tiles of tile_numel elements (the last may be short):
-    a tile may span several groups (param mode, DeepSpeed's sub groups)."""
-    tiles: list[list[Segment]] = [[]]
-    used = 0
-    for i, numel in enumerate(numels):
-        done = 0
-        while done < numel:
-            if used == tile_numel:
-                tiles.append([])
-                used = 0
-            take = min(numel - done, tile_numel - used)
-            tiles[-1].append(Segment(i, done, used, take))
-            used += take
-            done += take
-    return [t for t in tiles if t]
+    @property
+    def stop(self) -> int:
+        return self.start + self.numel
 
 
-def cut_per_group(numels: Sequence[int], tile_numel: int) -> list[list[Segment]]:
-    """Cut each group on its own (unit mode): a tile never spans two groups, so a unit can be
-    stepped as soon as its gradient is final."""
-    return [[Segment(i, start, 0, min(tile_numel, numel - start))]
-            for i, numel in enumerate(numels) for start in range(0, numel, tile_numel)]
+def cut_units(numels: Sequence[int], tile_numel: int) -> list[Tile]:
+    """Each unit cut on its own into tiles of at most `tile_numel` elements, units in order: a
+    tile never spans two units, so a unit can be stepped as soon as its gradient is final."""
+    return [Tile(u, start, min(tile_numel, numel - start))
+            for u, numel in enumerate(numels) for start in range(0, numel, tile_numel)]
 
 
-def tile_numel_of(segments: Sequence[Segment]) -> int:
-    last = segments[-1]
-    return last.tile_offset + last.numel
+class TileFormat:
+    """The rows a tile's store entry holds and how; see [Note: tile formats]."""
 
-
-def spans(seg: Segment) -> tuple[slice, slice]:
-    """The segment's elements in its group's flat values, and its columns in the tile."""
-    return (slice(seg.param_offset, seg.param_offset + seg.numel),
-            slice(seg.tile_offset, seg.tile_offset + seg.numel))
-
-
-def check_grad_pieces(name: str, grad: object, numel: int) -> GradPieces:
-    """`check_grad` for a gradient given whole (a 1-D tensor) or as 1-D tensors laid end to
-    end; returns it as GradPieces."""
-    def one_d(label: str, piece: object, expected: int) -> torch.Tensor:
-        check_grad(label, piece, expected)
-        if piece.dim() != 1:
-            raise ValueError(f"{label} must be 1-D, got shape {tuple(piece.shape)}")
-        return piece
-
-    if isinstance(grad, torch.Tensor):
-        return GradPieces([one_d(name, grad, numel)])
-    if not isinstance(grad, (list, tuple)) or not grad:
-        raise TypeError(f"{name} must be a 1-D tensor or a non-empty list of them, got {type(grad).__name__}")
-    pieces = GradPieces([one_d(f"{name} (piece {k})", piece, piece.numel() if isinstance(piece, torch.Tensor) else -1)
-                         for k, piece in enumerate(grad)])
-    if pieces.numel != numel:
-        raise ValueError(f"{name}: the pieces must lay {numel} elements end to end, got {pieces.numel}")
-    return pieces
-
-
-def all_finite(t: torch.Tensor) -> bool:
-    """No inf/nan in `t`: one pass (a sum, which any inf/nan makes non-finite; float16 is
-    summed in float32 not to overflow)."""
-    return math.isfinite(float(t.sum(dtype=torch.float32 if t.dtype == torch.float16 else None)))
-
-
-def check_grad(name: str, grad: object, numel: int) -> torch.Tensor:
-    """Refuse, before any state is touched, a gradient the kernel would reject part-way through
-    a step (which would leave some tiles updated and others not)."""
-    if not isinstance(grad, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(grad).__name__}")
-    if grad.device.type != "cpu" or grad.layout != torch.strided:
-        raise ValueError(f"{name} must be a dense CPU tensor, got {grad.device} / {grad.layout}")
-    if grad.dtype not in GRAD_DTYPES:
-        raise TypeError(f"{name} has dtype {grad.dtype}; expected float32, bfloat16 or float16")
-    if grad.numel() != numel or not grad.is_contiguous():
-        raise ValueError(f"{name} must be contiguous with {numel} elements, got shape "
-                         f"{tuple(grad.shape)}, contiguous={grad.is_contiguous()}")
-    return grad
-
-
-class GradPieces:
-    """A group's gradient as 1-D tensors laid end to end (an engine unit's parameters' own
-    gradients), read by element range without being joined into one buffer."""
-
-    def __init__(self, pieces: Sequence[torch.Tensor]) -> None:
-        self.pieces = list(pieces)
-        self.starts = [0, *itertools.accumulate(p.numel() for p in self.pieces)]
+    def __init__(self, rows: tuple[str, ...]) -> None:
+        self.rows = rows
 
     @property
-    def numel(self) -> int:
-        return self.starts[-1]
+    def has_master(self) -> bool:
+        """The tiles keep the fp32 master (else the unit's float32 values are the master)."""
+        return "master" in self.rows
 
-    def ranges(self, start: int, stop: int) -> Iterator[tuple[int, torch.Tensor]]:
-        """(first element, the gradient of elements [first, ...)) covering [start, stop)."""
-        k = bisect.bisect_right(self.starts, start) - 1
-        while start < stop:
-            base, piece = self.starts[k], self.pieces[k]
-            end = min(stop, base + piece.numel())
-            if end > start:
-                yield start, piece[start - base:end - base]
-            start, k = end, k + 1
+    def nbytes(self, numel: int) -> int:
+        """Bytes of the store entry of a tile of `numel` elements."""
+        return len(self.rows) * 4 * numel
+
+    def new(self, numel: int, master: torch.Tensor | None) -> torch.Tensor:
+        """A tile before the first step: zero moments, the master from the values (upcast)."""
+        tile = torch.zeros(len(self.rows), numel)
+        if self.has_master:
+            tile[0].copy_(master)
+        return tile
+
+    def read_rows(self, tile: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The tile's rows by name as float32, for a checkpoint to save (views: not to be
+        written)."""
+        return dict(zip(self.rows, tile, strict=True))
+
+    def write_rows(self, tile: torch.Tensor, fill: Callable[[str, torch.Tensor], None]) -> None:
+        """Set every row from float32 values: `fill(name, out)` writes the row's values into
+        `out` (a checkpoint being loaded, one tile at a time)."""
+        for name, row in zip(self.rows, tile, strict=True):
+            fill(name, row)
+
+    def step(self, kernels: UnitKernels, tile: torch.Tensor, values: torch.Tensor,
+             grad: GradPieces, start: int) -> None:
+        """Update the tile and `values` (its elements of the unit's values) from the gradient
+        of elements [start, start + len(values)) of the unit, one kernel call per gradient
+        piece and weight decay range. Every input is fetched and checked already (see
+        AdamKernel)."""
+        rows = dict(zip(self.rows, tile, strict=True))
+        master = rows["master"] if self.has_master else values
+        lowp = values if self.has_master else None  # new values rounded from the master
+        for first, g in grad.ranges(start, start + values.numel()):
+            for lo, hi, kernel in kernels.ranges(first, first + g.numel()):
+                at = slice(lo - start, hi - start)
+                kernel(master[at], g[lo - first:hi - first], rows["exp_avg"][at],
+                       rows["exp_avg_sq"][at], None if lowp is None else lowp[at])
+        increment_version(values)  # as an in-place op would: a graph that saved them fails loudly
 
 
-class GroupValues:
-    """The values of each group during one pass over tiles: a host tensor, or a store entry
-    fetched to the host tier on first use and released (written back if changed) by
-    `release`, so an entry spanning many tiles is read and written once per pass.
+MASTER_AND_MOMENTS = TileFormat(("master", "exp_avg", "exp_avg_sq"))
+MOMENTS = TileFormat(("exp_avg", "exp_avg_sq"))
+STATE_ROWS = MASTER_AND_MOMENTS.rows  # what iter_state yields and load_state takes, per unit
 
-    Every fetch is released by `release_all` on every path, modified entries dirty: their
-    tiles already record the step, so the new values must reach the store."""
 
-    def __init__(self, store: TensorStore, keys: Sequence[str | None],
-                 host: Sequence[torch.Tensor] | None, numels: Sequence[int],
-                 dtypes: Sequence[torch.dtype], offsets: Sequence[int] | None = None) -> None:
-        self._store, self._keys, self._host = store, keys, host
-        self._numels, self._dtypes = numels, dtypes
-        self._offsets = offsets if offsets is not None else [0] * len(numels)
-        self._held: dict[int, list] = {}  # group -> [tensor or None while reading, modified]
-
-    def get(self, i: int) -> torch.Tensor:
-        """The flat values of group i (its slice of the store entry)."""
-        key = self._keys[i]
-        if key is None:
-            return self._host[i].data.view(-1)
-        held = self._held.get(i)
-        if held is None:
-            future = self._store.fetch(key, Tier.HOST)
-            held = self._held[i] = [None, False]  # a use is taken: released even if the read fails
-            value = future.result()
-            start, stop = self._offsets[i], self._offsets[i] + self._numels[i]
-            if value.numel() < stop or value.dtype != self._dtypes[i]:
-                raise ValueError(f"store entry {key!r} holds {value.numel()} x {value.dtype}; expected "
-                                 f"{stop if start == 0 else f'[{start}:{stop}] of'} x {self._dtypes[i]}")
-            held[0] = value.view(-1)[start:stop]
-        return held[0]
-
-    def modified(self, i: int) -> None:
-        if i in self._held:
-            self._held[i][1] = True
-
-    def release(self, i: int) -> None:
-        held = self._held.pop(i, None)
-        if held is not None:
-            self._store.release(self._keys[i], Tier.HOST, dirty=held[1])
-
-    def release_all(self) -> None:
-        """Release everything still held; raises the first error after trying them all."""
-        error = None
-        for i in list(self._held):
-            try:
-                self.release(i)
-            except Exception as exc:  # noqa: BLE001 - keep releasing, re-raised below
-                error = error or exc
-        if error is not None:
-            raise error
+def format_for(dtype: torch.dtype) -> TileFormat:
+    """A float32 unit's values entry is its master: its tiles hold the moments (8 B/element);
+    a bf16/fp16 unit's tiles hold an fp32 master too (12 B/element)."""
+    return MOMENTS if dtype == torch.float32 else MASTER_AND_MOMENTS

@@ -11,7 +11,7 @@ DeepSpeed's `WarmupLR`, `WarmupDecayLR` and `WarmupCosineLR` (deepspeed/runtime/
   warmup never divides by log(1).
 - "log" warmup: gamma = log(step + 1) / log(W); "linear": gamma = step / W; gamma = 1 after W.
 
-This module takes numbers only; building a schedule from a config section is the config's job.
+This module takes numbers only; the engine builds a schedule from the config's `scheduler` section.
 """
 
 from __future__ import annotations

@@ -26,7 +26,9 @@ class DirectionStats:
 
 
 class MoveLog:
-    """Counters per (source, destination) and, optionally, every move with its times. Thread-safe."""
+    """Counters per (source, destination) and, optionally, every move with its times.
+
+    Thread-safe: its own lock is a leaf (taken alone or after the store's lock)."""
 
     def __init__(self, *, keep_timeline: bool = True, max_events: int = 1_000_000) -> None:
         self._lock = threading.Lock()
@@ -76,7 +78,8 @@ class MoveLog:
                 "args": {"nbytes": nbytes},
             })
         for lane, tid in rows.items():
-            trace.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": lane}})
+            trace.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid,
+                          "args": {"name": lane}})
         tmp = f"{os.fspath(path)}.tmp"
         with open(tmp, "w") as f:
             json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)

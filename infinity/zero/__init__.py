@@ -1,5 +1,5 @@
 """ZeRO: parameters live in the store as per-module fetch units and come in along the layer
-trace, partitioned over data-parallel ranks by the stage (see DESIGN.md, "zero")."""
+trace, partitioned over data-parallel ranks by the stage (see docs/design.md and docs/engine.md)."""
 
 from infinity.zero._common import PrefetchStats, UnitState
 from infinity.zero.coordinator import ParamCoordinator

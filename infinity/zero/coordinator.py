@@ -11,8 +11,15 @@ the values in the store (the optimizer step).
 are fetched (taking a store use, state FETCHING) until the elements within the window exceed
 `prefetch_numel` or the live elements would exceed `max_live_numel` (the next unit is always
 allowed). A released unit whose next use in the trace comes within `max_reuse_numel` elements
-stays READY. The store is told the distance (in uses) to each unit's next use, so its eviction
-follows the trace. Budgets are in elements, as DeepSpeed's stage3_* knobs are.
+stays READY. The store is told the distance to each unit's next use (`next_use`, the one
+writer of units' next-use hints), so its eviction follows the trace. Budgets are in elements,
+as DeepSpeed's stage3_* knobs are.
+
+[Note: callbacks outside the lock] The engine's callbacks run without the coordinator's lock:
+`on_grads_final` may run a collective and hand the unit to the optimizer's worker, and
+`ready(unit, True)` may wait for the worker or step the unit itself, while the worker, or
+another thread, may need the coordinator. A use waits for its units to be ready before it takes
+the lock (`_wait_ready`); under the lock `ready` is only asked, never waited on.
 
 [Note: gathers in step on every rank] With the parameters partitioned over ranks, each unit
 becomes READY through one all-gather, which every rank must issue in the same order. Whether a
@@ -40,14 +47,13 @@ import torch
 from infinity.errors import BudgetError
 from infinity.store import TensorStore, Tier
 from infinity.zero._common import PrefetchStats, UnitState
+from infinity.zero.next_use import NextUseClock
 from infinity.zero.ranks import PendingGather, Ranks
-from infinity.zero.saved_views import ViewIndex, pack_saved, unpack_saved
+from infinity.zero.saved_views import SavedView, ViewIndex, pack_saved, unpack_saved
 from infinity.zero.trace import PassCursor, Trace, TraceBook
 from infinity.zero.unit import FetchUnit
 
 logger = logging.getLogger(__name__)
-
-_FAR = float(1 << 30)  # next-use distance of a unit the current trace does not use again
 
 
 class ParamCoordinator:
@@ -61,14 +67,15 @@ class ParamCoordinator:
         device: the compute device (placeholders are made there).
         prefetch_numel, max_live_numel, max_reuse_numel: see [Note: prefetch along the trace].
         max_traces: traces memoised per pass key.
-        on_grads_final: called (lock held, keep it short) when a unit's gradient buffer holds
-            this backward's final gradients, after the unit was released.
+        on_grads_final: called when a unit's gradient buffer holds this backward's final
+            gradients, after the unit was released (the lock not held: [Note: callbacks
+            outside the lock]).
         gather: with several ranks at stage 3, the store holds this rank's shard of each unit:
             a fetched shard is all-gathered into the whole unit before it is bound, and units
             are not kept for reuse (see [Note: gathers in step on every rank]).
         ready: asked before a unit's values are fetched, `ready(unit, wait)`: whether they may
             be now (the engine's optimizer may still be updating them); with wait=True it
-            returns once they may. Prefetch stops at a unit not ready.
+            returns once they may (called without the lock). Prefetch stops at a unit not ready.
 
     Thread-safe (autograd may run hooks from its own threads).
     """
@@ -89,6 +96,7 @@ class ParamCoordinator:
         self.max_live_numel = int(max_live_numel)
         self.max_reuse_numel = int(max_reuse_numel)
         self.stats = PrefetchStats()
+        self.next_use = NextUseClock(store)
         self._placeholders = {u.compute_dtype: torch.empty(0, dtype=u.compute_dtype, device=device)
                               for u in self.units}
         self._book = TraceBook([u.numel for u in self.units], max_traces)
@@ -106,6 +114,7 @@ class ParamCoordinator:
 
     def begin_pass(self, key: Hashable) -> None:
         """Start a pass (ending one still open) and prefetch the head of its memoised trace."""
+        self._wait_ready(self._resident)
         with self._lock:
             if self._cursor is not None:
                 self.end_pass()
@@ -146,13 +155,9 @@ class ParamCoordinator:
 
     def acquire(self, units: Sequence[FetchUnit]) -> None:
         """A module is about to run: its units' parameters hold their values on return."""
+        self._wait_ready([*self._resident, *units])
         with self._lock:
-            self._fetch_resident()
-            for u in units:
-                self._use(u)
-                u.users += 1
-            if self.gather is not None:
-                self._gather_next()
+            self._acquire(units)
 
     def release(self, units: Sequence[FetchUnit]) -> None:
         """A module finished: units no module uses any more are released (or kept for reuse)."""
@@ -166,10 +171,11 @@ class ParamCoordinator:
 
     def acquire_for_backward(self, units: Sequence[FetchUnit]) -> None:
         """A module's backward is about to run: hold its units until their gradients are final."""
+        self._wait_ready([*self._resident, *units])
         with self._lock:
             self.in_backward = True
             todo = [u for u in units if not u.held_for_backward]
-            self.acquire(todo)
+            self._acquire(todo)
             for u in todo:
                 u.held_for_backward = True
 
@@ -178,8 +184,11 @@ class ParamCoordinator:
         gradient buffer and let the unit go."""
         with self._lock:
             unit.grads_seen += 1
-            if unit.grads_seen == len(unit.slots):
+            final = unit.grads_seen == len(unit.slots)
+            if final:
                 self._finish_grads(unit)
+        if final:
+            self._grads_final(unit)
 
     def frozen_backward_done(self, units: Sequence[FetchUnit]) -> None:
         """A module's backward finished (its inputs' gradients exist): let its frozen units go;
@@ -194,12 +203,16 @@ class ParamCoordinator:
         """After loss.backward(): collect gradients of units some of whose parameters got none,
         release what backward still held, and end the pass."""
         with self._lock:
+            finished = [u for u in self.units if u.grads_seen]
             for u in self.units:
                 if u.grads_seen:
                     self._finish_grads(u)
                 elif u.held_for_backward:
                     u.held_for_backward = False
                     self.release([u])
+        for u in finished:
+            self._grads_final(u)
+        with self._lock:
             self.end_pass()
 
     def release_all(self) -> None:
@@ -221,19 +234,54 @@ class ParamCoordinator:
 
     def unpack(self, saved: Any) -> torch.Tensor:
         """Autograd unpack hook: see [Note: saved parameter views]."""
+        if isinstance(saved, SavedView):
+            self._wait_ready([saved.unit])
         with self._lock:
             return unpack_saved(self, saved)
 
+    # -- callbacks (lock not held): see [Note: callbacks outside the lock] ----------------------
+
+    def _grads_final(self, unit: FetchUnit) -> None:
+        if self.on_grads_final is not None:
+            self.on_grads_final(unit)
+
+    def _wait_ready(self, units: Sequence[FetchUnit]) -> None:
+        """Return once the engine lets these units' values be fetched (waiting for the
+        optimizer to finish updating them); a use that waited counts as `after_optimizer`."""
+        if self.ready is None:
+            return
+        for u in units:
+            if u.state is not UnitState.RELEASED or self.ready(u, False):
+                continue
+            with self._lock:
+                self._not_ready.add(u)
+                # kept for reuse: the optimizer updating u may need the room
+                self._drop_unused(UnitState.READY)
+            try:
+                self.ready(u, True)  # (stepping u here if the worker failed)
+            except BudgetError:
+                with self._lock:
+                    self._drop_unused()
+                self.ready(u, True)
+
     # -- internals (lock held) -------------------------------------------------------------------
 
+    def _acquire(self, units: Sequence[FetchUnit]) -> None:
+        self._fetch_resident()
+        for u in units:
+            self._use(u)
+            u.users += 1
+        if self.gather is not None:
+            self._gather_next()
+
     def _finish_grads(self, unit: FetchUnit) -> None:
+        """Take the unit's gradients and let it go; the caller calls `_grads_final` once the
+        lock is released."""
         self._with_room(unit.take_grads)  # a gradient in the store may need the read-ahead's room
         unit.grads_seen = 0
         if unit.held_for_backward:
             unit.held_for_backward = False
             self.release([unit])
-        if self.on_grads_final is not None:
-            self.on_grads_final(unit)
 
     def _fetch_resident(self) -> None:
         if self._resident_ready:
@@ -275,8 +323,8 @@ class ParamCoordinator:
         u.expect(UnitState.RELEASED)
         self._not_ready.discard(u)
         if self.ready is not None and not self.ready(u, False):
-            self._drop_unused(UnitState.READY)  # kept for reuse: the optimizer updating u may need the room
-            self._with_room(lambda: self.ready(u, True))  # (stepping u here if the worker failed)
+            raise RuntimeError(f"unit {u.name!r} fetched while the optimizer updates it: a use "
+                               f"waits for it before taking the lock (_wait_ready)")
 
         def fetch() -> None:
             u.future = self.store.fetch(u.key, self.fetch_tier, next_use=next_use)
@@ -329,14 +377,15 @@ class ParamCoordinator:
         if not u.persistent:
             self._live_numel -= u.numel
         self.store.release(u.key, self.fetch_tier)
-        self.store.set_next_use({u.key: self._next_use_distance(u)})
+        self.next_use.released(u.key, self._uses_until_next(u))
 
-    def _next_use_distance(self, u: FetchUnit) -> float:
+    def _uses_until_next(self, u: FetchUnit) -> int | None:
+        """Uses of the trace from now to u's next one (None: the trace does not use it again)."""
         trace = self._cursor.trace if self._cursor is not None else None
         if trace is None or not 0 <= u.last_pos < len(trace):
-            return _FAR
+            return None
         nxt = trace.next_pos[u.last_pos]
-        return float(nxt - self._cursor.pos) if nxt < len(trace) else _FAR
+        return nxt - self._cursor.pos if nxt < len(trace) else None
 
     def _reused_soon(self, u: FetchUnit) -> bool:
         if self.gather is not None:  # See [Note: gathers in step on every rank]

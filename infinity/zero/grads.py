@@ -39,6 +39,11 @@ def _sum_is_finite(t: torch.Tensor) -> bool:
     return math.isfinite(float(t.sum(dtype=torch.float32)))
 
 
+def pieces_are_finite(pieces: Sequence[torch.Tensor]) -> bool:
+    """No inf/nan in a gradient's pieces (`GradBuffer.read_pieces()`): one pass, nothing kept."""
+    return all(_sum_is_finite(p) for p in pieces)
+
+
 class GradBuffer(ABC):
     """A unit's gradient between optimizer steps. `has_grad` is False until the first gradient
     of a step; `numel` is the unit's elements (with a FlatGrad's `scatter`: this rank's padded
@@ -79,7 +84,7 @@ class GradBuffer(ABC):
         pass over it."""
         if self.finite is None:
             with self.read_pieces() as pieces:
-                self.finite = all(_sum_is_finite(p) for p in pieces)
+                self.finite = pieces_are_finite(pieces)
         return self.finite
 
 
@@ -181,19 +186,11 @@ class StoredGrad(FlatGrad):
         self.key, self.store = key, store
         store.put(key, torch.zeros(numel, dtype=dtype), home)
 
-    @contextlib.contextmanager
-    def _fetched(self, *, dirty: bool) -> Iterator[torch.Tensor]:
-        flat = self.store.fetch(self.key, Tier.HOST).result()
-        try:
-            yield flat
-        finally:
-            self.store.release(self.key, Tier.HOST, dirty=dirty)
-
     def _writable(self) -> contextlib.AbstractContextManager[torch.Tensor]:
-        return self._fetched(dirty=True)
+        return self.store.hold(self.key, Tier.HOST, dirty=True)
 
     def _readable(self) -> contextlib.AbstractContextManager[torch.Tensor]:
-        return self._fetched(dirty=False)
+        return self.store.hold(self.key, Tier.HOST)
 
 
 class HeldGrad(GradBuffer):

@@ -48,7 +48,7 @@ class _ModuleState:
         if self._acquired and not self._acquired.pop():
             return  # its acquire raised (the pass is aborted at the root)
         if not failed and torch.is_grad_enabled() and self.coordinator.in_backward:
-            # A forward recomputed inside backward (activation checkpointing): its saved tensors
+            # A forward recomputed inside backward (activation recomputation): its saved tensors
             # are used right away and are not saved by position, so keep the values until the
             # unit's gradients are final.
             self.coordinator.acquire_for_backward(self.units)

@@ -1,6 +1,7 @@
 """aio.asyncio: awaitable I/O, on the native engine or through aiofiles."""
 
 import asyncio
+import sys
 
 import numpy as np
 import pytest
@@ -43,5 +44,23 @@ def test_errors(tmp_path, native):
                 await aio_asyncio.read(tmp_path / "short", torch.empty(4), handle=handle)
             with pytest.raises(aio.AIOError):
                 await aio_asyncio.write(tmp_path / "nodir" / "x", torch.empty(4), handle=handle)
+
+    asyncio.run(main())
+
+
+def test_without_aiofiles_only_the_handle_path_works(tmp_path, monkeypatch):
+    """aiofiles is the `asyncio` extra: without it the fallback names the extra, the native path
+    does not need it."""
+    monkeypatch.setitem(sys.modules, "aiofiles", None)  # import aiofiles -> ImportError
+    t = torch.arange(1024, dtype=torch.float32)
+
+    async def main():
+        with pytest.raises(ImportError, match=r"pip install 'infinity-offload\[asyncio\]'"):
+            await aio_asyncio.write(tmp_path / "x", t)
+        with aio.Handle() as handle:
+            assert await aio_asyncio.write(tmp_path / "x", t, handle=handle) == t.nbytes
+            out = torch.empty_like(t)
+            assert await aio_asyncio.read(tmp_path / "x", out, handle=handle) == t.nbytes
+        assert torch.equal(out, t)
 
     asyncio.run(main())

@@ -93,3 +93,20 @@ def test_fault_added_while_io_runs_still_fires(backend, tmp_path):
             h.read(torch.empty(10), tmp_path / "x").wait(timeout=30)
         for r in running:
             r.wait(timeout=30)
+
+
+def test_faults_leave_once_fired_so_a_handle_takes_any_number_over_its_life(backend, tmp_path):
+    """A fault leaves the handle's list when its piece comes (the list holds 64): 100 faults
+    installed one after another each fire at the next read, and the reads between them, with no
+    fault installed, succeed (the unarmed path counts nothing, so "nth from now" still holds)."""
+    with _faulty(backend) as h:
+        t = torch.arange(1000.0)
+        h.write(t, tmp_path / "x").wait()
+        for _ in range(100):
+            h.inject(aio.Fault(op="read", nth=1, kind="errno", errno=errno.EIO))
+            out = torch.empty_like(t)
+            assert h.read(out, tmp_path / "x").wait(timeout=30) == t.numel() * 4
+            assert torch.equal(out, t)
+            with pytest.raises(aio.AIOError, match="EIO"):
+                h.read(out, tmp_path / "x").wait(timeout=30)
+            h.write(t, tmp_path / "x").wait(timeout=30)  # writes count apart: never a fault

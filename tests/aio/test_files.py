@@ -12,7 +12,8 @@ import aio
 from aio import _files
 
 
-def test_direct_io_refused_falls_back_to_buffered_with_one_warning(tmp_path, monkeypatch, caplog, backend):
+def _refuse_direct_io(monkeypatch) -> None:
+    """From now on the engine's opener sees O_DIRECT refused, as on a file system without it."""
     real_open = os.open
 
     def refuse_direct(path, flags, *args):
@@ -22,6 +23,10 @@ def test_direct_io_refused_falls_back_to_buffered_with_one_warning(tmp_path, mon
 
     monkeypatch.setattr(_files.os, "open", refuse_direct)
     monkeypatch.setattr(_files, "_warned_devices", set())
+
+
+def test_direct_io_refused_falls_back_to_buffered_with_one_warning(tmp_path, monkeypatch, caplog, backend):
+    _refuse_direct_io(monkeypatch)
     caplog.set_level(logging.WARNING, logger="aio._files")
     with aio.Handle(backend=backend) as h:
         t = torch.randn(300_000)
@@ -32,6 +37,18 @@ def test_direct_io_refused_falls_back_to_buffered_with_one_warning(tmp_path, mon
             assert torch.equal(out, t)
     warnings = [r for r in caplog.records if "refuses O_DIRECT" in r.getMessage()]
     assert len(warnings) == 1
+
+
+def test_direct_io_supported_asks_the_engines_opener_and_leaves_nothing(tmp_path, monkeypatch):
+    opened = _files.open_file(str(tmp_path / "f"), writable=True)
+    opened.close()
+    os.unlink(tmp_path / "f")
+    assert aio.direct_io_supported(str(tmp_path)) is (opened.direct_fd >= 0)
+    _refuse_direct_io(monkeypatch)
+    assert aio.direct_io_supported(str(tmp_path)) is False
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(aio.AIOError, match="open for write"):
+        aio.direct_io_supported(str(tmp_path / "missing"))
 
 
 def test_tmpfs_round_trip(backend):

@@ -45,6 +45,6 @@ def test_reset_leaves_one_hole():
     free = FreeList(100)
     assert free.take(40) == 0
     free.reset(70)
-    assert free.holes() == [(70, 30)] and free.hole_count == 1
+    assert free.holes() == [(70, 30)] and free.largest_nbytes == free.free_nbytes == 30
     free.reset(100)
     assert free.holes() == [] and free.take(1) is None

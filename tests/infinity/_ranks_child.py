@@ -15,7 +15,8 @@ by inf there.
 Checkpoints: `load` (a directory) restores before training, which then runs from the loaded
 step to `steps` (the parameters right after loading are recorded as "loaded");
 `save`+`save_after`: save there after that many steps (parameters then recorded as "saved").
-Both record "draw", four numbers from torch's RNG right after the save / the load.
+Both record "draw", four numbers from torch's RNG right after the save / the load. Every case
+records "grad_norms", `engine.last_grad_norm` after each step.
 `data_world` (default: the world) is the number of ranks whose rows the whole job trains on,
 split over this job's ranks (a 1-rank job resuming a 2-rank run takes both ranks' rows).
 """
@@ -82,6 +83,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
                 engine.backward(loss)
                 engine.step()
                 losses.append(float(loss))
+            record.setdefault("grad_norms", []).append(engine.last_grad_norm)
             if step + 1 == case.get("save_after"):
                 engine.save_checkpoint(case["save"])
                 record["saved"] = dict(engine.named_parameters())

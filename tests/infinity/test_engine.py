@@ -363,11 +363,11 @@ def test_a_unit_backward_let_go_is_kept_in_ram_for_its_step_and_its_gradient_fre
     for args, kwargs in data:
         loss = loss_of(engine(*args, **kwargs))
         engine.backward(loss)
-        for i in range(len(engine._trained)):  # the units handed to the worker during backward
+        for i in range(len(engine.ranked.trained)):  # units handed to the worker in backward
             future = engine._stepper.future(i)
             if future is not None:
                 future.result()
-                assert not engine._trained[i].grad.has_grad  # freed before step() is called
+                assert not engine.ranked.trained[i].grad.has_grad  # freed before step() is called
         engine.step()
         losses.append(loss.item())
     assert engine.units_stepped_in_backward > 0
@@ -520,7 +520,7 @@ def test_a_failed_initialize_leaves_the_model_as_it_was(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("optimizer could not be built")
 
-    monkeypatch.setattr("infinity.engine._engine.SwappedOptimizer.from_units", broken)
+    monkeypatch.setattr("infinity.engine._engine.SwappedOptimizer", broken)
     with pytest.raises(RuntimeError, match="could not be built"):
         infinity.initialize(model, config(tmp_path, "nvme", "none"))
     for name, p in model.named_parameters():

@@ -123,7 +123,7 @@ def test_an_fp32_checkpoint_resumes_in_a_bf16_run_with_fp32_masters(tmp_path):
     assert {n: t.dtype for n, t in bf16.named_parameters()} == {n: torch.bfloat16 for n in fp32}
     assert all(torch.equal(t, fp32[n].bfloat16()) for n, t in bf16.named_parameters())
     state = dict(bf16.optimizer.iter_state())  # the master keeps the fp32 values, not their rounding
-    flat = torch.cat([fp32[s.name].reshape(-1) for s in bf16._trained[0].slots])
+    flat = torch.cat([fp32[s.name].reshape(-1) for s in bf16.ranked.trained[0].slots])
     assert torch.equal(state[0]["master"].reshape(-1)[:flat.numel()], flat)
     train(bf16, 1)
     bf16.close()

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import infinity
+from infinity.engine import StepPhase
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_engine import (  # noqa: E402
@@ -106,7 +107,7 @@ def test_a_nan_found_by_the_worker_in_a_stored_gradient_stops_training(tmp_path)
         engine.step()
     with pytest.raises(ValueError, match="non-finite"):
         engine.close()  # closes, and says again that the step could not finish
-    assert engine._closed
+    assert engine.phase is StepPhase.CLOSED
 
 
 class _Branchy(torch.nn.Module):
@@ -186,3 +187,68 @@ def test_a_checkpoint_load_after_a_half_applied_step_trains_on(tmp_path):
     reference = mlp()
     ref_losses = train_reference(reference, data)
     assert_parity(model, reference, losses, ref_losses[1:])
+
+
+@pytest.mark.parametrize("offload", ["none", "nvme"])
+def test_a_non_finite_gradient_is_a_non_finite_gradient_error(tmp_path, offload):
+    """Refused after backward (nothing changed) or found while overlapped (the step is broken):
+    both raise NonFiniteGradientError, a ValueError as before."""
+    model = mlp()
+    engine = infinity.initialize(model, config(tmp_path, offload, offload))
+    assert engine.overlap is (offload == "nvme")
+    (x,), _ = mlp_batches(1)[0]
+    handle = model[0].weight.register_hook(lambda g: g * float("nan"))
+    engine.backward(engine(x).square().mean())
+    with pytest.raises(infinity.NonFiniteGradientError) as error:
+        engine.step()
+    handle.remove()
+    assert isinstance(error.value, ValueError)
+    assert infinity.errors.NonFiniteGradientError is infinity.NonFiniteGradientError
+    assert engine.phase is (StepPhase.BROKEN if engine.overlap else StepPhase.IDLE)
+    engine.close()
+
+
+def test_only_a_non_finite_gradient_breaks_an_overlapped_step(tmp_path):
+    """A unit of the tail whose step fails again for another reason (here a learning rate the
+    kernel refuses) raises its own error, not the refusal meant for a half-applied step: the
+    step stays unfinished, to be tried again, and no checkpoint load is asked for."""
+    engine = infinity.initialize(mlp(), config(tmp_path, "nvme", "nvme"))
+    engine.optimizer.lr = -1.0  # taken by the next boundary backward as its step's lr
+    (x,), _ = mlp_batches(1)[0]
+    engine.backward(engine(x).square().mean())
+    engine.step()  # one process: returns with the tail still to settle
+    with pytest.raises(ValueError, match="Invalid learning rate") as error:
+        engine(x)  # waits for unit 0 of the tail, steps it again, which fails again
+    assert not isinstance(error.value, infinity.NonFiniteGradientError)
+    assert engine.phase is StepPhase.TAIL_OPEN
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        engine.step()  # settles the tail: the same error, the step left unfinished
+    assert engine.phase is StepPhase.IDLE
+    engine.close()
+
+
+def test_a_checkpoint_load_after_a_nan_found_by_the_worker_trains_on(tmp_path):
+    """The worker finds the NaN of a gradient kept on NVMe after step() returned; the next
+    forward raises. The load waits for the worker, retries nothing, and training goes on from
+    the saved state as if that batch had never been seen."""
+    model, data = llama(), llama_batches(3)
+    cfg = config(tmp_path, "nvme", "nvme", infinity={"host_memory_budget": 240_000})
+    engine = infinity.initialize(model, cfg)
+    assert engine.overlap and engine.plan.grads_tier is not None
+    losses = train_engine(engine, data[:1])
+    engine.save_checkpoint(tmp_path / "ckpt", tag="good")
+    handle = model.get_input_embeddings().weight.register_hook(lambda g: g * float("nan"))
+    args, kwargs = data[1]
+    engine.backward(loss_of(engine(*args, **kwargs)))
+    engine.step()
+    handle.remove()
+    with pytest.raises(infinity.NonFiniteGradientError):
+        engine(*args, **kwargs)
+    assert engine.phase is StepPhase.BROKEN
+    engine.load_checkpoint(tmp_path / "ckpt", tag="good")
+    assert engine.phase is StepPhase.IDLE
+    losses += train_engine(engine, data[2:])
+    engine.close()
+    reference = llama()
+    ref_losses = train_reference(reference, data[:1] + data[2:])
+    assert_parity(model, reference, losses, ref_losses)

@@ -133,6 +133,9 @@ PARITY = {  # name -> config(nvme path)
 }
 
 
+NORM_TWINS = ["stage2-nvme", "stage3-nvme-gas2"]  # overlapped (gradients reduce-scattered)
+
+
 @pytest.fixture(scope="module")
 def ranks_run(tmp_path_factory):
     """One launch of every case below on 2 ranks, with torchrun."""
@@ -149,6 +152,9 @@ def ranks_run(tmp_path_factory):
         {"name": "fp16-overflow", "steps": 4, "overflow_at_step": 2,
          "config": _config(3, fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 1})},
     ]
+    # The overlapped cases stepped after backward (with clipping that never acts).
+    cases += [{"name": f"{name}-after", "steps": STEPS,
+               "config": PARITY[name](nvme) | {"gradient_clipping": 1e3}} for name in NORM_TWINS]
     (code, output), results = _torchrun(tmp_path, cases, timeout_s=240)
     assert code == 0, f"torchrun exited {code}:\n{output[-3000:]}"
     return results, nvme
@@ -231,15 +237,15 @@ def test_a_lost_rank_ends_the_other_with_an_error_naming_it(tmp_path, stage, how
 def test_a_loaded_model_is_refused_at_stage_3_on_several_ranks():
     """A store from infinity.models.load holds whole units; the model keeps it for a retry."""
     from infinity.config import load_config
-    from infinity.engine._placement import Placed, attach_placed, take_placed
+    from infinity.engine._placement import Placed, take_placed
 
     model = make_model(0)
     placed = Placed(layout=None, store=None)
-    attach_placed(model, placed)
+    model.infinity_placed = placed
     config = load_config(_config(3), world_size=WORLD)
     with pytest.raises(infinity.ConfigError, match="stage 3 with 2 ranks cannot adopt a model from infinity.models.load"):
         take_placed(model, config, None, None, sharded_params=True)
-    assert model._infinity_placed is placed
+    assert model.infinity_placed is placed
 
 
 def test_a_model_built_under_zero_init_trains_as_one_on_every_rank(ranks_run):
@@ -264,3 +270,27 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(ranks_run):
         assert r["optimizer"]["loss_scale"] == 2.0 ** 8 / 2
     for key, value in first["params"].items():
         assert torch.equal(value, second["params"][key]), key
+
+
+@pytest.mark.parametrize("name", NORM_TWINS)
+def test_the_overlapped_step_reports_the_norm_over_every_ranks_shard(ranks_run, name):
+    """The overlapped step sums its units' squares over the ranks' shards: every rank reports
+    the norm the step after backward reports (with clipping, here never acting), to the bit,
+    and torch's on the whole batch."""
+    results, nvme = ranks_run
+    for r in results:
+        assert r[name]["optimizer"]["overlap"] and not r[f"{name}-after"]["optimizer"]["overlap"]
+        norms = r[name]["grad_norms"]
+        assert norms == r[f"{name}-after"]["grad_norms"] == results[0][name]["grad_norms"]
+    config = PARITY[name](nvme)
+    model = make_model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    gas, reference = config["gradient_accumulation_steps"], []
+    for step in range(STEPS):
+        for micro in range(gas):
+            x, y = global_batch(step, micro, WORLD)
+            (torch.nn.functional.mse_loss(model(x), y) / gas).backward()
+        reference.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))))
+        opt.step()
+        opt.zero_grad()
+    torch.testing.assert_close(results[0][name]["grad_norms"], reference, rtol=1e-5, atol=0)

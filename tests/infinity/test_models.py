@@ -14,6 +14,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 import infinity  # noqa: E402
 from infinity import CheckpointError, ConfigError  # noqa: E402
+from infinity.engine import Placed  # noqa: E402
 from infinity.store import TensorStore, Tier  # noqa: E402
 
 WINDOW = 1 << 20  # the smallest window: slices of 128 Ki elements (fp32 from fp32)
@@ -147,7 +148,9 @@ def test_initialize_with_another_config_is_an_error(tmp_path):
         infinity.initialize(model, config(tmp_path, param="cpu"))
     with pytest.raises(ConfigError, match="precision"):
         infinity.initialize(model, config(tmp_path, bf16=True))
-    infinity.initialize(model, config(tmp_path)).close()  # the placement was kept for the right one
+    assert isinstance(model.infinity_placed, Placed)  # kept for the right config
+    infinity.initialize(model, config(tmp_path)).close()
+    assert not hasattr(model, "infinity_placed")  # adopted: the engine owns the store
 
 
 def test_window_below_one_mib_is_refused(tmp_path):

@@ -168,7 +168,7 @@ def test_invalid_json_names_the_line(tmp_path):
 
 
 def test_decaying_schedule_needs_total_steps_when_built():
-    from infinity.config import build_lr_schedule
+    from infinity.engine import build_lr_schedule
     config = load_config({"scheduler": {"type": "WarmupDecayLR",
                                         "params": {"total_num_steps": "auto"}}})
     with pytest.raises(ConfigError, match="scheduler.params.total_num_steps"):
@@ -178,7 +178,7 @@ def test_decaying_schedule_needs_total_steps_when_built():
 
 
 def test_lr_below_warmup_min_fails_when_the_schedule_is_built():
-    from infinity.config import build_lr_schedule
+    from infinity.engine import build_lr_schedule
     config = load_config({"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.1}}})
     with pytest.raises(ConfigError, match="warmup_max_lr"):
         build_lr_schedule(config.scheduler, optimizer_lr=1e-3)

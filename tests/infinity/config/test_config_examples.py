@@ -12,7 +12,8 @@ import types
 import pytest
 import torch
 
-from infinity.config import build_lr_schedule, load_config
+from infinity.config import load_config
+from infinity.engine import build_lr_schedule
 
 EXAMPLES = pathlib.Path(__file__).parent / "examples"
 
@@ -112,7 +113,7 @@ def test_hf_zero2_decay_auto_needs_total_steps_at_build(tmp_path):
 
 def test_hf_zero3_inference_nvme(tmp_path):
     config = _load("hf_zero3_inference_nvme.json", tmp_path)
-    assert config.precision == "bf16" and config.param_dtype is torch.bfloat16
+    assert config.precision == "bf16"
     assert config.zero_optimization.offload_param.buffer_size == 10**9
     assert config.zero_optimization.stage3_max_live_parameters == 10**9  # "auto"
 

@@ -17,7 +17,6 @@ import transformers
 
 import infinity
 import infinity.deepspeed as deepspeed
-from infinity.optim.swapped import DecaySpan, _decay_ranges
 
 STEPS = 4
 
@@ -98,26 +97,6 @@ def test_a_client_optimizer_is_taken_over_with_its_groups(tmp_path, kind):
         _train(engine), ref
     )  # one decay for all (0.3 or 0) would be far off for norm and biases
     engine.close()
-
-
-def test_weight_decay_ranges_cut_a_unit_where_the_decay_changes():
-    spans = [DecaySpan(2, 5, 0.1), DecaySpan(5, 6, 0.0), DecaySpan(9, 12, 0.2)]
-    decay = (spans, [s.stop for s in spans])
-    assert list(_decay_ranges(decay, 0, 14, 0.5)) == [
-        (0, 2, 0.5),
-        (2, 5, 0.1),
-        (5, 6, 0.0),
-        (6, 9, 0.5),
-        (9, 12, 0.2),
-        (12, 14, 0.5),
-    ]
-    assert list(_decay_ranges(decay, 3, 10, 0.5)) == [
-        (3, 5, 0.1),
-        (5, 6, 0.0),
-        (6, 9, 0.5),
-        (9, 10, 0.2),
-    ]
-    assert list(_decay_ranges(None, 3, 10, 0.5)) == [(3, 10, 0.5)]
 
 
 def test_a_callable_scheduler_moves_the_lr_of_every_update_and_is_returned(tmp_path):
@@ -377,7 +356,7 @@ def test_command_line_flags_and_a_process_group_of_one():
     parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
     args = parser.parse_args(["--deepspeed", "--deepspeed_config", "ds.json"])
     assert args.deepspeed and args.deepspeed_config == "ds.json" and args.deepscale_config is None
-    assert deepspeed.checkpointing.checkpoint is infinity.checkpointing.checkpoint
+    assert deepspeed.checkpointing.checkpoint is infinity.recompute.run
 
 
 def test_init_distributed_without_torchrun_starts_a_group_of_one():

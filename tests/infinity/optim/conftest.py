@@ -38,7 +38,7 @@ def read_back(store, key):
 
 
 def copies_in_use(store):
-    return sorted(key for key, entry in store._entries.items() for c in entry.copies.values() if c.uses)
+    return sorted(key for key, entry in store._copies.entries.items() for c in entry.copies.values() if c.uses)
 
 
 class FaultRun:
@@ -69,7 +69,7 @@ class FaultRun:
     def flushed(self, opt, step):
         """opt.flush() retried; afterwards every write-back has landed."""
         self.retried(opt.flush, step)
-        assert [k for k in list(self.store._entries) if self.store.unsaved(k)] == []
+        assert [k for k in list(self.store._copies.entries) if self.store.unsaved(k)] == []
 
     def close(self):
         """The step at which the fault fired (None: never)."""

@@ -1,4 +1,4 @@
-"""SwappedOptimizer in unit mode (from_units / step_unit / finish_step) equals in-memory CPUAdam
+"""SwappedOptimizer (step_unit / finish_step) equals in-memory CPUAdam
 bit for bit, in any unit order, from several threads, and after a failed step_unit is retried."""
 
 import threading
@@ -6,7 +6,8 @@ import threading
 import pytest
 import torch
 
-from infinity.optim import CPUAdam, SwappedOptimizer, UnitSpec
+from infinity.optim import CPUAdam, DecaySpan, SwappedOptimizer, UnitSpec
+from infinity.optim._decay import UnitKernels
 from infinity.store import TensorStore, Tier
 
 MiB = 1 << 20
@@ -52,7 +53,7 @@ def test_units_equal_cpu_adam_bit_for_bit(tmp_path, dtype, order, put_units, val
     with _store(tmp_path) as store:
         masters, specs = put_units(store, dtypes, NUMELS)
         opt_ref = CPUAdam(masters, lr=lrs[0], **HYPER)
-        opt = SwappedOptimizer.from_units(specs, store, lr=lrs[0], tile_numel=TILE, **HYPER)
+        opt = SwappedOptimizer(specs, store, lr=lrs[0], tile_numel=TILE, **HYPER)
         assert len(opt.tiles) == sum(-(-n // TILE) for n in NUMELS)  # cut per unit
         all_grads = [_grads(specs, s) for s in range(steps)]
         units = list(range(len(specs)))
@@ -73,7 +74,7 @@ def test_fp32_units_track_torch_adamw(tmp_path, put_units, values_of):
         masters, specs = put_units(store, [torch.float32] * len(NUMELS), NUMELS, seed=1)
         torch_params = [m.clone().requires_grad_() for m in masters]
         torch_opt = torch.optim.AdamW(torch_params, lr=1e-2, **HYPER)
-        opt = SwappedOptimizer.from_units(specs, store, lr=1e-2, tile_numel=TILE, **HYPER)
+        opt = SwappedOptimizer(specs, store, lr=1e-2, tile_numel=TILE, **HYPER)
         for step in range(3):
             grads = _grads(specs, step)
             for p, g in zip(torch_params, grads):
@@ -84,13 +85,54 @@ def test_fp32_units_track_torch_adamw(tmp_path, put_units, values_of):
             torch.testing.assert_close(values_of(store, spec.values_key), p.detach(), rtol=1e-6, atol=1e-7)
 
 
+def test_weight_decay_ranges_cut_a_unit_where_the_decay_changes():
+    spans = [DecaySpan(2, 5, 0.1), DecaySpan(5, 6, 0.0), DecaySpan(9, 12, 0.2)]
+    kernels = UnitKernels(lambda wd: f"wd={wd}", 0.5, spans)  # a kernel per decay
+    assert list(kernels.ranges(0, 14)) == [(0, 2, "wd=0.5"), (2, 5, "wd=0.1"), (5, 6, "wd=0.0"),
+                                           (6, 9, "wd=0.5"), (9, 12, "wd=0.2"),
+                                           (12, 14, "wd=0.5")]
+    assert list(kernels.ranges(3, 10)) == [(3, 5, "wd=0.1"), (5, 6, "wd=0.0"), (6, 9, "wd=0.5"),
+                                           (9, 10, "wd=0.2")]
+    assert list(UnitKernels(str, 0.5).ranges(3, 10)) == [(3, 10, "0.5")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_decay_spans_equal_cpu_adam_groups(tmp_path, put_units, dtype):
+    """A unit's elements in spans of their own decay (across tiles and the gradient's pieces)
+    step as CPUAdam's parameter groups of those decays, bit for bit."""
+    spans = [DecaySpan(1200, 1250, 0.0), DecaySpan(300, 1200, 0.3), DecaySpan(2400, 2500, 0.05)]
+    cuts, decays = [0, 300, 1200, 1250, 2400, 2500], [0.1, 0.3, 0.0, 0.1, 0.05]
+    with _store(tmp_path) as store:
+        (master,), specs = put_units(store, [dtype], [2500])
+        parts = [master[a:b].clone() for a, b in zip(cuts, cuts[1:])]
+        opt_ref = CPUAdam([{"params": [p], "weight_decay": wd} for p, wd in zip(parts, decays)],
+                          lr=1e-2, betas=HYPER["betas"], eps=HYPER["eps"])
+        opt = SwappedOptimizer(specs, store, lr=1e-2, tile_numel=TILE, **HYPER)
+        opt.set_weight_decay(0, spans)
+        for step in range(2):
+            (grad,) = _grads(specs, step)
+            for p, a, b in zip(parts, cuts, cuts[1:]):
+                p.grad = grad[a:b].float()
+            opt_ref.step()
+            opt.step_unit(0, [grad[:700], grad[700:]])  # pieces cut inside a span
+            opt.finish_step()
+        (_, state), = opt.iter_state()
+        assert torch.equal(state["master"], torch.cat(parts))
+        with pytest.raises(ValueError, match="disjoint ranges within"):
+            opt.set_weight_decay(0, [DecaySpan(0, 10, 0.1), DecaySpan(5, 20, 0.1)])
+        with pytest.raises(ValueError, match=r"disjoint ranges within \[0, 2500\)"):
+            opt.set_weight_decay(0, [DecaySpan(2000, 2501, 0.1)])
+        with pytest.raises(ValueError, match="Invalid weight_decay"):
+            opt.set_weight_decay(0, [DecaySpan(0, 10, -0.1)])
+
+
 def test_fp32_units_keep_no_master_in_the_tiles(tmp_path, put_units):
     with _store(tmp_path) as store:
         _, specs = put_units(store, [torch.float32, torch.bfloat16], [1500, 1500])
-        opt = SwappedOptimizer.from_units(specs, store, tile_numel=TILE)
-        shapes = [tuple(store.fetch(opt._key(t), "host").result().shape) for t in range(len(opt.tiles))]
+        opt = SwappedOptimizer(specs, store, tile_numel=TILE)
+        shapes = [tuple(store.fetch(opt.tiles.key(t), "host").result().shape) for t in range(len(opt.tiles))]
         for t in range(len(opt.tiles)):
-            store.release(opt._key(t), "host")
+            store.release(opt.tiles.key(t), "host")
         assert shapes == [(2, 1000), (2, 500), (3, 1000), (3, 500)]  # 8 B/element vs 12 B/element
 
 
@@ -101,8 +143,8 @@ def test_units_stepped_from_several_threads(tmp_path, put_units, values_of):
         _, specs = put_units(store, dtypes, numels)
         store.put("other", torch.ones(3000), "nvme")
         _, serial_specs = put_units(serial_store, dtypes, numels)
-        opt = SwappedOptimizer.from_units(specs, store, lr=1e-2, tile_numel=TILE, threads=1)
-        serial = SwappedOptimizer.from_units(serial_specs, serial_store, lr=1e-2, tile_numel=TILE)
+        opt = SwappedOptimizer(specs, store, lr=1e-2, tile_numel=TILE, threads=1)
+        serial = SwappedOptimizer(serial_specs, serial_store, lr=1e-2, tile_numel=TILE)
         for step in range(3):
             grads = _grads(specs, step)
             errors = []
@@ -134,7 +176,7 @@ def test_units_stepped_from_several_threads(tmp_path, put_units, values_of):
 def test_finish_step_names_the_units_not_stepped(tmp_path, put_units):
     with _store(tmp_path) as store:
         _, specs = put_units(store, [torch.float32] * 3, [10, 2000, 10])
-        opt = SwappedOptimizer.from_units(specs, store, tile_numel=TILE)
+        opt = SwappedOptimizer(specs, store, tile_numel=TILE)
         grads = _grads(specs, 0)
         opt.step_unit(0, grads[0])
         with pytest.raises(ValueError, match=r"units \[1, 2\] were not stepped for step 1"):
@@ -158,16 +200,16 @@ def test_state_on_the_host_tier_needs_no_nvme(tmp_path, values_of):
             specs.append(UnitSpec(v.numel(), torch.float32, f"unit{u}"))
         masters = [v.clone() for v in values]
         opt_ref = CPUAdam(masters, lr=1e-2)
-        opt = SwappedOptimizer.from_units(specs, store, lr=1e-2, tile_numel=TILE, state_tier=Tier.HOST)
+        opt = SwappedOptimizer(specs, store, lr=1e-2, tile_numel=TILE, state_tier=Tier.HOST)
         for step in range(2):
             grads = _grads(specs, step)
             _ref_step(opt_ref, masters, grads, 1e-2)
             _run_steps(opt, [grads], [1e-2], range(len(specs)), [1.0])
         for spec, master in zip(specs, masters):
             assert torch.equal(values_of(store, spec.values_key), master)
-        assert store.tiers_of(opt._key(0)) == ["host"]
+        assert store.tiers_of(opt.tiles.key(0)) == ["host"]
         with pytest.raises(ValueError, match="NVMe budget"):
-            SwappedOptimizer.from_units(specs, store, name="other")  # state_tier NVME by default
+            SwappedOptimizer(specs, store, name="other")  # state_tier NVME by default
 
 
 class _RowSource:
@@ -189,14 +231,14 @@ def test_unit_state_streams_out_and_back_in(tmp_path, put_units, values_of, rows
     dtypes = [torch.bfloat16, torch.float32, torch.float32, torch.bfloat16, torch.float32]
     with _store(tmp_path / "a") as store, _store(tmp_path / "b") as other:
         _, specs = put_units(store, dtypes, NUMELS)
-        opt = SwappedOptimizer.from_units(specs, store, lr=1e-2, tile_numel=TILE)
+        opt = SwappedOptimizer(specs, store, lr=1e-2, tile_numel=TILE)
         for step in range(2):
             _run_steps(opt, [_grads(specs, step)], [1e-2], range(len(specs)), [1.0])
         give = _RowSource if rows == "sources" else torch.clone
         saved = [(u, {k: (give(v) if torch.is_tensor(v) else v) for k, v in s.items()})
                  for u, s in opt.iter_state()]
         _, twin_specs = put_units(other, dtypes, NUMELS, seed=5)  # other values: the state brings its own
-        twin = SwappedOptimizer.from_units(twin_specs, other, lr=1e-2, tile_numel=2 * TILE + 7)
+        twin = SwappedOptimizer(twin_specs, other, lr=1e-2, tile_numel=2 * TILE + 7)
         twin.load_state(saved)
         assert twin.completed_steps == 2
         if rows == "sources":  # read a tile's segment at a time (a float32 unit's master: whole, into its values)
@@ -208,29 +250,28 @@ def test_unit_state_streams_out_and_back_in(tmp_path, put_units, values_of, rows
             _run_steps(twin, [grads], [1e-2], range(len(specs)), [1.0])
         for spec, twin_spec in zip(specs, twin_specs):
             assert torch.equal(values_of(store, spec.values_key), values_of(other, twin_spec.values_key))
-        state = opt.state_dict()["state"]
-        assert sorted(state) == list(range(len(specs))) and float(state[1]["step"]) == 4.0
+        assert [(u, s["step"]) for u, s in opt.iter_state()] == [(u, 4) for u in range(len(specs))]
 
 
 def test_bad_input(tmp_path, put_units, values_of, in_use):
     with _store(tmp_path) as store:
         _, specs = put_units(store, [torch.float32, torch.bfloat16], [100, 50])
         with pytest.raises(ValueError, match="no units"):
-            SwappedOptimizer.from_units([], store)
+            SwappedOptimizer([], store)
         with pytest.raises(ValueError, match="unit 1: numel"):
-            SwappedOptimizer.from_units([specs[0], UnitSpec(0, torch.float32, "unit1")], store)
+            SwappedOptimizer([specs[0], UnitSpec(0, torch.float32, "unit1")], store)
         with pytest.raises(ValueError, match="unit 0: dtype torch.int32"):
-            SwappedOptimizer.from_units([UnitSpec(100, torch.int32, "unit0")], store)
+            SwappedOptimizer([UnitSpec(100, torch.int32, "unit0")], store)
         with pytest.raises(ValueError, match="'nope' is not in the store"):
-            SwappedOptimizer.from_units([UnitSpec(100, torch.float32, "nope")], store)
+            SwappedOptimizer([UnitSpec(100, torch.float32, "nope")], store)
         with pytest.raises(ValueError, match="'unit0' holds 100 x torch.float32; expected 100 x torch.bfloat16"):
-            SwappedOptimizer.from_units([specs[1], UnitSpec(100, torch.bfloat16, "unit0")], store, name="w")
-        assert [k for k in store._entries if k.startswith("w/")] == []  # its tiles were dropped
-        wrong = SwappedOptimizer.from_units([UnitSpec(50, torch.float32, "unit1")], store, name="w")
+            SwappedOptimizer([specs[1], UnitSpec(100, torch.bfloat16, "unit0")], store, name="w")
+        assert [k for k in store._copies.entries if k.startswith("w/")] == []  # its tiles were dropped
+        wrong = SwappedOptimizer([UnitSpec(50, torch.float32, "unit1")], store, name="w")
         with pytest.raises(ValueError, match="'unit1' holds 50 x torch.bfloat16; expected 50 x torch.float32"):
             wrong.step_unit(0, torch.ones(50))
         assert in_use(store) == []
-        opt = SwappedOptimizer.from_units(specs, store, tile_numel=TILE)
+        opt = SwappedOptimizer(specs, store, tile_numel=TILE)
         grad = torch.ones(100)
         for scale in (0, -1.0, float("nan"), float("inf")):
             with pytest.raises(ValueError, match="grad_scale must be a finite number > 0"):
@@ -248,25 +289,18 @@ def test_bad_input(tmp_path, put_units, values_of, in_use):
                 opt.step_unit(0, bad)
         with pytest.raises(ValueError, match=r"unit must be an int in \[0, 2\)"):
             opt.step_unit(2, grad)
-        with pytest.raises(TypeError, match="param mode"):
-            opt.step()
-        assert opt._tile_steps == [0] * len(opt.tiles)  # nothing was updated
+        assert opt.tiles.steps == [0] * len(opt.tiles)  # nothing was updated
         bad = grad.clone()
         bad[0] = float("nan")
         opt.step_unit(0, bad, check_finite=False)  # the caller checked (or chose not to)
         assert values_of(store, "unit0").isnan().any()
-        param_mode = SwappedOptimizer([torch.ones(10)], store, name="p")
-        with pytest.raises(TypeError, match="unit mode"):
-            param_mode.step_unit(0, torch.ones(10))
-        with pytest.raises(TypeError, match="unit mode"):
-            param_mode.finish_step()
 
 
 def test_large_finite_fp16_gradients_are_not_an_overflow(tmp_path, put_units):
     """Summed in float16 these would overflow to inf; the finite check sums in float32."""
     with _store(tmp_path) as store:
         _, specs = put_units(store, [torch.float16], [100])
-        opt = SwappedOptimizer.from_units(specs, store, lr=1e-3)
+        opt = SwappedOptimizer(specs, store, lr=1e-3)
         opt.step_unit(0, torch.full((100,), 60000.0, dtype=torch.float16), grad_scale=1 / 65536)
         opt.finish_step()
         assert opt.completed_steps == 1
@@ -286,7 +320,7 @@ def test_slices_stepped_by_two_owners_equal_the_whole_unit(tmp_path, dtype, put_
             size = [-(-n // 2) for n in numels]
             slices = [UnitSpec(min(s, n - r * s), dtype, spec.values_key, r * s)
                       for n, s, spec in zip(numels, size, specs)]
-            owners.append((slices, SwappedOptimizer.from_units(slices, store, lr=1e-2, tile_numel=TILE,
+            owners.append((slices, SwappedOptimizer(slices, store, lr=1e-2, tile_numel=TILE,
                                                                name=f"rank{r}", **HYPER)))
         for step in range(3):
             grads = _grads(specs, step)
@@ -307,8 +341,8 @@ def test_bad_offsets(tmp_path, put_units):
         _, specs = put_units(store, [torch.float32], [100])
         for offset in (-1, 1.5, True):
             with pytest.raises(ValueError, match="unit 0: offset must be an int >= 0"):
-                SwappedOptimizer.from_units([UnitSpec(10, torch.float32, "unit0", offset)], store)
-        past_the_end = SwappedOptimizer.from_units([UnitSpec(10, torch.float32, "unit0", 95)], store)
+                SwappedOptimizer([UnitSpec(10, torch.float32, "unit0", offset)], store)
+        past_the_end = SwappedOptimizer([UnitSpec(10, torch.float32, "unit0", 95)], store)
         with pytest.raises(ValueError, match=r"'unit0' holds 100 x torch.float32; expected \[95:105\] of"):
             past_the_end.step_unit(0, torch.ones(10))
 
@@ -321,8 +355,8 @@ def test_prefetch_unit_reads_ahead_and_holds_nothing(tmp_path, put_units, values
     with _store(tmp_path, host=256 << 10) as store:
         masters, specs = put_units(store, [torch.float32] * 2, numels)
         opt_ref = CPUAdam(masters, lr=1e-2, **HYPER)
-        opt = SwappedOptimizer.from_units(specs, store, lr=1e-2, tile_numel=TILE, **HYPER)
-        first_tile = [opt._key(opt._group_tiles[u][0]) for u in range(2)]
+        opt = SwappedOptimizer(specs, store, lr=1e-2, tile_numel=TILE, **HYPER)
+        first_tile = [opt.tiles.key(opt.tiles.of_unit[u][0]) for u in range(2)]
         for step in range(2):
             grads = _grads(specs, step)
             store.flush()
@@ -356,8 +390,8 @@ def test_a_gradient_in_pieces_steps_as_the_same_gradient_whole(tmp_path, dtype, 
         for store in (whole_store, pieces_store):
             _, specs = put_units(store, [dtype] * 3, list(cuts), seed=3)
             specs_by_store.append(specs)
-        whole = SwappedOptimizer.from_units(specs_by_store[0], whole_store, lr=1e-2, tile_numel=TILE, **HYPER)
-        pieces = SwappedOptimizer.from_units(specs_by_store[1], pieces_store, lr=1e-2, tile_numel=TILE, **HYPER)
+        whole = SwappedOptimizer(specs_by_store[0], whole_store, lr=1e-2, tile_numel=TILE, **HYPER)
+        pieces = SwappedOptimizer(specs_by_store[1], pieces_store, lr=1e-2, tile_numel=TILE, **HYPER)
         for step in range(2):
             grads = _grads(specs_by_store[0], step)
             for u, (grad, sizes) in enumerate(zip(grads, cuts.values())):
@@ -376,7 +410,7 @@ def test_a_gradient_in_pieces_steps_as_the_same_gradient_whole(tmp_path, dtype, 
 def test_bad_gradient_pieces(tmp_path, put_units):
     with _store(tmp_path) as store:
         _, specs = put_units(store, [torch.float32], [100])
-        opt = SwappedOptimizer.from_units(specs, store, tile_numel=TILE)
+        opt = SwappedOptimizer(specs, store, tile_numel=TILE)
         for bad, error, match in (([torch.ones(60), torch.ones(39)], ValueError, "lay 100 elements end to end, got 99"),
                                   ([], TypeError, "non-empty list"),
                                   ((torch.ones(100) for _ in ()), TypeError, "generator"),
@@ -389,4 +423,4 @@ def test_bad_gradient_pieces(tmp_path, put_units):
         nan[7] = float("nan")
         with pytest.raises(ValueError, match="unit 0's gradient has non-finite values"):
             opt.step_unit(0, [torch.ones(50), nan])
-        assert opt._tile_steps == [0]  # nothing was updated
+        assert opt.tiles.steps == [0]  # nothing was updated

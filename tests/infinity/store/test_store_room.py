@@ -41,7 +41,7 @@ def test_compacts_around_a_copy_in_use_and_leaves_it_in_place():
         address = held.data_ptr()
         s.put("wide", torch.arange(WIDE, dtype=torch.float32), "host")
         assert held.data_ptr() == address and torch.all(held == 3.0)
-        assert s._arenas[Tier.HOST].stats().compactions == 1
+        assert s._tiers.arenas[Tier.HOST].stats().compactions == 1
         assert s.stats()["room"]["compactions"] == {"host": 1} and s.stats()["room"]["waits"] == 0
         s.release("s3", "host")
         for i in (1, 3, 5, 7):
@@ -134,7 +134,7 @@ def test_a_fetch_waits_for_the_release_of_a_copy_held_by_another_thread(tmp_path
             thread, outcome = in_thread(lambda: s.fetch("wide", "host").result(timeout=30))
         else:
             thread, outcome = in_thread(lambda: s.put("wide", torch.arange(WIDE, dtype=torch.float32), "host"))
-        _until(lambda: s._waiting_for_room)  # it waits for room, without the lock
+        _until(lambda: s._tiers.room.waiting())  # it waits for room, without the lock
         assert thread.is_alive()
         assert torch.all(s.fetch("s1", "host").result() == 1.0)  # the store is not blocked
         s.release("s1", "host")
@@ -148,7 +148,7 @@ def test_a_fetch_waits_for_the_release_of_a_copy_held_by_another_thread(tmp_path
         assert torch.all(s.fetch("s5", "host").result() == 6.0)
         s.release("s5", "host")
         s.release("s3", "host")
-        assert not s._waiting_for_room
+        assert not s._tiers.room.waiting()
         room = s.stats()["room"]
         assert room["waits"] >= 1 and room["wait_s"] > 0 and room["compactions"]["host"] >= 1
 
@@ -172,7 +172,7 @@ def test_two_threads_each_waiting_for_the_others_copy_do_not_deadlock(in_thread)
         def b():
             s.fetch("s5", "host").result()
             b_has.set()
-            _until(lambda: s._waiting_for_room)
+            _until(lambda: s._tiers.room.waiting())
             try:
                 s.put("wide-b", torch.ones(WIDE), "host")
             finally:
@@ -209,7 +209,7 @@ def test_a_wait_for_a_release_that_never_comes_ends_after_room_wait_s(in_thread)
         with pytest.raises(BudgetError, match=r"122880 by this thread.*waited \d+\.\d s for releases"):
             s.put("wide", torch.ones(WIDE), "host")
         assert 0.5 <= time.monotonic() - start < 5
-        assert not s._waiting_for_room
+        assert not s._tiers.room.waiting()
         done.set()
         h.join(10)
         s.release("s3", "host")

@@ -161,9 +161,9 @@ def test_a_swap_file_changed_behind_the_store_is_caught_by_the_checksum(tmp_path
         s.release("b", "host", dirty=True)  # a write-back, checksummed too
         s.flush()
         s.evict("b", "host")
-        offsets = {k: s._entries[k].copies[Tier.NVME].extent.offset for k in ("a", "b")}
+        offsets = {k: s._copies.entries[k].copies[Tier.NVME].extent.offset for k in ("a", "b")}
         for offset in offsets.values():
-            os.pwrite(s._swap.fileno(), b"\x01\x02\x03\x04", offset + 4096)  # one float, 4 KiB in
+            os.pwrite(s._tiers.swap.fileno(), b"\x01\x02\x03\x04", offset + 4096)  # one float, 4 KiB in
         for key, expected in (("a", torch.arange(10_000.0)), ("b", torch.arange(20_000.0) + 1)):
             future = s.fetch(key, "host")
             if not checksum:  # without the checksum the damage goes unseen

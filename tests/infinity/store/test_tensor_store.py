@@ -13,6 +13,7 @@ import torch
 import aio
 from infinity.errors import BudgetError
 from infinity.store import TensorStore, Tier
+from infinity.store._copies import Copies
 
 MiB = 1 << 20
 
@@ -264,10 +265,10 @@ class _LazyEvent:
 def test_async_device_copies_are_ordered(tmp_path, monkeypatch):
     """The side-stream path (CUDA) run on the CPU with deferred copies: every tier path must
     wait for its copy before the bytes are used, written down or freed."""
-    monkeypatch.setattr(TensorStore, "_device_copy", lambda self, dst, src: _LazyEvent(dst, src))
+    monkeypatch.setattr(Copies, "device_copy", lambda self, dst, src: _LazyEvent(dst, src))
     with TensorStore({"device": 1 * MiB, "host": 2 * MiB, "nvme": 64 * MiB}, nvme_path=tmp_path,
                      device="cpu") as store:
-        store._copy_stream = object()  # take the accelerator paths: staging through host
+        store._copies.copy_stream = object()  # take the accelerator paths: staging through host
         data = _tensors(30, seed=9, max_numel=100_000)
         for key, t in data.items():
             store.put(key, t, "nvme")
@@ -337,7 +338,7 @@ def test_real_cuda_side_stream_paths(tmp_path):
     side stream, write-backs device -> host -> NVMe, all read back bit for bit."""
     with TensorStore({"device": 1 * MiB, "host": 2 * MiB, "nvme": 64 * MiB}, nvme_path=tmp_path,
                      device="cuda") as store:
-        assert store._copy_stream is not None and store._arenas[Tier.HOST].pinned
+        assert store._copies.copy_stream is not None and store._tiers.arenas[Tier.HOST].pinned
         data = _tensors(30, seed=11, max_numel=100_000)
         for key, t in data.items():
             store.put(key, t, "nvme")

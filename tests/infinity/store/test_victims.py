@@ -6,7 +6,7 @@ import random
 import torch
 
 from infinity.store._common import Tier
-from infinity.store._entry import Copy, Entry
+from infinity.store._entry import Copy, CopyState, Entry
 from infinity.store._victims import VictimQueue
 
 
@@ -40,12 +40,12 @@ def test_heap_choice_matches_a_full_scan_under_random_changes():
     for step in range(4000):
         if not entries or rng.random() < 0.05:
             entry = Entry(f"k{len(entries)}", torch.Size([1]), torch.float32, 4, order=len(entries))
-            entry.copies[Tier.HOST] = Copy(Tier.HOST, valid=True)
+            entry.copies[Tier.HOST] = Copy(Tier.HOST, state=CopyState.VALID)
             entries.append(entry)
             queue.update(entry, entry.copies[Tier.HOST])
         entry = rng.choice(entries)
         copy = entry.copies[Tier.HOST]
-        change = rng.randrange(7)
+        change = rng.randrange(6)
         if change == 0:
             copy.holders = [0] * rng.choice([0, 0, 1])  # uses: one per holder
         elif change == 1:
@@ -56,16 +56,15 @@ def test_heap_choice_matches_a_full_scan_under_random_changes():
             entry.next_use = rng.choice([math.inf, rng.randrange(5)])  # few values: many ties
         elif change == 4:
             copy.last_use = rng.randrange(10)
-        elif change == 5:
-            copy.filling = rng.choice([None, _Move(False), _Move(True)])
-        else:
-            copy.draining = rng.choice([None, _Move(False), _Move(True)])
+        else:  # a move into or out of it, running or finished, or none
+            copy.move = rng.choice([None, _Move(False), _Move(True)])
+            copy.state = rng.choice([CopyState.FILLING, CopyState.DRAINING]) if copy.move else CopyState.VALID
         queue.update(entry, copy)
         if step % 3 == 0:
             for e in entries:  # as the store does before picking: finished moves are settled
                 c = e.copies[Tier.HOST]
                 if c.busy and c.moves_done():
-                    c.filling = c.draining = None
+                    c.move, c.state = None, CopyState.VALID
                     queue.update(e, c)
             assert queue.pick() is _scan(entries), step
     assert len(queue._heap) <= 4 * len(queue) + 65  # stale items do not pile up
@@ -75,7 +74,7 @@ def test_ties_go_to_the_oldest_entry_and_unevictable_copies_never_come_out():
     queue = VictimQueue()
     entries = [Entry(f"k{i}", torch.Size([1]), torch.float32, 4, order=i) for i in range(3)]
     for entry in reversed(entries):
-        entry.copies[Tier.HOST] = Copy(Tier.HOST, valid=True)
+        entry.copies[Tier.HOST] = Copy(Tier.HOST, state=CopyState.VALID)
         queue.update(entry, entry.copies[Tier.HOST])
     assert queue.pick() is entries[0]
     entries[0].copies[Tier.HOST].holders = [0]  # one use

@@ -3,6 +3,7 @@ gradients land in the units' buffers, traces drive prefetch."""
 
 import contextlib
 import copy
+import threading
 
 import pytest
 import torch
@@ -13,13 +14,14 @@ from infinity.zero.saved_views import SavedView
 
 
 @contextlib.contextmanager
-def managed(model, tmp_path, *, host_nbytes=1 << 20, prefetch_numel=10**9, reuse_numel=0, persistence=0):
+def managed(model, tmp_path, *, host_nbytes=1 << 20, prefetch_numel=10**9, reuse_numel=0,
+            persistence=0, **callbacks):
     units, uses = plan_units(model, persistence_numel=persistence)
     store = TensorStore({"host": host_nbytes, "nvme": 1 << 22}, nvme_path=tmp_path)
     place_units(units, store, home=Tier.NVME, device=torch.device("cpu"))
     coordinator = ParamCoordinator(units, store, fetch_tier=Tier.HOST, device=torch.device("cpu"),
                                    prefetch_numel=prefetch_numel, max_live_numel=10**9,
-                                   max_reuse_numel=reuse_numel)
+                                   max_reuse_numel=reuse_numel, **callbacks)
     hooks = ModelHooks(model, units, uses, coordinator)
     try:
         yield units, coordinator
@@ -238,3 +240,38 @@ def test_units_kept_for_reuse_give_way_to_read_ahead_of_sooner_ones(tmp_path):
         assert coordinator.stats.kept > 0  # reuse still happens where it fits
         reference(x).square().sum().backward()
         assert_grads_match(units, reference, scale=2)  # summed over the two passes
+
+
+def test_callbacks_run_outside_the_lock_so_other_threads_may_use_the_coordinator(tmp_path):
+    """[Note: callbacks outside the lock]: the engine's `ready(unit, True)` waits for its
+    optimizer worker, and `on_grads_final` may run a collective or wait for room on the worker,
+    while another thread (the worker, autograd's device thread) calls into the coordinator.
+    Called with the lock held, as before, each such wait was a deadlock: here the other
+    thread's call must end while the callback waits for it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    updated = set()  # units whose (pretended) optimizer step has ended: ready from then on
+    waits = []  # (callback, unit, whether the other thread's call ended while it waited)
+
+    def another_thread_uses_the_coordinator(what, unit):
+        other = threading.Thread(target=coordinator.pack, args=(torch.ones(1),))
+        other.start()
+        other.join(timeout=30)  # a deadlock guard, not a timing: the call takes microseconds
+        waits.append((what, unit.name, not other.is_alive()))
+
+    def ready(unit, wait):
+        if wait:
+            another_thread_uses_the_coordinator("ready", unit)
+            updated.add(unit)
+        return unit in updated
+
+    def grads_final(unit):
+        another_thread_uses_the_coordinator("grads final", unit)
+
+    x = torch.randn(3, 4)
+    with managed(model, tmp_path, ready=ready, on_grads_final=grads_final) as (units, coordinator):
+        model(x).square().sum().backward()
+        coordinator.end_backward()
+        assert coordinator.stats.after_optimizer == 2  # both waited for their "step"
+    assert sorted(waits) == [("grads final", "0", True), ("grads final", "2", True),
+                             ("ready", "0", True), ("ready", "2", True)]

@@ -1,8 +1,9 @@
-"""Building the learning-rate schedule (infinity.optim.lr_schedule) from the `scheduler` section."""
+"""Building the learning-rate schedule (infinity.optim.lr_schedule) from the `scheduler` section:
+the config describes it, the engine builds it."""
 
 from __future__ import annotations
 
-from infinity.config._sections import SchedulerConfig, WarmupCosineLRParams, WarmupLRParams
+from infinity.config import SchedulerConfig, WarmupCosineLRParams, WarmupLRParams
 from infinity.errors import ConfigError
 from infinity.optim import LRSchedule, WarmupCosineLR, WarmupDecayLR, WarmupLR
 

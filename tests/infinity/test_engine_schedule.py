@@ -2,7 +2,8 @@
 
 import pytest
 
-from infinity.config import build_lr_schedule, load_config
+from infinity.config import load_config
+from infinity.engine import build_lr_schedule
 from infinity.optim import WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 

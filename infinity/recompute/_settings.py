@@ -1,5 +1,5 @@
-"""The process-wide settings of `checkpoint`, as DeepSpeed's `deepspeed.checkpointing.configure`
-keeps them (its callers, Megatron-style models, call `checkpoint` from deep inside forward where
+"""The process-wide settings of `run`, as DeepSpeed's `deepspeed.checkpointing.configure` keeps
+them (its callers, Megatron-style models, call `checkpoint` from deep inside forward where
 no engine object is at hand).
 
 Every key DeepSpeed reads is taken; those with no effect here say so in one log line when set.
@@ -21,11 +21,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class Timings:
-    """Wall time of checkpointed functions while `profile` is on (cumulative since configure)."""
+    """Wall time of recomputed functions while `profile` is on (cumulative since configure)."""
 
-    calls: int = 0  # forward runs of a checkpointed function
+    calls: int = 0  # forward runs of a recomputed function
     forward_s: float = 0.0
-    recomputes: int = 0  # runs of a checkpointed function inside backward
+    recomputes: int = 0  # runs of a recomputed function inside backward
     recompute_s: float = 0.0
 
 
@@ -37,7 +37,7 @@ def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activati
               contiguous_checkpointing: bool | None = None, num_checkpoints: int | None = None,
               checkpoint_in_cpu: bool | None = None, synchronize: bool | None = None,
               profile: bool | None = None) -> ActivationCheckpointingConfig:
-    """Set how `checkpoint` behaves (DeepSpeed's signature and argument names).
+    """Set how `run` behaves (DeepSpeed's signature and argument names).
 
     `deepspeed_config` is a DeepSpeed config (dict, JSON path or `Config`) or its
     `activation_checkpointing` section; the keyword arguments override it. `mpu_` is accepted
@@ -78,7 +78,7 @@ def timings() -> dict[str, float]:
 
 
 def record(*, recompute: bool, seconds: float) -> None:
-    """Add one timed run of a checkpointed function."""
+    """Add one timed run of a recomputed function."""
     if recompute:
         _timings.recomputes += 1
         _timings.recompute_s += seconds
@@ -116,4 +116,4 @@ def _log_without_effect(settings: ActivationCheckpointingConfig, mpu_: Any) -> N
         if settings.synchronize_checkpoint_boundary:
             notes.append("synchronize_checkpoint_boundary (no accelerator to synchronise)")
     if notes:
-        logger.info("activation checkpointing: accepted without effect: %s", "; ".join(notes))
+        logger.info("activation_checkpointing: accepted without effect: %s", "; ".join(notes))

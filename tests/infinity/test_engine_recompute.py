@@ -1,6 +1,6 @@
-"""infinity.checkpointing.checkpoint under the engine: the recompute fetches parameters again
+"""infinity.recompute.run under the engine: the recompute fetches parameters again
 along a trace that includes it (prefetched from step 2), training equals the same model trained
-without checkpointing, and the activation memory it saves is measured in child processes."""
+without recomputation, and the activation memory it saves is measured in child processes."""
 
 import copy
 import json
@@ -13,20 +13,20 @@ import pytest
 import torch
 
 import infinity
-from infinity import checkpointing
+from infinity import recompute
 
 LR = 1e-2
 
 
 @pytest.fixture(autouse=True)
 def _fresh_settings():
-    checkpointing.reset()
+    recompute.reset()
     yield
-    checkpointing.reset()
+    recompute.reset()
 
 
 class Stack(torch.nn.Module):
-    """Residual blocks (Linear, GELU, Dropout, Linear), each checkpointed when asked."""
+    """Residual blocks (Linear, GELU, Dropout, Linear), each recomputed when asked."""
 
     def __init__(self, width: int = 12, hidden: int = 48, depth: int = 4, *, dropout: float = 0.1) -> None:
         super().__init__()
@@ -36,12 +36,12 @@ class Stack(torch.nn.Module):
                                 torch.nn.Dropout(dropout), torch.nn.Linear(hidden, width))
             for _ in range(depth))
         self.out = torch.nn.Linear(width, 4)
-        self.checkpointing: dict | None = None  # checkpoint()'s keywords, or None: no checkpointing
+        self.recompute: dict | None = None  # recompute.run()'s keywords, or None: no recompute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
         for b in self.blocks:
-            h = h + (b(h) if self.checkpointing is None else checkpointing.checkpoint(b, h, **self.checkpointing))
+            h = h + (b(h) if self.recompute is None else recompute.run(b, h, **self.recompute))
         return self.out(h)
 
 
@@ -104,20 +104,21 @@ def step_deltas(per_step: list[dict], key: str) -> list[int]:
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
-def test_recompute_is_on_the_trace_prefetched_and_training_matches_no_checkpointing(tmp_path, reentrant):
+def test_recompute_is_on_the_trace_prefetched_and_training_matches_no_recompute(tmp_path,
+                                                                               reentrant):
     torch.manual_seed(0)
     model = Stack()
     reference = copy.deepcopy(model)
     data = batches(6)
     plain_stats: list[dict] = []
     (tmp_path / "plain").mkdir()
-    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "recompute").mkdir()
     plain = infinity.initialize(copy.deepcopy(model), engine_config(tmp_path / "plain", "nvme"))
     train_with(plain, data, plain_stats)
     plain.close()
 
-    model.checkpointing = {"use_reentrant": reentrant}
-    engine = infinity.initialize(model, engine_config(tmp_path / "ckpt", "nvme"))
+    model.recompute = {"use_reentrant": reentrant}
+    engine = infinity.initialize(model, engine_config(tmp_path / "recompute", "nvme"))
     per_step: list[dict] = []
     losses = train_with(engine, data, per_step)
     engine.close()
@@ -130,29 +131,29 @@ def test_recompute_is_on_the_trace_prefetched_and_training_matches_no_checkpoint
     assert step_deltas(per_step, "divergences") == [0] * len(data)
 
 
-def test_the_config_section_configures_checkpointing(tmp_path, caplog):
+def test_the_config_section_configures_recompute(tmp_path, caplog):
     torch.manual_seed(0)
     model = Stack()
     reference = copy.deepcopy(model)
-    model.checkpointing = {}
+    model.recompute = {}
     data = batches(4)
     section = {"cpu_checkpointing": True, "profile": True, "partition_activations": True}
     with caplog.at_level(logging.INFO, logger="infinity"):
         engine = infinity.initialize(model, engine_config(tmp_path, "cpu", activation_checkpointing=section))
-    assert checkpointing.settings().cpu_checkpointing and checkpointing.settings().profile
+    assert recompute.settings().cpu_checkpointing and recompute.settings().profile
     assert "partition_activations (no model-parallel ranks" in caplog.text
     losses = train_with(engine, data)
     engine.close()
     assert_parity(model, reference, losses, train_plain(reference, data))
-    timings = checkpointing.timings()
+    timings = recompute.timings()
     assert timings["calls"] == timings["recomputes"] == len(data) * len(model.blocks)
 
 
 def test_a_config_without_the_section_leaves_the_settings_alone(tmp_path):
-    checkpointing.configure(None, profile=True)
+    recompute.configure(None, profile=True)
     engine = infinity.initialize(Stack(), engine_config(tmp_path, "none"))
     engine.close()
-    assert checkpointing.settings().profile
+    assert recompute.settings().profile
 
 
 _CHILD = r"""
@@ -160,13 +161,13 @@ import json, sys
 import torch
 import infinity
 sys.path.insert(0, sys.argv[2])
-from test_engine_checkpointing import Stack, engine_config
+from test_engine_recompute import Stack, engine_config
 def status(field):
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) * 1024 for l in f if l.startswith(field + ":"))
 torch.manual_seed(0)
 model = Stack(width=128, hidden=1024, depth=12, dropout=0.0)
-model.checkpointing = {} if sys.argv[1] == "checkpoint" else None
+model.recompute = {} if sys.argv[1] == "recompute" else None
 engine = infinity.initialize(model, engine_config(None, "none"))
 x = torch.randn(4096, 8)
 before = {"rss": status("VmRSS"), "hwm": status("VmHWM")}
@@ -184,16 +185,16 @@ def _child_peak(mode: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_checkpointing_lowers_the_peak_memory_of_a_step():
+def test_recompute_lowers_the_peak_memory_of_a_step():
     """Twelve blocks whose activations (4096 rows x 1024 hidden, fp32: 16 MiB per tensor, about
     34 MiB kept per block) dominate the 13 MiB of parameters: peak RSS growth during one step,
     each figure from a fresh child process."""
     plain = _child_peak("plain")
-    ckpt = _child_peak("checkpoint")
-    plain_growth, ckpt_growth = plain["peak"] - plain["rss"], ckpt["peak"] - ckpt["rss"]
+    again = _child_peak("recompute")
+    plain_growth, again_growth = plain["peak"] - plain["rss"], again["peak"] - again["rss"]
     assert plain["peak"] > plain["hwm"], "the step, not initialize, sets the plain run's peak"
     assert plain_growth > 300 << 20, plain
-    print(f"peak RSS growth of one step: {plain_growth >> 20} MiB without checkpointing, "
-          f"{ckpt_growth >> 20} MiB with")
-    assert ckpt_growth < 0.5 * plain_growth, (
-        f"checkpointing grew RSS by {ckpt_growth >> 20} MiB, without {plain_growth >> 20} MiB")
+    print(f"peak RSS growth of one step: {plain_growth >> 20} MiB without recompute, "
+          f"{again_growth >> 20} MiB with")
+    assert again_growth < 0.5 * plain_growth, (
+        f"recompute grew RSS by {again_growth >> 20} MiB, without {plain_growth >> 20} MiB")

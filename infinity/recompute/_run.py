@@ -1,4 +1,4 @@
-"""`checkpoint(function, *args)`: DeepSpeed's activation checkpointing entry point.
+"""`run(function, *args)`: activation recomputation (DeepSpeed's `checkpointing.checkpoint`).
 
 Forward runs `function` without keeping its intermediate activations; backward runs it again
 (with the same RNG state) to get them. Under the engine the recompute is an ordinary forward:
@@ -15,11 +15,11 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from infinity.checkpointing import _settings
-from infinity.checkpointing._host import HostOffload, accelerator_of
+from infinity.recompute import _settings
+from infinity.recompute._host import HostOffload, accelerator_of
 
 
-def checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool = False) -> Any:
+def run(function: Callable[..., Any], *args: Any, use_reentrant: bool = False) -> Any:
     """Run `function(*args)` keeping only `args` for backward; recompute the rest in backward.
 
     The settings come from `configure` (or the engine's `activation_checkpointing` section):
@@ -33,14 +33,14 @@ def checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool = F
     device = accelerator_of(args)
     offload = HostOffload(device, pin=True) if settings.cpu_checkpointing and device is not None else None
     sync = settings.synchronize_checkpoint_boundary and device is not None and device.type == "cuda"
-    run = _with_boundaries(function, sync=sync, profile=settings.profile)
-    return run_checkpointed(run, args, use_reentrant=use_reentrant, offload=offload)
+    timed = _with_boundaries(function, sync=sync, profile=settings.profile)
+    return run_with(timed, args, use_reentrant=use_reentrant, offload=offload)
 
 
-def run_checkpointed(function: Callable[..., Any], args: tuple, *, use_reentrant: bool,
-                     offload: HostOffload | None) -> Any:
+def run_with(function: Callable[..., Any], args: tuple, *, use_reentrant: bool,
+             offload: HostOffload | None) -> Any:
     """torch's checkpoint of `function(*args)`; with `offload`, reentrant with the saved
-    inputs in host memory. See [Note: host copies of checkpoint inputs]."""
+    inputs in host memory. See [Note: host copies of recompute inputs]."""
     if offload is None:
         return torch_checkpoint.checkpoint(function, *args, use_reentrant=use_reentrant)
     # The reentrant kind only enters backward through inputs that require grad: an empty one
@@ -58,7 +58,7 @@ def _with_boundaries(function: Callable[..., Any], *, sync: bool, profile: bool)
         return function
     runs = 0
 
-    def run(*args: Any) -> Any:
+    def bounded(*args: Any) -> Any:
         nonlocal runs
         recompute, runs = runs > 0, runs + 1
         if sync:
@@ -72,4 +72,4 @@ def _with_boundaries(function: Callable[..., Any], *, sync: bool, profile: bool)
             if profile:
                 _settings.record(recompute=recompute, seconds=time.perf_counter() - start)
 
-    return run
+    return bounded

@@ -1,9 +1,9 @@
-"""`cpu_checkpointing`: the inputs saved at a checkpoint boundary wait in host memory.
+"""`cpu_checkpointing`: the inputs saved at a recompute boundary wait in host memory.
 
-[Note: host copies of checkpoint inputs] A checkpointed function keeps only its inputs between
+[Note: host copies of recompute inputs] A recomputed function keeps only its inputs between
 forward and backward; on an accelerator those are the activations that still occupy its
-memory. Under `cpu_checkpointing` the checkpoint is the reentrant kind, whose inputs are saved
-with `save_for_backward` and so pass through autograd's saved-tensor hooks: `pack` copies an
+memory. Under `cpu_checkpointing` torch's checkpoint is the reentrant kind, whose inputs are
+saved with `save_for_backward` and so pass through autograd's saved-tensor hooks: `pack` copies an
 accelerator tensor into pinned host memory (asynchronously, on the current stream) and drops
 the device copy; `unpack` copies it back when backward recomputes the function. Gradients never
 cross to the host. Tensors already on the host are kept as they are.

@@ -1,6 +1,6 @@
-"""infinity.checkpointing without the engine: recompute gives the gradients of the plain
-forward, the host copies of cpu_checkpointing (mechanism checked on the CPU with a copy standing
-in for the device move), configure's DeepSpeed signature, and the profile / sync settings."""
+"""infinity.recompute without the engine: recompute gives the gradients of the plain forward,
+the host copies of cpu_checkpointing (mechanism checked on the CPU with a copy standing in for
+the device move), configure's DeepSpeed signature, and the profile / sync settings."""
 
 import gc
 import logging
@@ -9,16 +9,17 @@ import weakref
 import pytest
 import torch
 
-from infinity import ConfigError, checkpointing
-from infinity.checkpointing import HostCopy, HostOffload, run_checkpointed
+from infinity import ConfigError, recompute
 from infinity.config import ActivationCheckpointingConfig
+from infinity.recompute._host import HostCopy, HostOffload
+from infinity.recompute._run import run_with
 
 
 @pytest.fixture(autouse=True)
 def _fresh_settings():
-    checkpointing.reset()
+    recompute.reset()
     yield
-    checkpointing.reset()
+    recompute.reset()
 
 
 def block() -> torch.nn.Module:
@@ -46,11 +47,11 @@ def assert_same(got, want):
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_checkpoint_gives_the_gradients_of_the_plain_forward_dropout_included(reentrant):
+def test_run_gives_the_gradients_of_the_plain_forward_dropout_included(reentrant):
     m = block()
     x = torch.randn(5, 6, requires_grad=True)
     want = grads_of(m, x, m)
-    assert_same(grads_of(lambda t: checkpointing.checkpoint(m, t, use_reentrant=reentrant), x, m), want)
+    assert_same(grads_of(lambda t: recompute.run(m, t, use_reentrant=reentrant), x, m), want)
 
 
 def test_host_copies_hold_the_saved_inputs_and_free_the_originals():
@@ -60,14 +61,14 @@ def test_host_copies_hold_the_saved_inputs_and_free_the_originals():
     x = torch.randn(5, 6, requires_grad=True)
     want = grads_of(m, x, m)
     offload = HostOffload(torch.device("cpu"), pin=False)
-    got = grads_of(lambda t: run_checkpointed(m, (t,), use_reentrant=True, offload=offload), x, m)
+    got = grads_of(lambda t: run_with(m, (t,), use_reentrant=True, offload=offload), x, m)
     assert_same(got, want)
     assert offload.parked_bytes == x.numel() * 4
 
     def forward_only(offload):
         h = torch.nn.functional.linear(x, torch.eye(6))  # an activation, as a block's input is
         alive = weakref.ref(h)
-        out = run_checkpointed(m, (h,), use_reentrant=True, offload=offload)
+        out = run_with(m, (h,), use_reentrant=True, offload=offload)
         del h
         gc.collect()
         return alive() is not None, out
@@ -84,7 +85,8 @@ def test_host_copies_give_parameter_gradients_when_no_input_requires_grad():
     x = torch.randn(5, 6)
     want = grads_of(m, x, m)
     offload = HostOffload(torch.device("cpu"), pin=False)
-    assert_same(grads_of(lambda t: run_checkpointed(m, (t,), use_reentrant=True, offload=offload), x, m), want)
+    got = grads_of(lambda t: run_with(m, (t,), use_reentrant=True, offload=offload), x, m)
+    assert_same(got, want)
 
 
 def test_pack_leaves_tensors_of_other_devices_and_unpack_restores_the_device():
@@ -96,12 +98,12 @@ def test_pack_leaves_tensors_of_other_devices_and_unpack_restores_the_device():
 
 
 def test_configure_takes_deepspeeds_signature_and_logs_what_has_no_effect(caplog):
-    assert not checkpointing.is_configured()
-    with caplog.at_level(logging.INFO, logger="infinity.checkpointing"):
-        got = checkpointing.configure(object(), deepspeed_config={"activation_checkpointing": {
+    assert not recompute.is_configured()
+    with caplog.at_level(logging.INFO, logger="infinity.recompute"):
+        got = recompute.configure(object(), deepspeed_config={"activation_checkpointing": {
             "partition_activations": True, "contiguous_memory_optimization": True,
             "number_checkpoints": 4, "cpu_checkpointing": False}}, checkpoint_in_cpu=True, profile=True)
-    assert checkpointing.is_configured() and got == checkpointing.settings()
+    assert recompute.is_configured() and got == recompute.settings()
     assert got.cpu_checkpointing and got.profile and got.partition_activations
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1
@@ -109,36 +111,38 @@ def test_configure_takes_deepspeeds_signature_and_logs_what_has_no_effect(caplog
         assert name in lines[0]
     if not torch.cuda.is_available():
         assert "cpu_checkpointing (compute is on the CPU" in lines[0]
-    checkpointing.reset()
-    assert checkpointing.settings() == ActivationCheckpointingConfig()
+    recompute.reset()
+    assert recompute.settings() == ActivationCheckpointingConfig()
 
 
 def test_configure_rejects_what_it_cannot_read():
     with pytest.raises(TypeError, match="deepspeed_config"):
-        checkpointing.configure(None, deepspeed_config=3)
+        recompute.configure(None, deepspeed_config=3)
     with pytest.raises(ConfigError, match="number_checkpoints"):
-        checkpointing.configure(None, deepspeed_config={"activation_checkpointing": {"number_checkpoints": 0}})
+        recompute.configure(None, deepspeed_config={
+            "activation_checkpointing": {"number_checkpoints": 0}})
     with pytest.raises(ConfigError, match="activation_checkpointing.cpu_checkpoint"):
-        checkpointing.configure(None, deepspeed_config={"activation_checkpointing": {"cpu_checkpoint": True}})
+        recompute.configure(None, deepspeed_config={
+            "activation_checkpointing": {"cpu_checkpoint": True}})
 
 
 def test_cpu_checkpointing_on_cpu_tensors_changes_nothing(monkeypatch):
-    checkpointing.configure(None, checkpoint_in_cpu=True)
+    recompute.configure(None, checkpoint_in_cpu=True)
     seen = []
-    monkeypatch.setattr("infinity.checkpointing._checkpoint.run_checkpointed",
+    monkeypatch.setattr("infinity.recompute._run.run_with",
                         lambda f, a, **kw: seen.append(kw["offload"]) or f(*a))
-    checkpointing.checkpoint(torch.sin, torch.ones(2))
+    recompute.run(torch.sin, torch.ones(2))
     assert seen == [None]
 
 
 @pytest.mark.parametrize("profile", [False, True])
 def test_profile_times_forward_runs_and_recomputes(profile, monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: pytest.fail("no accelerator to synchronise"))
-    checkpointing.configure(None, profile=profile, synchronize=True)
+    recompute.configure(None, profile=profile, synchronize=True)
     m = block()
     for _ in range(2):
-        checkpointing.checkpoint(m, torch.randn(5, 6, requires_grad=True)).sum().backward()
-    t = checkpointing.timings()
+        recompute.run(m, torch.randn(5, 6, requires_grad=True)).sum().backward()
+    t = recompute.timings()
     if profile:
         assert (t["calls"], t["recomputes"]) == (2, 2) and t["forward_s"] > 0 and t["recompute_s"] > 0
     else:
@@ -155,14 +159,14 @@ def test_cpu_checkpointing_keeps_block_inputs_in_pinned_host_memory_on_cuda():
     x = torch.randn(4096, 256, device="cuda", requires_grad=True)
 
     def run(cpu: bool):
-        checkpointing.configure(None, checkpoint_in_cpu=cpu, synchronize=True)
+        recompute.configure(None, checkpoint_in_cpu=cpu, synchronize=True)
         for b in blocks:
             b.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         h = x
         for b in blocks:
-            h = checkpointing.checkpoint(b, h)
+            h = recompute.run(b, h)
         held = torch.cuda.memory_allocated() - base
         h.square().sum().backward()
         return held, [p.grad.clone() for p in blocks.parameters()]

@@ -1,0 +1,118 @@
+"""A swapped optimizer's tiles in its store: one entry per tile, and the step each holds.
+
+[Note: retry-safe steps] Each tile records the step it holds (`TileSet.steps`). A pass updates
+only tiles below the step being built, so after a pass raised (an I/O error on a read or a
+write-back) the same call with the same gradients finishes the step and updates no tile twice.
+Everything a pass fetches is released on every path; a tile (or values entry) is released
+dirty once changed, and the store keeps a changed copy until its write-back succeeds. A pass
+(and `flush()`) rewrites any entry of an already-updated tile whose write-back failed.
+
+[Note: where a step writes] A step changes the store in two places only: a tile, in place,
+inside `TileSet.updating` (which records the step it then holds), and the unit's values, through
+`UnitValues` (released dirty once modified). A step that must be undoable (the speculative step
+of issue 22) redirects these two: the new state into fresh entries, the old ones kept until the
+step is validated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from infinity.optim._tiles import Tile, TileFormat, UnitSpec, cut_units, format_for
+from infinity.optim._values import UnitValues
+from infinity.store import TensorStore, Tier
+
+
+class TileSet:
+    """The tiles of every unit (cut per unit, units in order), their keys in the store
+    (`name/tile<t>`), their formats, and the step each holds. Indexing gives a `Tile`."""
+
+    def __init__(self, store: TensorStore, units: Sequence[UnitSpec], tile_numel: int,
+                 name: str, tier: Tier) -> None:
+        self.store, self.name, self.tier = store, name, tier
+        self.tiles = cut_units([u.numel for u in units], tile_numel)
+        self.formats = [format_for(u.dtype) for u in units]
+        self.of_unit: list[list[int]] = [[] for _ in units]  # each unit's tiles, in order
+        for t, tile in enumerate(self.tiles):
+            self.of_unit[tile.unit].append(t)
+        self.steps = [0] * len(self.tiles)  # See [Note: retry-safe steps]
+
+    def __len__(self) -> int:
+        return len(self.tiles)
+
+    def __getitem__(self, t: int) -> Tile:
+        return self.tiles[t]
+
+    def key(self, t: int) -> str:
+        return f"{self.name}/tile{t}"
+
+    def format(self, t: int) -> TileFormat:
+        return self.formats[self.tiles[t].unit]
+
+    def check_budget(self, tile_numel: int) -> None:
+        """With the tiles at home on NVMe, the host tier must hold 3 of them to stream."""
+        if self.tier == Tier.HOST:
+            if not self.store.budgets.get(Tier.HOST):
+                raise ValueError("state_tier HOST needs a store with a host budget")
+            return
+        if not self.store.budgets.get(Tier.NVME):
+            raise ValueError("SwappedOptimizer needs a store with an NVMe budget for its state "
+                             "(or state_tier=Tier.HOST)")
+        tile_nbytes, t = max((self.format(t).nbytes(tile.numel), t)
+                             for t, tile in enumerate(self.tiles))
+        host = self.store.budgets.get(Tier.HOST, 0)
+        if len(self.tiles) > 1 and host < 3 * tile_nbytes:
+            per_element = tile_nbytes // self.tiles[t].numel
+            raise ValueError(
+                f"the store's host budget ({host} bytes) must hold at least 3 optimizer tiles of "
+                f"{tile_nbytes} bytes (tile_numel={tile_numel}: {per_element} bytes per element) "
+                f"to stream; raise the host budget or lower tile_numel (sub_group_size)"
+            )
+
+    def write_initial(self, values: UnitValues) -> None:
+        """Put every tile before the first step (masters from the values); on any error none
+        is left in the store."""
+        try:
+            for u, tiles in enumerate(self.of_unit):
+                fmt = self.formats[u]
+                for t in tiles:
+                    tile = self.tiles[t]
+                    master = values.get(u)[tile.start:tile.stop] if fmt.has_master else None
+                    entry = fmt.new(tile.numel, master)
+                    if t == tiles[-1]:
+                        values.release(u)  # before the put: the host tier may need the room
+                    self.store.put(self.key(t), entry, self.tier)
+        except BaseException:
+            for t in range(len(self.tiles)):
+                if self.key(t) in self.store:
+                    self.store.drop(self.key(t))
+            raise
+        finally:
+            values.release_all()
+
+    def loaded(self, step: int) -> None:
+        """A state was loaded into every tile: they all hold `step`."""
+        self.steps = [step] * len(self.tiles)
+
+    def pending(self, u: int, step: int) -> list[int]:
+        """Unit u's tiles that do not hold `step` yet."""
+        return [t for t in self.of_unit[u] if self.steps[t] < step]
+
+    @contextlib.contextmanager
+    def updating(self, t: int, step: int) -> Iterator[torch.Tensor]:
+        """Tile t's entry, to be updated in place to `step` by the block: it holds `step` once
+        the block ends, and is released dirty on every path once its bytes were handed out
+        (see [Note: where a step writes])."""
+        with self.store.hold(self.key(t), Tier.HOST, dirty=True) as tile:
+            yield tile
+            self.steps[t] = step
+
+    def rewrite_if_unsaved(self, key: str) -> None:
+        """Start the write-back again of an entry whose last one failed (the store kept the
+        changed host copy)."""
+        if self.store.unsaved(key):
+            with self.store.hold(key, Tier.HOST, dirty=True):
+                pass
