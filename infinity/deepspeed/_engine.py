@@ -238,9 +238,7 @@ class DeepSpeedEngine(Engine):
         }
         specs += [(n, b.shape, b.dtype) for n, b in buffers.items()]
         wanted = {s[0] for s in specs}
-        values = (
-            item for item in self.named_parameters(lambda n: n in wanted) if item[0] in wanted
-        )
+        values = self.parameter_views(lambda n: n in wanted)
         if self.ranks.rank != 0:
             for _ in values:  # take part in every gather
                 pass

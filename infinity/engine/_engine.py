@@ -501,14 +501,29 @@ class Engine:
         """Yield (name, a copy of its current values in the stored dtype) for the parameters
         `select` accepts (all without it), one unit at a time: at most one unit's values are
         held here, and a unit with no selected parameter is not read."""
+        for unit in self._units_to_read(select):
+            yield from [(name, values.clone())
+                        for name, values in self.ranked.unit_values(self.store, unit)
+                        if select is None or select(name)]
+
+    def parameter_views(self, select: Callable[[str], bool] | None = None
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+        """As `named_parameters`, without the copies: views of the store's copy, valid until
+        the next item is taken (its unit is held meanwhile), for a writer that stores each
+        before taking the next (a streamed save). Every rank takes every item (stage 3 gathers
+        each unit)."""
+        for unit in self._units_to_read(select):
+            for name, values in self.ranked.unit_values(self.store, unit):
+                if select is None or select(name):
+                    yield name, values
+
+    def _units_to_read(self, select: Callable[[str], bool] | None) -> list[FetchUnit]:
+        """The units holding a parameter `select` accepts, once the last step is done and no
+        unit is in use."""
         self._check_open()
         self.synchronize()
         self.coordinator.release_all()
-        for unit in self.units:
-            if select is None or any(select(s.name) for s in unit.slots):
-                yield from [(name, values.clone())
-                            for name, values in self.ranked.unit_values(self.store, unit)
-                            if select is None or select(name)]
+        return [u for u in self.units if select is None or any(select(s.name) for s in u.slots)]
 
     def stats(self) -> dict[str, Any]:
         """Store tiers and moves, prefetch counters, steps, and peak host memory (VmHWM)."""

@@ -114,7 +114,7 @@ def _specs(engine: Engine) -> list[tuple[str, torch.Size, torch.dtype]]:
 
 
 def _values(engine: Engine) -> Iterator[tuple[str, torch.Tensor]]:
-    yield from engine.named_parameters()
+    yield from engine.parameter_views()
     yield from _buffers(engine.module).items()
 
 
