@@ -6,6 +6,7 @@ skipped, saying why).
 """
 
 import collections
+import errno
 import os
 import shutil
 import subprocess
@@ -15,6 +16,7 @@ import time
 
 import pytest
 import torch
+from children import ROOT, child_env
 
 # test parameter name (or "cuda" for tests marked requires_cuda) -> what it selects
 NATIVE_PATHS = {
@@ -128,12 +130,26 @@ def read_only_dir():
     shutil.rmtree(parent)
 
 
+@pytest.fixture(scope="session")
+def readable_packages():
+    """A copy of this checkout's packages that every user may read, under a parent everyone may
+    traverse: a child that dropped root reads its modules and package data there, whatever
+    the mode of the checkout's folder (a root user's home is 0700)."""
+    root = tempfile.mkdtemp(prefix="infinity-test-packages-")
+    for package in ("aio", "infinity"):
+        shutil.copytree(ROOT / package, os.path.join(root, package),
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run(["chmod", "-R", "a+rX", root], check=True)
+    yield root
+    shutil.rmtree(root)
+
+
 @pytest.fixture
-def run_unprivileged():
+def run_unprivileged(readable_packages):
     """Run Python code in a child that drops root (root ignores file permissions).
 
     The code runs after `import aio, infinity` and the modules in `preload`, since nobody may
-    not read root's Python installation.
+    not read root's Python installation; our packages come from `readable_packages`.
     """
     def run(code: str, preload: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
         prologue = (
@@ -141,7 +157,8 @@ def run_unprivileged():
             "if os.geteuid() == 0:\n    os.setgid(65534); os.setuid(65534)\n"
         )
         return subprocess.run([sys.executable, "-c", prologue + code], capture_output=True,
-                              text=True, timeout=60)
+                              text=True, timeout=300, cwd=readable_packages,
+                              env={**os.environ, "PYTHONPATH": str(readable_packages)})
 
     return run
 
@@ -157,6 +174,7 @@ def small_tmpfs(tmp_path):
         point.mkdir()
         if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)],
                           capture_output=True).returncode != 0:
+            point.rmdir()
             return None
         mounted.append(point)
         return point
@@ -166,9 +184,68 @@ def small_tmpfs(tmp_path):
         subprocess.run(["umount", str(point)], check=True)
 
 
+@pytest.fixture
+def small_disk(small_tmpfs, tmp_path, monkeypatch):
+    """small_disk(size) -> a directory on a disk of `size` (e.g. "4m"), where ENOSPC comes as
+    on a full disk: a private tmpfs where this process may mount (the kernel's), else a
+    directory under tmp_path whose files may not grow past `size` in all (injected where a
+    swap file is preallocated and where a checkpoint chunk is written, as fallocate and write
+    fail on a full disk). The injected disk shows neither the unlinked swap files as used
+    space nor its size to statvfs."""
+    made = []
+
+    def make(size: str):
+        mounted = small_tmpfs(size)
+        if mounted is not None:
+            return mounted
+        import zarr.storage
+
+        directory = tmp_path / f"disk{len(made)}"
+        directory.mkdir()
+        made.append(directory)
+        limit = int(size[:-1]) << {"k": 10, "m": 20}[size[-1].lower()]
+
+        def check(path: str, nbytes: int) -> None:
+            if path.startswith(f"{directory}{os.sep}"):
+                used = sum(os.path.getsize(os.path.join(d, f))
+                           for d, _, files in os.walk(directory) for f in files)
+                if used + nbytes > limit:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+        posix_fallocate, store_set = os.posix_fallocate, zarr.storage.LocalStore.set
+
+        def fallocate_on_the_disk(fd, offset, length):
+            check(os.readlink(f"/proc/self/fd/{fd}"), offset + length)  # "dir/#123 (deleted)"
+            posix_fallocate(fd, offset, length)
+
+        async def set_on_the_disk(store, key, value):
+            check(os.path.join(str(store.root), key), len(value))
+            await store_set(store, key, value)
+
+        monkeypatch.setattr(os, "posix_fallocate", fallocate_on_the_disk)
+        monkeypatch.setattr(zarr.storage.LocalStore, "set", set_on_the_disk)
+        return directory
+
+    return make
+
+
 def used_nbytes(directory) -> int:
     st = os.statvfs(directory)
     return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def unlinked_files_nbytes(pid: int, directory) -> int:
+    """Bytes allocated to the unlinked files under `directory` that process `pid` holds open."""
+    sizes = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith(f"{directory}{os.sep}") and target.endswith(" (deleted)"):
+                st = os.stat(f"/proc/{pid}/fd/{fd}")
+                sizes[st.st_ino] = st.st_blocks * 512
+        except FileNotFoundError:  # closed meanwhile
+            pass
+    return sum(sizes.values())
 
 
 @pytest.fixture
@@ -176,35 +253,43 @@ def sigkilled_child_frees(small_tmpfs, tmp_path):
     """check(code, size, nbytes): `code` (DIRECTORY in it names the directory) runs in a child
     that makes a swap file of at least `nbytes`, prints one line when it holds it, then sleeps
     until it is killed with SIGKILL (no handler, no atexit runs). Asserts the file took its
-    space, no name is left, and the file system's used space returns to what it was.
+    space (the child's unlinked files there, seen through /proc), no name is left, and the
+    space comes back.
 
-    The directory is a private tmpfs of `size` where this process may mount, else tmp_path's
-    shared file system (others may use it: 16 MiB of slack). Space freed by the kernel after
-    death may show up a moment later, so "after" is polled until it is back (or 10 s pass).
+    The directory is a private tmpfs of `size` where this process may mount: its used space
+    returns to what it was. Else tmp_path's shared file system, which others write meanwhile:
+    its used space drops by the file's size (16 MiB of slack) when the child dies. Space freed
+    by the kernel after death may show up a moment later, so it is polled (up to 60 s).
     """
     def check(code: str, size: str, nbytes: int) -> None:
-        directory, slack = small_tmpfs(size), 0
-        if directory is None:
-            directory, slack = tmp_path, 16 << 20
+        directory = small_tmpfs(size)
+        private = directory is not None
+        directory = directory if private else tmp_path
         before = used_nbytes(directory)
         code = code.replace("DIRECTORY", repr(str(directory)))
         child = subprocess.Popen([sys.executable, "-c", code + "\nimport time\ntime.sleep(600)\n"],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                 cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
         try:
             line = child.stdout.readline()
-            alive = used_nbytes(directory)
             assert line, child.stderr.read()
+            held = unlinked_files_nbytes(child.pid, directory)
+            alive = used_nbytes(directory)
         finally:
             child.kill()
             child.wait(timeout=60)
             child.stdout.close()
             child.stderr.close()
-        deadline = time.monotonic() + 10
-        while (after := used_nbytes(directory)) > before and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert alive - before >= nbytes - slack, "the child's swap file took no space: test broken"
+        assert held >= nbytes, "the child's swap file took no space: test broken"
         assert sorted(os.listdir(directory)) == []
-        assert after <= before + slack, f"{after - before} bytes still used after the child died"
+
+        def freed(after: int) -> bool:
+            return after <= before if private else alive - after >= held - (16 << 20)
+
+        deadline = time.monotonic() + 60
+        while not freed(after := used_nbytes(directory)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert freed(after), f"{after - before} bytes still used after the child died"
 
     return check
 
@@ -213,7 +298,8 @@ def sigkilled_child_frees(small_tmpfs, tmp_path):
 def tiny_hf_model(tmp_path_factory):
     """A local Hugging Face directory as `save_pretrained` writes it: a tiny random Llama (fp32,
     untied head) and the byte-level tokenizer (256 bytes + <s>, </s>, <pad>), nothing downloaded."""
-    transformers = pytest.importorskip("transformers")
+    import transformers  # a dependency: a broken install fails the tests that use it
+
     from infinity.models import byte_tokenizer
 
     directory = tmp_path_factory.mktemp("tiny-llama")

@@ -1,7 +1,13 @@
-"""Synthetic DeepSpeed ZeRO checkpoints (stages 1, 2, 3) built from known weights, with
-DeepSpeed's file names, dictionary keys, pickled classes and partition padding (DeepSpeed's
-engine.py `_save_checkpoint`, stage_1_and_2.py and stage3.py `state_dict`, 0.19.x), for tests
-of readers that must return exactly those weights without DeepSpeed installed.
+"""Synthetic DeepSpeed ZeRO checkpoints (stages 1, 2, 3) built from known weights, pickling what
+DeepSpeed 0.19.8 writes: its file names and dictionary keys (engine.py `_save_checkpoint`,
+`_common_checkpoint_state`, `_save_zero_checkpoint`; stage_1_and_2.py and stage3.py
+`state_dict`), its pickled classes under their real module paths (`LossScaler`, or
+`DynamicLossScaler` with its torch dtype for fp16; `ZeroStageEnum`; `fragment_address`), stage
+3's fp32 flat partitions as tensors that require grad and carry a `ds_id` attribute (so they
+pickle through `torch._tensor._rebuild_from_type_v2`, as do the NVMe placeholders and their
+moments), stage 1/2's unpadded partitions as views into padded storage, DeepSpeed's optimizers'
+integer Adam `step`, and partition padding - for tests of readers that must return exactly
+those weights without DeepSpeed installed.
 
 Padding slots hold JUNK instead of DeepSpeed's zeros, so a reader that does not trim them fails.
 """
@@ -39,9 +45,17 @@ def _deepspeed_classes():
         "deepspeed.runtime.fp16.loss_scaler", "deepspeed.runtime.zero.config",
         "deepspeed.utils.tensor_fragment"))
 
-    class LossScaler:
+    class LossScaler:  # DeepSpeed's static scaler: bf16 and fp32 runs, fp16 without dynamic
+        def __init__(self, scale=1.0):
+            self.cur_scale, self.dynamic = scale, False
+
+    class DynamicLossScaler(LossScaler):  # fp16 with dynamic loss scaling
         def __init__(self):
-            self.cur_scale, self.cur_iter, self.dynamic = 1.0, 7, False
+            super().__init__(2.0 ** 16)
+            self.cur_iter, self.last_overflow_iter, self.scale_factor = 7, -1, 2.0
+            self.scale_window, self.min_scale, self.delayed_shift = 1000, 1.0, 2
+            self.cur_hysteresis, self.consecutive_hysteresis = 2, False
+            self.raise_error_at_min_scale, self.dynamic, self.dtype = True, True, torch.float16
 
     class ZeroStageEnum(int, enum.Enum):
         disabled, optimizer_states, gradients, weights = 0, 1, 2, 3
@@ -51,14 +65,24 @@ def _deepspeed_classes():
         numel: int
         start: int
 
-    for mod, cls in ((loss_scaler, LossScaler), (config, ZeroStageEnum), (fragment, fragment_address)):
+    for mod, cls in ((loss_scaler, LossScaler), (loss_scaler, DynamicLossScaler),
+                     (config, ZeroStageEnum), (fragment, fragment_address)):
         cls.__module__, cls.__qualname__ = mod.__name__, cls.__name__
         setattr(mod, cls.__name__, cls)
     try:
-        yield LossScaler, ZeroStageEnum, fragment_address
+        yield types.SimpleNamespace(static=LossScaler, dynamic=DynamicLossScaler,
+                                    stage=ZeroStageEnum, fragment_address=fragment_address)
     finally:
         for name in [n for n in sys.modules if n == "deepspeed" or n.startswith("deepspeed.")]:
             del sys.modules[name]
+
+
+def _flat_partition(tensor: torch.Tensor, ds_id: str) -> torch.Tensor:
+    """A stage 3 fp32 flat partition as DeepSpeed keeps it: a leaf requiring grad, with the
+    ds_ids of its sub-group's first and last parameter as a Python attribute."""
+    tensor = tensor.detach().clone().requires_grad_(True)
+    tensor.ds_id = ds_id
+    return tensor
 
 
 def _padded(flat: torch.Tensor, numel: int) -> torch.Tensor:
@@ -91,19 +115,23 @@ def write(root: Path, params: dict[str, torch.Tensor], *, stage: int, world_size
     directory.mkdir(parents=True)
     (root / "latest").write_text(tag)
     prefix = "bf16_" if precision == "bf16" else ""
-    common = {"buffer_names": list(buffers), "shared_params": dict(shared), "ds_version": "0.19.8",
-              "global_steps": 7, "global_samples": 56, "skipped_steps": 0, "iteration": 7,
-              "dp_world_size": world_size, "mp_world_size": 1, "ds_config": DS_CONFIG,
-              "lr_scheduler": None}
+    common = {"buffer_names": list(buffers), "optimizer": None, "shared_params": dict(shared),
+              "lr_scheduler": {"last_batch_iteration": 6, "warmup_num_steps": 10},
+              "data_sampler": None, "random_ltd": None, "sparse_tensor_module_names": set(),
+              "skipped_steps": 0, "global_steps": 7, "global_samples": 56,
+              "dp_world_size": world_size, "mp_world_size": 1,
+              "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+              "ds_config": DS_CONFIG, "ds_version": "0.19.8"}
     module = {**{k: v.to(low) for k, v in params.items()}, **buffers, **frozen,
               **{alias: params[owner].to(low) for alias, owner in shared.items()}}
-    with _deepspeed_classes() as (loss_scaler, stage_enum, fragment_address):
+    with _deepspeed_classes() as ds:
+        scaler = ds.dynamic() if precision == "fp16" else ds.static()
         if stage == 3:
             _write_stage3(directory, params, frozen, module, common, world_size, sub_group_numel,
-                          prefix, loss_scaler, stage_enum, nvme_offload)
+                          prefix, scaler, ds.stage.weights, nvme_offload)
         else:
             _write_stage12(directory, params, frozen, module, common, world_size, stage,
-                           groups or [list(params)], prefix, loss_scaler, stage_enum, fragment_address)
+                           groups or [list(params)], prefix, scaler, ds)
     expected = {**params, **buffers, **frozen}
     expected.update({alias: expected[owner] for alias, owner in shared.items()})
     for name, weight in params.items():
@@ -112,9 +140,11 @@ def write(root: Path, params: dict[str, torch.Tensor], *, stage: int, world_size
 
 
 def _adam_state(step_groups: list[dict[str, torch.Tensor]]) -> dict:
-    return {"state": {i: {"step": torch.tensor(7.0), **g} for i, g in enumerate(step_groups)},
+    """A DeepSpeed optimizer's state_dict (FusedAdam / DeepSpeedCPUAdam: an integer step)."""
+    return {"state": {i: {"step": 7, **g} for i, g in enumerate(step_groups)},
             "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
-                              "params": [i]} for i in range(len(step_groups))]}
+                              "bias_correction": True, "amsgrad": False, "adamw_mode": True,
+                              "step": 0, "params": [i]} for i in range(len(step_groups))]}
 
 
 def _write_swap_files(directory, rank, sub_groups, ds_ids, flat):
@@ -130,12 +160,14 @@ def _write_swap_files(directory, rank, sub_groups, ds_ids, flat):
 
 
 def _write_stage3(directory, params, frozen, module, common, n, sub_group_numel, prefix,
-                  loss_scaler, stage_enum, nvme_offload):
+                  scaler, stage, nvme_offload):
     sub_groups: list[list[str]] = [[]]
     for name, weight in params.items():  # DeepSpeed cuts sub-groups by sub_group_size
         if sub_groups[-1] and sum(params[k].numel() for k in sub_groups[-1]) + weight.numel() > sub_group_numel:
             sub_groups.append([])
         sub_groups[-1].append(name)
+    ds_ids = {name: 3 + 2 * i for i, name in enumerate(params)}  # grow in parameter order
+    group_ids = [f"{ds_ids[g[0]]}_{ds_ids[g[-1]]}" for g in sub_groups]
 
     def share(tensor: torch.Tensor, rank: int) -> torch.Tensor:
         p = math.ceil(tensor.numel() / n)
@@ -152,21 +184,22 @@ def _write_stage3(directory, params, frozen, module, common, n, sub_group_numel,
         flat = {kind: [torch.cat([share(source(params[k]), rank) for k in g]) for g in sub_groups]
                 for kind, source in (("fp32", lambda w: w), ("exp_avg", lambda w: moments(w)["exp_avg"]),
                                      ("exp_avg_sq", lambda w: moments(w)["exp_avg_sq"]))}
-        if nvme_offload:
-            ds_ids = {name: 3 + 2 * i for i, name in enumerate(params)}  # grow in parameter order
+        moment_ids = {"exp_avg": "exp_avg-", "exp_avg_sq": "exp_avg_sq-"}
+        if nvme_offload:  # swapped out: empty placeholders keeping their ds_id, data in swap files
             _write_swap_files(directory, rank, sub_groups, ds_ids, flat)
-            flat = {kind: [torch.empty(0) for _ in groups] for kind, groups in flat.items()}
-        zero = {"zero_stage": stage_enum.weights, "loss_scaler": loss_scaler(),
-                "dynamic_loss_scale": False, "overflow": False, "partition_count": n,
+            flat = {kind: [_flat_partition(torch.empty(0), f"{moment_ids.get(kind, '')}{i}")
+                           for i in group_ids] for kind in flat}
+        fp32 = [_flat_partition(t, i) for t, i in zip(flat["fp32"], group_ids)]
+        zero = {"zero_stage": stage, "loss_scaler": scaler, "dynamic_loss_scale": scaler.dynamic,
+                "overflow": False, "partition_count": n,
                 "optimizer_state_dict": _adam_state([{"exp_avg": a, "exp_avg_sq": b} for a, b in
                                                      zip(flat["exp_avg"], flat["exp_avg_sq"])]),
-                "fp32_flat_groups": flat["fp32"]}
+                "fp32_flat_groups": fp32}
         torch.save({"optimizer_state_dict": zero, "ds_config": DS_CONFIG, "ds_version": "0.19.8"},
                    directory / f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
 
 
-def _write_stage12(directory, params, frozen, module, common, n, stage, groups, prefix,
-                   loss_scaler, stage_enum, fragment_address):
+def _write_stage12(directory, params, frozen, module, common, n, stage, groups, prefix, scaler, ds):
     model_states = {**common, "module": module,
                     "param_shapes": [OrderedDict((k, params[k].shape) for k in g) for g in groups],
                     "frozen_param_shapes": OrderedDict((k, v.shape) for k, v in frozen.items()) if stage == 2 else None,
@@ -192,16 +225,18 @@ def _write_stage12(directory, params, frozen, module, common, n, stage, groups, 
             for name in names:
                 lo, hi = max(start, rank * p), min(start + params[name].numel(), (rank + 1) * p)
                 if lo < hi:
-                    mapping[name] = fragment_address(numel=hi - lo, start=lo - rank * p)
+                    mapping[name] = ds.fragment_address(numel=hi - lo, start=lo - rank * p)
                 start += params[name].numel()
             slice_mappings.append(mapping)
-        zero = {"loss_scaler": loss_scaler(), "dynamic_loss_scale": False, "overflow": False,
+        # the partitions require grad; the saved ones are views without the padding
+        fp32 = [part.requires_grad_(True)[:part.numel() - pad]
+                for part, pad in zip(parts["fp32"], group_paddings)]
+        zero = {"loss_scaler": scaler, "dynamic_loss_scale": scaler.dynamic, "overflow": False,
                 "clip_grad": 1.0,
                 "base_optimizer_state": _adam_state([{"exp_avg": a, "exp_avg_sq": b} for a, b in
                                                      zip(parts["exp_avg"], parts["exp_avg_sq"])]),
-                "single_partition_of_fp32_groups": [part[:part.numel() - pad] for part, pad in
-                                                    zip(parts["fp32"], group_paddings)],
-                "zero_stage": stage_enum.gradients if stage == 2 else stage_enum.optimizer_states,
+                "single_partition_of_fp32_groups": fp32,
+                "zero_stage": ds.stage.gradients if stage == 2 else ds.stage.optimizer_states,
                 "group_paddings": group_paddings, "partition_count": [n] * len(groups),
                 "ds_version": "0.19.8", "param_slice_mappings": slice_mappings}
         torch.save({"optimizer_state_dict": zero, "ds_config": DS_CONFIG, "ds_version": "0.19.8"},

@@ -22,7 +22,7 @@ LAYERS: dict[str, set[str]] = {
     "tools": {"infinity", "aio"},
     # the console scripts' faces over the library
     "infinity.cli": {"infinity.train", "infinity.models", "infinity.checkpoint", "infinity.memory",
-                     "infinity.errors", "aio"},
+                     "infinity.config", "infinity.errors", "aio"},  # config: its size parser
     # the Hugging Face Trainer and DeepSpeed's API over the engine (docs/hf.md)
     "infinity.hf": {"infinity.deepspeed", "infinity.models", "infinity.config", "infinity.errors"},
     "infinity.deepspeed": {"infinity.engine", "infinity.recompute", "infinity.checkpoint",
@@ -35,7 +35,7 @@ LAYERS: dict[str, set[str]] = {
     # models sits above the engine: a loaded model's store is laid out by the engine's own plan
     # (precision, units, budgets), so initialize adopts it without a copy.
     "infinity.models": {"infinity.engine", "infinity.zero", "infinity.config", "infinity.store",
-                        "infinity.memory", "infinity.errors", "aio"},
+                        "infinity.memory", "infinity.errors", "infinity.paths", "aio"},
     "infinity.engine": {"infinity.recompute", "infinity.config", "infinity.zero", "infinity.optim",
                         "infinity.checkpoint", "infinity.store", "infinity.memory",
                         "infinity.errors", "aio"},
@@ -43,13 +43,15 @@ LAYERS: dict[str, set[str]] = {
     # the config section; the engine configures it, the zero hooks see its recompute.
     "infinity.recompute": {"infinity.config", "infinity.errors"},
     "infinity.checkpoint": {"infinity.config", "infinity.store", "infinity.memory",
-                            "infinity.errors", "aio"},
+                            "infinity.errors", "infinity.paths", "aio"},
     "infinity.zero": {"infinity.config", "infinity.store", "infinity.memory", "infinity.errors",
                       "aio"},
     "infinity.config": {"infinity.errors", "aio"},  # aio: its options
     "infinity.optim": {"infinity.store", "infinity.memory", "infinity.errors", "aio"},
     "infinity.store": {"infinity.memory", "infinity.errors", "aio"},
     "infinity.memory": {"infinity.errors", "aio"},
+    # paths: a path read from a file stays inside the folder the file was found in
+    "infinity.paths": {"infinity.errors"},
     "infinity.errors": set(),
     "aio": set(),
 }

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from infinity.errors import CheckpointError
+from infinity.paths import inside
 
 OFFLOAD_DIR = "offloaded_tensors"
 
@@ -39,7 +40,9 @@ def offloaded_groups(directory: Path, numels: list[int], state: str | None) -> l
         raise CheckpointError(f"{directory} holds {len(files)} '{prefix}<first>_<last>.tensor.swp' "
                               f"files; the checkpoint has {len(numels)} sub-groups")
     groups = []
+    tag_dir = directory.parents[1]
     for (_, path), numel in zip(files, numels):
+        inside(tag_dir, str(path.relative_to(tag_dir)), source=directory)
         nbytes = path.stat().st_size
         if nbytes < numel * 4:
             raise CheckpointError(f"{path} holds {nbytes} bytes, its sub-group needs {numel * 4} "

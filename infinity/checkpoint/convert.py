@@ -49,15 +49,62 @@ from infinity.checkpoint.writer import (
     tensor_entry,
 )
 from infinity.errors import CheckpointError
+from infinity.paths import naming
 
 logger = logging.getLogger(__name__)
 
 FORMATS = ("hf", "safetensors", "torch", "zarr", "infinity")
 _MODEL_FILES = ("config.json", "generation_config.json")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt",
+                    "chat_template.jinja")
+RUN_CHECKPOINTS = "checkpoints"  # infinity-train's --output holds its checkpoints here
+
+
+def _run_checkpoints(source: Path, tag: str | None) -> Path:
+    """An infinity-train output folder stands for its checkpoints (`checkpoints/latest`)."""
+    inner = source / RUN_CHECKPOINTS
+    if tag is None and not (source / "latest").is_file() and (inner / "latest").is_file():
+        return inner
+    return source
+
+
+def _tokenizer_dir(*places: Path | None) -> Path | None:
+    """The first of `places` holding tokenizer files (a model directory, the run folder)."""
+    return next((p for p in places if p is not None and (p / "tokenizer_config.json").is_file()),
+                None)
 
 
 def _read_configs(directory: Path) -> dict[str, dict[str, Any]]:
-    return {f: json.loads((directory / f).read_text()) for f in _MODEL_FILES if (directory / f).is_file()}
+    """The model's JSON files in `directory`; CheckpointError naming one that is no JSON object."""
+    found = {}
+    for name in _MODEL_FILES:
+        path = directory / name
+        if not path.is_file():
+            continue
+        try:
+            found[name] = json.loads(path.read_bytes())
+        except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+            raise CheckpointError(f"{path} is not JSON: {e}") from None
+        if not isinstance(found[name], dict):
+            raise CheckpointError(f"{path} is not a JSON object")
+    return found
+
+
+def _check_zarr_names(names: list[str], source: Path) -> None:
+    """Tensor names are zarr node paths in a zarr output: '/'-separated, no empty, '.', '..' or
+    '__' part (which would lead out of the output directory or be zarr's), and no name the
+    group of another ("a" beside "a/b")."""
+    taken = set(names)
+    for name in names:
+        parts = name.split("/")
+        if "\0" in name or any(part in ("", ".", "..") or part.startswith("__") for part in parts):
+            raise CheckpointError(f"{source}: tensor {name!r} cannot name a zarr array (an empty, "
+                                  f"'.', '..' or '__' part): refused for --to zarr")
+        for end in range(1, len(parts)):
+            if "/".join(parts[:end]) in taken:
+                raise CheckpointError(f"{source}: tensor {name!r} would be inside the zarr array "
+                                      f"of tensor {'/'.join(parts[:end])!r}: refused for --to zarr")
 
 
 @dataclasses.dataclass(slots=True)
@@ -94,14 +141,19 @@ class Conversion:
             raise CheckpointError(f"unknown output format {to!r}; choose one of {FORMATS}")
         if max_shard_nbytes <= 0:
             raise CheckpointError(f"max_shard_nbytes must be positive, got {max_shard_nbytes}")
-        self.source: TensorSource = open_source(source, tag)
+        self.source: TensorSource = open_source(_run_checkpoints(Path(source), tag), tag)
         self.format = to
         self.max_shard_nbytes = max_shard_nbytes
         names = self.source.names()
         if to in ("hf", "safetensors", "torch"):
             names = [n for n in names if is_model_weight(n)]
+        if to == "zarr":
+            _check_zarr_names(names, self.source.path)
         self.dtypes = {n: self._output_dtype(n, dtype) for n in names}
-        self.configs = self._model_configs(Path(model_config) if model_config else None) if to == "hf" else {}
+        given = Path(model_config) if model_config else None
+        self.configs = self._model_configs(given) if to == "hf" else {}
+        self.tokenizer = _tokenizer_dir(given, self.source.path, self.source.path.parent,
+                                        self.source.path.parent.parent) if to == "hf" else None
 
     @property
     def total_nbytes(self) -> int:
@@ -119,7 +171,8 @@ class Conversion:
         staging = destination.parent / f"{TEMPORARY_PREFIX}{destination.name}-{uuid.uuid4().hex[:8]}"
         staging.mkdir()
         try:
-            files, crcs = self._write(staging, on_progress)
+            with naming(destination):
+                files, crcs = self._write(staging, on_progress)
             self._verify(staging, files, crcs, on_progress)
             fsync_tree(staging)
             replace_durably(staging, destination)
@@ -177,8 +230,22 @@ class Conversion:
         else:
             files = [self._write_arrays(staging, checked, on_progress)]
         for file, config in self.configs.items():
-            (staging / file).write_text(json.dumps(config, indent=2))
+            (staging / file).write_text(json.dumps(self._with_dtype(file, config), indent=2))
+        if self.tokenizer is not None:  # so AutoTokenizer loads from the output too
+            for name in _TOKENIZER_FILES:
+                if (self.tokenizer / name).is_file():
+                    shutil.copyfile(self.tokenizer / name, staging / name)
         return files, crcs
+
+    def _with_dtype(self, file: str, config: dict[str, Any]) -> dict[str, Any]:
+        """config.json says the dtype the weights were written in (the most common floating
+        one): from_pretrained loads them as that, not as the source model's."""
+        floats = [d for d in self.dtypes.values() if d.is_floating_point]
+        if file != "config.json" or not floats:
+            return config
+        name = str(max(set(floats), key=floats.count)).removeprefix("torch.")
+        keys = [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype", "dtype"]
+        return {**config, **{k: name for k in keys}}
 
     def _write_shards(self, staging: Path, checked, on_progress) -> list[ConvertedFile]:
         stem, suffix = ("model", ".safetensors") if self.format != "torch" else ("pytorch_model", ".bin")

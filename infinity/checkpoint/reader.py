@@ -16,27 +16,44 @@ import torch
 import zarr
 
 import aio
-from infinity.checkpoint._common import ProgressCallback, from_storage, torch_dtype
+from infinity.checkpoint._common import ProgressCallback, from_storage, storage_dtype, torch_dtype
 from infinity.checkpoint.manifest import MANIFEST_NAME, Manifest, TensorEntry
 from infinity.checkpoint.writer import LATEST_NAME, check_tag
 from infinity.errors import CheckpointError
+from infinity.paths import inside
 
 logger = logging.getLogger(__name__)
 
 
 def latest_tag(directory: str | Path) -> str | None:
-    """The tag `directory/latest` names, or None when there is no `latest` file."""
+    """The tag `directory/latest` names, or None when there is no `latest` file;
+    CheckpointError when it names no tag directory inside `directory`."""
+    latest = Path(directory) / LATEST_NAME
     try:
-        return (Path(directory) / LATEST_NAME).read_text().strip()
-    except FileNotFoundError:
+        inside(directory, LATEST_NAME, source=directory)
+        tag = latest.read_bytes().decode().strip()
+    except (FileNotFoundError, NotADirectoryError):
         return None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{latest} cannot be read as a tag: {e}") from None
+    try:
+        check_tag(tag)
+    except CheckpointError as e:
+        raise CheckpointError(f"{latest}: {e}") from None
+    inside(directory, tag, source=latest)
+    return tag
 
 
 def is_infinity_checkpoint(directory: str | Path) -> bool:
     """Whether `directory` is a run directory (with `latest`) or a tag of an Infinity checkpoint."""
     directory = Path(directory)
-    return (directory / MANIFEST_NAME).is_file() or (
-        (tag := latest_tag(directory)) is not None and (directory / tag / MANIFEST_NAME).is_file())
+    if (directory / MANIFEST_NAME).is_file():
+        return True
+    try:
+        tag = latest_tag(directory)
+    except CheckpointError:
+        return False
+    return tag is not None and (directory / tag / MANIFEST_NAME).is_file()
 
 
 class CheckpointReader:
@@ -54,10 +71,11 @@ class CheckpointReader:
                 if tag is None:
                     raise CheckpointError(f"{directory} holds no '{LATEST_NAME}' file and no "
                                           f"{MANIFEST_NAME}: not an Infinity checkpoint (give a tag)")
-            self.path = directory / check_tag(tag)
-        self.manifest = Manifest.read(self.path / MANIFEST_NAME)
+            self.path = inside(directory, check_tag(tag), source=f"tag {tag!r}")
+        self.manifest = Manifest.read(inside(self.path, MANIFEST_NAME, source=self.path))
         self._entries = {entry.name: entry for entry in self.manifest.tensors}
         self._arrays: dict[str, Any] = {}
+        self._check_every_array_listed()
 
     @property
     def tag(self) -> str:
@@ -136,14 +154,34 @@ class CheckpointReader:
             for _ in self.iter_chunks(name, on_progress):
                 pass
 
+    def _check_every_array_listed(self) -> None:
+        """CheckpointError when an array directory has no manifest entry (an entry renamed to
+        another's name, or lost): the manifest is damaged."""
+        listed = {Path(entry.array) for entry in self.manifest.tensors}
+        arrays = self.path / "arrays"
+        for found in sorted(arrays.iterdir()) if arrays.is_dir() else ():
+            if found.relative_to(self.path) not in listed:
+                raise CheckpointError(f"{self.path / MANIFEST_NAME} is a damaged manifest: no "
+                                      f"entry names the array {found}")
+
     def _array(self, entry: TensorEntry) -> Any:
+        """The zarr array of `entry`, checked to be the one the writer made for it."""
         if entry.name not in self._arrays:
             array_dir = self.path / entry.array
+            inside(self.path, f"{entry.array}/zarr.json", source=self.path / MANIFEST_NAME)
             try:
-                self._arrays[entry.name] = zarr.open_array(str(array_dir), mode="r")
+                array = zarr.open_array(str(array_dir), mode="r")
+                facts = (array.attrs.get("name"), array.attrs.get("dtype"), array.dtype,
+                         array.shape, array.chunks[0])
             except Exception as e:  # zarr raises several types for a damaged zarr.json
                 raise CheckpointError(f"tensor {entry.name!r}: its zarr array {array_dir} cannot "
                                       f"be opened: {e}") from e
+            if facts != (entry.name, entry.dtype, storage_dtype(entry.dtype), entry.stored_shape,
+                         entry.chunk_rows):
+                raise CheckpointError(f"tensor {entry.name!r}: its zarr array {array_dir} holds "
+                                      f"{facts[0]!r} ({facts[1]}, shape {facts[3]}, chunks of "
+                                      f"{facts[4]} rows), not what the manifest says: damaged")
+            self._arrays[entry.name] = array
         return self._arrays[entry.name]
 
     def _read_chunk(self, entry: TensorEntry, index: int) -> torch.Tensor:
@@ -154,6 +192,7 @@ class CheckpointReader:
                                   f"{index} ({path})")
         if not path.is_file():
             raise CheckpointError(f"tensor {entry.name!r}: chunk file {path} is missing")
+        inside(self.path, str(path.relative_to(self.path)), source=self.path / MANIFEST_NAME)
         start, stop = entry.chunk_rows_range(index)
         try:
             data = self._array(entry)[start:stop]

@@ -10,7 +10,7 @@ import torch
 
 from infinity.checkpoint._common import ProgressCallback
 from infinity.checkpoint.deepspeed import DeepSpeedReader, is_deepspeed_checkpoint
-from infinity.checkpoint.reader import CheckpointReader, is_infinity_checkpoint
+from infinity.checkpoint.reader import CheckpointReader, is_infinity_checkpoint, latest_tag
 from infinity.errors import CheckpointError
 
 
@@ -41,5 +41,6 @@ def open_source(path: str | Path, tag: str | None = None) -> TensorSource:
         return CheckpointReader(path, tag)
     if tag is not None or is_deepspeed_checkpoint(path):
         return DeepSpeedReader(path, tag)
+    latest_tag(path)  # a `latest` naming no tag inside `path`: the error says so
     raise CheckpointError(f"{path} is neither an Infinity checkpoint (no manifest.json, no "
                           f"'latest' naming one) nor a DeepSpeed one (no *_model_states.pt)")

@@ -38,6 +38,7 @@ from infinity.checkpoint._durable import (
 )
 from infinity.checkpoint.manifest import MANIFEST_NAME, Manifest, TensorEntry
 from infinity.errors import CheckpointError
+from infinity.paths import naming
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +160,9 @@ class TensorSink:
         data = self._chunk[:self._filled]
         if data.size != (stop - start) * self._entry.row_numel:
             return  # a partial chunk that is not the last: more pieces are coming
-        self._array[start:stop] = data.reshape((stop - start, *self._entry.stored_shape[1:]))
+        store = self._array.store_path
+        with naming(Path(store.store.root) / store.path):
+            self._array[start:stop] = data.reshape((stop - start, *self._entry.stored_shape[1:]))
         self._entry.crc32c.append(aio.crc32c(data))
         self._written += data.size
         self._filled = 0
@@ -229,7 +232,8 @@ class CheckpointWriter:
         if unclosed:
             raise CheckpointError(f"tensors {unclosed} of checkpoint {self.tag!r} were not closed")
         manifest = Manifest(tag=self.tag, tensors=self._entries, metadata=self.metadata)
-        (self._staging / MANIFEST_NAME).write_text(manifest.to_json())
+        with naming(self._staging / MANIFEST_NAME):
+            (self._staging / MANIFEST_NAME).write_text(manifest.to_json())
         fsync_tree(self._staging)  # See [Note: durable commit]
         self._check_free()
         if self._update_latest:  # See [Note: publishing a tag]

@@ -8,7 +8,7 @@ import sys
 import time
 from collections.abc import Callable
 
-SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+from infinity.config import parse_bytes
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -28,13 +28,16 @@ def fail(prog: str, message: str) -> int:
 
 
 def parse_size(text: str) -> int:
-    """'2G' -> 2 * 2**30 bytes; K/M/G/T are binary (KiB...), an optional trailing 'B' or 'iB'."""
-    body = text.strip().upper().removesuffix("IB").removesuffix("B")
-    suffix = body[-1:] if body[-1:].isalpha() else ""
-    number = body[:len(body) - len(suffix)]
-    if suffix not in SUFFIXES or not number.isdigit() or int(number) == 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 4096, 256K, 1M or 2G")
-    return int(number) * SUFFIXES[suffix]
+    """A byte count as the config writes it (`infinity.config.parse_bytes`: "2G" and "2GiB" are
+    2 * 2**30, "2GB" is 2e9), for argparse; at least 1."""
+    try:
+        nbytes = parse_bytes(text)
+    except ValueError:
+        nbytes = 0
+    if nbytes < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 4096, 256K, 1M, 2G "
+                                         "(binary) or 2GB (decimal)")
+    return nbytes
 
 
 def time_in_turns(fns: dict[str, Callable[[], object]], rounds: int, warmup: int

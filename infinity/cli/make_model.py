@@ -8,7 +8,8 @@ infinity-train on a model larger than RAM when no real weights are at hand.
 
 The weights are written tensor by tensor (memory: one tensor), normal(0, 0.02) for matrices
 and embeddings, ones for norms, seeded. The tokenizer has one token per byte plus <s> (256)
-and </s> (257), so --vocab is at least 258 (a larger vocab only costs parameters). DIR must
+, </s> (257) and <pad> (258), so --vocab is at least 259 (a larger vocab only costs
+parameters). DIR must
 not exist; it appears complete or not at all. Exit codes: 0 done, 2 bad input.
 Without an install: `python -m infinity.cli.make_model ...` from the repository root.
 """
@@ -26,6 +27,7 @@ from infinity.cli.args import HelpFormatter, fail, log_to_stderr, parse_size
 from infinity.models import BYTE_TOKENS, write_random_model
 
 PROG = "infinity-make-model"
+TOKENS = BYTE_TOKENS + 3  # the byte tokenizer: 256 bytes, <s>, </s>, <pad>
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -37,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--intermediate", type=int, default=688, help="MLP width (intermediate_size)")
     p.add_argument("--heads", type=int, default=8, help="attention heads (hidden must divide by it)")
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (GQA). Default: --heads")
-    p.add_argument("--vocab", type=int, default=BYTE_TOKENS + 2, help="vocabulary size (at least 258)")
+    p.add_argument("--vocab", type=int, default=TOKENS, help=f"vocabulary size (at least {TOKENS}, "
+                   "the byte tokenizer's tokens)")
     p.add_argument("--max-positions", type=int, default=2048, help="max_position_embeddings")
     p.add_argument("--tie", action="store_true", help="tie the output head to the embedding")
     p.add_argument("--dtype", choices=DTYPES, default="bf16", help="dtype of the stored weights")
@@ -59,13 +62,22 @@ def llama_config(args: argparse.Namespace):
     if args.hidden % args.heads or args.heads % kv_heads:
         raise ValueError(f"--hidden {args.hidden}, --heads {args.heads}, --kv-heads {kv_heads}: hidden must "
                          "divide by heads, and heads by kv-heads")
-    if args.vocab < BYTE_TOKENS + 2:
-        raise ValueError(f"--vocab {args.vocab}: at least {BYTE_TOKENS + 2} (the byte tokenizer's tokens)")
+    if args.vocab < TOKENS:
+        raise ValueError(f"--vocab {args.vocab}: at least {TOKENS} (the byte tokenizer's tokens, "
+                         "<pad> included)")
     return transformers.LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=kv_heads,
         max_position_embeddings=args.max_positions, tie_word_embeddings=args.tie,
-        bos_token_id=BYTE_TOKENS, eos_token_id=BYTE_TOKENS + 1)
+        bos_token_id=BYTE_TOKENS, eos_token_id=BYTE_TOKENS + 1, pad_token_id=BYTE_TOKENS + 2)
+
+
+def _count(n: int, units: tuple[str, str, str] = ("B", "M", "K")) -> str:
+    """1.54 B, 12.3 M, 45.6 K: three significant figures in the (decimal) unit that fits."""
+    for unit, size in zip(units, (1e9, 1e6, 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return str(n)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         return fail(PROG, f"{args.directory}: {e.strerror or e}")
     size = sum(os.path.getsize(os.path.join(args.directory, f)) for f in os.listdir(args.directory))
-    print(f"{args.directory}: Llama of {count / 1e9:.3f} B parameters ({count}), {size / 1e9:.2f} GB on disk")
+    print(f"{args.directory}: Llama of {_count(count)} parameters ({count}), "
+          f"{_count(size, ('GB', 'MB', 'KB'))} on disk")
     return 0
 
 

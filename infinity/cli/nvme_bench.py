@@ -93,6 +93,13 @@ def _check_path(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error(f"--path {args.path}: not writable by this user")
     if args.size % 4096 or args.repeat < 1 or args.small_requests < 0:
         parser.error("--size must be a multiple of 4 KiB, --repeat >= 1, --small-requests >= 0")
+    if args.json:  # checked now, not after the whole benchmark
+        target = os.path.abspath(args.json)
+        folder = os.path.dirname(target)
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+            parser.error(f"--json {args.json}: {folder} is no writable directory")
+        if os.path.isdir(target) or (os.path.exists(target) and not os.access(target, os.W_OK)):
+            parser.error(f"--json {args.json}: is a directory or not writable")
     free = shutil.disk_usage(args.path).free
     if args.size + (64 << 20) > free:
         parser.error(f"--size {_human(args.size)} does not fit: {args.path} has "

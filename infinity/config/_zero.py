@@ -19,10 +19,10 @@ _PER_UNIT = "one collective per unit, issued when the unit needs it: nothing to 
 _POOL = "the host_memory_budget sizes Infinity's arena and I/O buffers, not per-buffer counts"
 
 
-def _check_counts(section: object, names: tuple[str, ...]) -> None:
+def _check_counts(section: object, names: tuple[str, ...], least: int = 0) -> None:
     for name in names:
         value = getattr(section, name)
-        check(value >= 0, name, value, "an integer >= 0")
+        check(value >= least, name, value, f"an integer >= {least}")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -66,7 +66,8 @@ class OffloadParamConfig(_Offload):
 
     def __post_init__(self) -> None:
         _Offload.__post_init__(self)
-        _check_counts(self, ("buffer_count", "buffer_size", "max_in_cpu"))
+        _check_counts(self, ("max_in_cpu",))
+        _check_counts(self, ("buffer_count", "buffer_size"), least=1)  # none: nothing could move
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -100,7 +101,7 @@ class OffloadOptimizerConfig(_Offload):
 
     def __post_init__(self) -> None:
         _Offload.__post_init__(self)
-        _check_counts(self, ("buffer_count",))
+        _check_counts(self, ("buffer_count",), least=1)
         check(0.0 <= self.ratio <= 1.0, "ratio", self.ratio, "a number in [0, 1]")
         check(0.0 <= self.cpuadam_cores_perc <= 1.0, "cpuadam_cores_perc",
               self.cpuadam_cores_perc, "a number in [0, 1]")
@@ -232,9 +233,10 @@ class ZeroConfig(Section):
     def __post_init__(self) -> None:
         _check_counts(self, ("stage3_max_live_parameters", "stage3_max_reuse_distance",
                              "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
-                             "stage3_model_persistence_threshold", "sub_group_size",
+                             "stage3_model_persistence_threshold",
                              "reduce_bucket_size", "allgather_bucket_size",
                              "stage3_module_granularity_threshold", "zero_hpz_partition_size"))
+        _check_counts(self, ("sub_group_size",), least=1)  # elements per optimizer tile
         check(self.stage == 3 or self.offload_param.device == "none", "offload_param.device",
               self.offload_param.device,
               f'"none" with stage {self.stage}: DeepSpeed offloads parameters only under ZeRO '

@@ -12,10 +12,11 @@ from infinity.engine._placement import (
     lay_out,
     open_store,
 )
+from infinity.engine._precision import cpu_has_bf16_units
 from infinity.engine._schedule import build_lr_schedule
 from infinity.engine._step_state import StepCounters, StepPhase
 
 __all__ = ["Engine", "LRSource", "Layout", "ParamSpec", "Placed", "StepCounters", "StepPhase",
-           "attach_to_model", "build_lr_schedule", "choose_model_precision", "engine_config",
-           "gathered", "initialize", "lay_out", "open_store", "parameter_specs",
+           "attach_to_model", "build_lr_schedule", "choose_model_precision", "cpu_has_bf16_units",
+           "engine_config", "gathered", "initialize", "lay_out", "open_store", "parameter_specs",
            "set_weight_decay"]

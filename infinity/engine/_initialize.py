@@ -12,6 +12,7 @@ from infinity.config import ActivationCheckpointingConfig, Config, load_config
 from infinity.engine._engine import Engine
 from infinity.engine._gathered import track
 from infinity.engine._pretrained import attach_save_pretrained
+from infinity.engine._threads import check_wait_policy
 from infinity.zero import environment_world_size
 
 
@@ -49,6 +50,7 @@ def engine_config(model: torch.nn.Module,
     `activation_checkpointing` configures `infinity.recompute` with it."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"initialize() needs a torch.nn.Module, got {type(model).__name__}")
+    check_wait_policy()
     loaded = load_config(config, model=model, world_size=environment_world_size())
     if loaded.activation_checkpointing != ActivationCheckpointingConfig():
         recompute.configure(deepspeed_config=loaded.activation_checkpointing)

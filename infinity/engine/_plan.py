@@ -18,6 +18,14 @@ holds. Collectives need whole-unit buffers outside the store, counted beside the
 buffers: at stage 3 the gathered units in use (resident units, two of the largest), from stage
 2 one gradient being reduce-scattered, at stages 1-2 one unit being gathered after the step.
 
+[Note: fitting the budget] `sub_group_size` (the optimizer tile) and the gradients' home are
+the plan's to choose within `host_memory_budget`: it takes the first that fits of the
+configured tiles with the gradients in RAM, the largest smaller tiles that fit (down to 2**18
+elements) with them in RAM, then both again with the gradients on NVMe, and logs what it chose.
+Smaller tiles cost only smaller reads; gradients on NVMe cost a write and a read per
+micro-batch, so they come last. When nothing fits, the BudgetError names the smallest budget
+that does (`MemoryPlan.min_host_budget`: the smallest tiles, the cheaper gradient home).
+
 When the modules compute from the host tier, a prefetched unit holds its block until it is
 used, so the prefetch window is what the host tier holds beyond its smallest working set
 (`MemoryPlan.prefetch_numel`, never more than the config asks): a window larger than that would
@@ -26,7 +34,8 @@ fill the tier with read-ahead and leave no room for a gradient or an optimizer t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,8 +44,12 @@ from infinity.errors import BudgetError
 from infinity.store import Tier
 from infinity.zero import FetchUnit, Partition, Ranks
 
+logger = logging.getLogger(__name__)
+
 _PAGE = 4096
 _TILE_SLACK = 64 << 10  # per optimizer tile: alignment and row padding
+_MIN_TILE_NUMEL = 1 << 18  # the smallest optimizer tile the plan picks (3 MiB with a master row)
+_TILE_ALIGN = 4096  # elements: a tile size the plan picks is a multiple of it
 
 
 def _aligned(nbytes: int) -> int:
@@ -108,68 +121,117 @@ def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optim
     """Budgets for the store from the unit sizes and the offload devices; see [Note: memory plan].
     `host_memory_budget` caps the host tier (less what lives outside the store); the tier is
     never larger than the plan needs. With `world` ranks at ZeRO `stage`, the plan of one rank
-    (see [Note: memory plan of a rank]).
+    (see [Note: memory plan of a rank]). `tile_numel` (sub_group_size) is an upper bound: see
+    [Note: fitting the budget].
 
-    Raises BudgetError when `host_memory_budget` cannot hold the smallest working set.
+    Raises BudgetError, naming the smallest budget that works, when `host_memory_budget`
+    cannot hold the smallest working set.
     """
     fetch_tier = Tier.DEVICE if accelerator else Tier.HOST
     param_home = {"none": fetch_tier, "cpu": Tier.HOST, "nvme": Tier.NVME}[offload_param]
     state_tier = {"none": Tier.HOST, "cpu": Tier.HOST, "nvme": Tier.NVME}[offload_optimizer]
     trained = [u for u in units if u.requires_grad]
     share = _Share(Partition(Ranks(0, world), stage))  # every rank's shard is as large as rank 0's
+    largest_state = max((share.state_numel(u) for u in trained), default=0)
     if state_tier == Tier.HOST:  # tiles bound what one NVMe read holds; in RAM, a unit is one tile
-        tile_numel = max((share.state_numel(u) for u in trained), default=1)
+        tile_numel = max(largest_state, 1)
     everything = sum(_aligned(share.values_nbytes(u)) for u in units)
     resident = sum(_aligned(share.values_nbytes(u)) for u in units if u.persistent)
     largest = max((_aligned(share.values_nbytes(u)) for u in units if not u.persistent), default=0)
     elt = max((u.nbytes // max(u.numel, 1) for u in units), default=4)
     working = min(everything, resident + 3 * largest + _aligned(prefetch_numel * elt))
-    tile_elements = min(tile_numel, max((share.state_numel(u) for u in trained), default=0))
-    tile = tile_elements * 12 + _TILE_SLACK
-    state = sum(_state_nbytes(u, share.state_numel(u)) + _TILE_SLACK * -(-share.state_numel(u) // tile_numel)
-                for u in trained)
     grads = sum(_aligned(share.grad_nbytes(u)) for u in trained)
+    largest_grad = max((_aligned(share.grad_nbytes(u)) for u in trained), default=0)
     collectives = share.collective_nbytes(units)
-    outside = grads + collectives
+    has_nvme = Tier.NVME in (param_home, state_tier)  # a swap file to put gradients in
 
-    budgets: dict[Tier, int] = {}
-    if accelerator:
-        budgets[Tier.DEVICE] = everything if param_home == Tier.DEVICE else working
+    def state_nbytes(tiles: int) -> int:
+        return sum(_state_nbytes(u, n) + _TILE_SLACK * -(-n // tiles)
+                   for u, n in ((u, share.state_numel(u)) for u in trained))
+
+    def tile_nbytes(tiles: int) -> int:
+        return min(tiles, largest_state) * 12 + _TILE_SLACK
+
     # Host-homed values sit in the host tier whole; NVMe-homed ones pass through a working set;
     # device-homed ones only visit the host while the optimizer updates them.
     host_params = {Tier.HOST: everything, Tier.NVME: working, Tier.DEVICE: 2 * largest}[param_home]
-    host_state = {Tier.HOST: state, Tier.NVME: 4 * tile + largest}[state_tier]
-    host_minimum = (resident + 2 * largest if param_home == Tier.NVME else host_params) + \
-        {Tier.HOST: state, Tier.NVME: 3 * tile + largest}[state_tier]
-    host = host_params + host_state
-    grads_tier = None
-    has_nvme = Tier.NVME in (param_home, state_tier)  # a swap file to put gradients in
-    largest_grad = max((_aligned(share.grad_nbytes(u)) for u in trained), default=0)
-    min_budget = host_minimum + collectives + (min(grads, 2 * largest_grad) if has_nvme else grads)
+    params_minimum = resident + 2 * largest if param_home == Tier.NVME else host_params
+
+    def host_minimum(tiles: int, grads_on_nvme: bool) -> int:
+        """The smallest host tier: parameters, optimizer state or tiles, gradients passing."""
+        state = state_nbytes(tiles) if state_tier == Tier.HOST else 3 * tile_nbytes(tiles) + largest
+        return params_minimum + state + (2 * largest_grad if grads_on_nvme else 0)
+
+    def needs(tiles: int, grads_on_nvme: bool) -> int:
+        """The smallest host_memory_budget for this choice: the host tier plus what is outside."""
+        return host_minimum(tiles, grads_on_nvme) + collectives + (0 if grads_on_nvme else grads)
+
+    gradient_homes = [False, True] if grads and has_nvme else [False]
+    smallest_tiles = min(tile_numel, _MIN_TILE_NUMEL) if state_tier == Tier.NVME else tile_numel
+    min_budget = min(needs(smallest_tiles, g) for g in gradient_homes)
+    chosen = (tile_numel, False)
     if host_memory_budget is not None:
         budget = int(host_memory_budget)
-        if budget - outside < host_minimum and grads and has_nvme:  # gradients must leave RAM
-            grads_tier, outside = Tier.NVME, collectives
-            host_minimum += 2 * largest_grad
-            host += 2 * largest_grad
-        if budget - outside < host_minimum:
-            tiles = f"{3 * tile} in 3 optimizer tiles of {tile_elements} elements " \
-                f"(zero_optimization.sub_group_size {tile_numel}: lower it for smaller tiles); " \
-                if state_tier == Tier.NVME else ""
-            raise BudgetError(
-                f"host_memory_budget {budget} bytes cannot hold this model's plan: {outside} "
-                f"bytes of gradients{' and collective buffers' if collectives else ''} in RAM plus at least "
-                f"{host_minimum} bytes of parameters, optimizer tiles{' and gradients' if grads_tier else ''} "
-                f"in the host tier ({tiles}the largest unit {largest} bytes); raise the budget or offload more "
-                f"(offload_param/offload_optimizer device 'nvme')")
-        host = min(host, budget - outside)
+        candidates = [(t, g) for g in gradient_homes for t in (
+            tile_numel, _fitting_tiles(budget, needs, g, smallest_tiles, tile_numel)
+            if state_tier == Tier.NVME else None)]
+        chosen = next(((t, g) for t, g in candidates
+                       if t is not None and needs(t, g) <= budget), None)
+        if chosen is None:
+            raise BudgetError(_refusal(
+                budget, min_budget, state_tier == Tier.NVME and tile_numel, smallest_tiles,
+                largest, offloaded=param_home == state_tier == Tier.NVME))
+        if chosen != (tile_numel, False):
+            _log_choice(budget, tile_numel, *chosen)
+    tile_numel, grads_on_nvme = chosen
+    budgets: dict[Tier, int] = {}
+    if accelerator:
+        budgets[Tier.DEVICE] = everything if param_home == Tier.DEVICE else working
+    state = state_nbytes(tile_numel)
+    host_state = state if state_tier == Tier.HOST else 4 * tile_nbytes(tile_numel) + largest
+    host = host_params + host_state + (2 * largest_grad if grads_on_nvme else 0)
+    outside = collectives + (0 if grads_on_nvme else grads)
+    if host_memory_budget is not None:
+        host = min(host, int(host_memory_budget) - outside)
     budgets[Tier.HOST] = host
     if fetch_tier == Tier.HOST:  # read-ahead takes only what the smallest working set leaves
-        prefetch_numel = min(prefetch_numel, max(0, host - host_minimum) // elt)
+        spare = host - host_minimum(tile_numel, grads_on_nvme)
+        prefetch_numel = min(prefetch_numel, max(0, spare) // elt)
     nvme = (everything if param_home == Tier.NVME else 0) + (state if state_tier == Tier.NVME else 0)
-    if grads_tier is not None:
+    if grads_on_nvme:
         nvme += grads
     if nvme:
         budgets[Tier.NVME] = nvme + nvme // 8 + (16 << 20)
-    return MemoryPlan(fetch_tier, param_home, state_tier, budgets, outside, grads_tier, prefetch_numel,
-                      min_budget, tile_numel)
+    return MemoryPlan(fetch_tier, param_home, state_tier, budgets, outside,
+                      Tier.NVME if grads_on_nvme else None, prefetch_numel, min_budget, tile_numel)
+
+
+def _fitting_tiles(budget: int, needs: Callable[[int, bool], int], grads_on_nvme: bool,
+                   smallest: int, most: int) -> int | None:
+    """The largest tile (elements, a multiple of _TILE_ALIGN unless that is below `smallest`)
+    between `smallest` and `most` whose plan fits `budget`; None when not even `smallest` does.
+    The plan's bytes grow by 36 per tile element (three tiles of master and two moments)."""
+    fixed = needs(0, grads_on_nvme)
+    fitting = min(most, (budget - fixed) // 36 // _TILE_ALIGN * _TILE_ALIGN)
+    return max(fitting, smallest) if needs(smallest, grads_on_nvme) <= budget else None
+
+
+def _refusal(budget: int, min_budget: int, tiles_from: int | bool, smallest_tiles: int,
+             largest: int, *, offloaded: bool) -> str:
+    """The BudgetError's text: the budget, the least that works, and what sets it."""
+    tiles = f", optimizer tiles as small as {smallest_tiles} elements (zero_optimization." \
+            f"sub_group_size {tiles_from} is the most)" if tiles_from else ""
+    more = "" if offloaded else " or offload more (offload_param/offload_optimizer device 'nvme')"
+    least = f"{min_budget / 1e9:.3g} GB" if min_budget >= 1e8 else f"{min_budget / 1e6:.3g} MB"
+    return (f"host_memory_budget {budget} bytes cannot hold this model's plan: it needs at least "
+            f"{min_budget} bytes ({least}), with the largest unit {largest} bytes{tiles}; set "
+            f"infinity.host_memory_budget to at least {min_budget}{more}")
+
+
+def _log_choice(budget: int, asked_tiles: int, tiles: int, grads_on_nvme: bool) -> None:
+    chose = [] if tiles == asked_tiles else \
+        [f"optimizer tiles of {tiles} elements (sub_group_size {asked_tiles} is the most)"]
+    if grads_on_nvme:
+        chose.append("the gradients on NVMe (read and written every micro-batch)")
+    logger.info("memory plan: host_memory_budget %d bytes fits with %s", budget,
+                " and ".join(chose))

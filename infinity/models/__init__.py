@@ -6,6 +6,8 @@ written tensor by tensor (`write_shards`), e.g. a random model of any size for b
 from infinity.models._load import DEFAULT_WINDOW, load
 from infinity.models._meta import build_on_meta
 from infinity.models._random import BYTE_TOKENS, byte_tokenizer, write_random_model
+from infinity.models._safetensors import INDEX_FILE
 from infinity.models._writer import plan_shards, write_shards
 
-__all__ = ["BYTE_TOKENS", "DEFAULT_WINDOW", "build_on_meta", "byte_tokenizer", "load", "plan_shards", "write_random_model", "write_shards"]
+__all__ = ["BYTE_TOKENS", "DEFAULT_WINDOW", "INDEX_FILE", "build_on_meta", "byte_tokenizer", "load",
+           "plan_shards", "write_random_model", "write_shards"]

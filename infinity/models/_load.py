@@ -41,7 +41,8 @@ _CHUNK_ALIGN = 4096  # elements: chunk bytes stay multiples of 4 KiB whatever th
 
 def load(path: str | os.PathLike[str], config: dict[str, Any] | str | os.PathLike[str], *,
          window: int = DEFAULT_WINDOW,
-         prepare: Callable[[torch.nn.Module], torch.nn.Module] | None = None) -> torch.nn.Module:
+         prepare: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+         progress: Callable[[int], None] | None = None) -> torch.nn.Module:
     """The `transformers` model of the local directory `path` (config.json with
     model.safetensors or model.safetensors.index.json and its shards), its parameters already
     in the store that `infinity.initialize(model, config)` adopts without a copy.
@@ -62,6 +63,7 @@ def load(path: str | os.PathLike[str], config: dict[str, Any] | str | os.PathLik
     and returns the model to place, e.g. wrapped with LoRA adapters and its base frozen
     (`requires_grad` decides which units get optimizer state). Parameters it adds must hold
     real values (not meta): they are streamed into the store with the checkpoint's.
+    `progress`, when given, is called with the bytes of each unit once it is in the store.
 
     Raises CheckpointError naming the file and tensor (missing shard, tensor absent from its
     shard, truncated or corrupt file, shape unlike config.json, a tensor the model lacks, a
@@ -84,7 +86,7 @@ def load(path: str | os.PathLike[str], config: dict[str, Any] | str | os.PathLik
     store = open_store(layout, conf)
     started = time.perf_counter()
     try:
-        _stream(layout, store, sources, window)
+        _stream(layout, store, sources, window, progress or (lambda nbytes: None))
         _replace_meta(model, layout)
         for module, name, record in buffers:
             _copy_buffer(module, name, record)
@@ -126,6 +128,7 @@ def _match(model: torch.nn.Module, records: dict[str, TensorRecord], directory: 
                 raise CheckpointError(
                     f"{record.path}: tensor {name!r} has shape {tuple(record.shape)}, the model built from "
                     f"{config_json} has {tuple(p.shape)}", path=record.path, tensor=name)
+            _check_kind(record, p.dtype)
             sources.setdefault(id(p), record)
         elif name in buffer_names:
             module_name, _, buffer = name.rpartition(".")
@@ -134,6 +137,7 @@ def _match(model: torch.nn.Module, records: dict[str, TensorRecord], directory: 
                 raise CheckpointError(
                     f"{record.path}: tensor {name!r} has shape {tuple(record.shape)}, the model's buffer has "
                     f"{None if found is None else tuple(found.shape)}", path=record.path, tensor=name)
+            _check_kind(record, found.dtype)
             buffers.append((model.get_submodule(module_name), buffer, record))
         elif not any(pattern.search(name) for pattern in ignore_unexpected):
             raise CheckpointError(f"{record.path}: tensor {name!r} is not a parameter of the model built from "
@@ -145,6 +149,15 @@ def _match(model: torch.nn.Module, records: dict[str, TensorRecord], directory: 
                                   f"{type(model).__name__}" + (f" (nor {names[1:]})" if len(names) > 1 else ""),
                                   path=directory, tensor=names[0])
     return sources, buffers
+
+
+def _check_kind(record: TensorRecord, dtype: torch.dtype) -> None:
+    """Values convert between precisions of one kind only: integers or booleans loaded into a
+    floating-point tensor (or the reverse) mean a damaged or foreign checkpoint."""
+    if record.dtype.is_floating_point != dtype.is_floating_point:
+        raise CheckpointError(f"{record.path}: tensor {record.name!r} is {record.dtype}, the "
+                              f"model's is {dtype}: not the same kind of number",
+                              path=record.path, tensor=record.name)
 
 
 def _prepared(model: torch.nn.Module, prepare: Callable[[torch.nn.Module], torch.nn.Module],
@@ -159,7 +172,8 @@ def _prepared(model: torch.nn.Module, prepare: Callable[[torch.nn.Module], torch
     return prepared
 
 
-def _stream(layout: Layout, store: TensorStore, sources: dict[int, TensorRecord], window: int) -> None:
+def _stream(layout: Layout, store: TensorStore, sources: dict[int, TensorRecord], window: int,
+            progress: Callable[[int], None]) -> None:
     """Put every unit into the store, slice by slice, through two buffers within `window`."""
     widest_src = max((r.dtype.itemsize for r in sources.values()), default=4)
     widest_dst = max((u.dtype.itemsize for u in layout.units), default=4)
@@ -172,6 +186,7 @@ def _stream(layout: Layout, store: TensorStore, sources: dict[int, TensorRecord]
             out = converted[:chunk_numel * unit.dtype.itemsize].view(unit.dtype)
             store.put_chunks(unit.key, (unit.numel,), unit.dtype,
                              _unit_chunks(unit, sources, reader, out, staging), layout.plan.param_home)
+            progress(unit.nbytes)
     finally:
         reader.close()
 

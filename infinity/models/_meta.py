@@ -8,6 +8,7 @@ import os
 import torch
 
 from infinity.errors import CheckpointError
+from infinity.paths import inside
 from infinity.zero import parameters_on_meta
 
 
@@ -20,20 +21,25 @@ def build_on_meta(directory: str, dtype: torch.dtype) -> torch.nn.Module:
     if not os.path.isfile(config_path):
         raise CheckpointError(f"{config_path}: missing (a Hugging Face model directory needs its config.json)",
                               path=config_path)
+    inside(directory, "config.json", source=directory)
     try:
         config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{config_path}: cannot be read as a transformers config: {exc}",
+        architectures = getattr(config, "architectures", None) or []
+        if not isinstance(architectures, list | tuple) or not all(
+                isinstance(a, str) for a in architectures):
+            raise ValueError(f"architectures must be a list of class names, got {architectures!r}")
+        cls = getattr(transformers, architectures[0], None) if architectures else None
+        with parameters_on_meta():
+            if cls is not None:
+                model = cls._from_config(config, dtype=dtype)
+            else:
+                try:
+                    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+                except ValueError:
+                    model = transformers.AutoModel.from_config(config, dtype=dtype)
+    except Exception as exc:  # a handed-in config.json: transformers' checks raise many types
+        why = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise CheckpointError(f"{config_path}: cannot build a model from it: {why}",
                               path=config_path) from None
-    architectures = getattr(config, "architectures", None) or []
-    cls = getattr(transformers, architectures[0], None) if architectures else None
-    with parameters_on_meta():
-        if cls is not None:
-            model = cls._from_config(config, dtype=dtype)
-        else:
-            try:
-                model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-            except ValueError:
-                model = transformers.AutoModel.from_config(config, dtype=dtype)
     model.eval()
     return model

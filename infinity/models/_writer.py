@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from infinity.models._safetensors import INDEX_FILE, dtype_name
+from infinity.paths import naming
 
 Spec = tuple[str, torch.Size, torch.dtype]  # name, shape, dtype
 
@@ -44,12 +45,15 @@ def write_shards(directory: str | os.PathLike[str], specs: Sequence[Spec],
     files, weight_map = [], {}
     for i, shard in enumerate(shards, 1):
         path = directory / f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        _write_shard(path, shard, tensors)
+        with naming(path):
+            _write_shard(path, shard, tensors)
         weight_map.update((name, path.name) for name, _, _ in shard)
         files.append(path)
     total = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in specs)
     index = directory / INDEX_FILE
-    index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    text = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    with naming(index):
+        index.write_text(text)
     return files + [index]
 
 

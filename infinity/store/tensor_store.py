@@ -351,6 +351,7 @@ class TensorStore:
                 return
             self._runner.closed = True
             moves = [*self._copies.moving, *self._copies.putting.values()]
+        self._tiers.room.changed()  # threads waiting for room find the store closed, not a deadline
         errors = []
         try:
             for move in moves:

@@ -23,8 +23,10 @@ from infinity.train.data import Batches
 logger = logging.getLogger(__name__)
 
 SUBDIR = "checkpoints"
-# what the data position means only together with: a resume with other values is refused
-FIXED = ("rows", "seq_len", "batch_size", "seed")
+# what the data position means only together with: a resume with other values is refused,
+# naming the option that sets each (the row count follows from the data and --seq-len)
+FIXED = {"seq_len": "--seq-len", "batch_size": "--batch-size", "seed": "--seed",
+         "rows": "the data's row count"}
 
 
 @dataclass
@@ -42,26 +44,37 @@ def directory(output: str | pathlib.Path) -> pathlib.Path:
 
 
 def has_any(output: str | pathlib.Path) -> bool:
-    return latest_tag(directory(output)) is not None
+    try:
+        return latest_tag(directory(output)) is not None
+    except CheckpointError:  # a `latest` naming nothing usable: still not an empty output
+        return True
 
 
 def find_resume_point(output: str | pathlib.Path) -> ResumePoint:
     """The latest checkpoint in `<output>/checkpoints`; InputError when there is none or it is
     not one this job wrote."""
     where = directory(output)
-    tag = latest_tag(where)
-    if tag is None:
-        raise InputError(f"--resume: no checkpoint in {where} (nothing to resume; run with "
-                         f"--save-every N first, or without --resume)")
     try:
+        tag = latest_tag(where)
+        if tag is None:
+            raise InputError(f"--resume: no checkpoint in {where} (nothing to resume; run with "
+                             f"--save-every N first, or without --resume)")
         state = CheckpointReader(where, tag).metadata.get("client_state") or {}
     except CheckpointError as e:
         raise InputError(f"--resume: {e}") from None
-    step, data = state.get("step"), state.get("data")
-    if not isinstance(step, int) or not isinstance(data, dict):
+    step, data = (state.get("step"), state.get("data")) if isinstance(state, dict) else (None, None)
+    if not _natural(step) or not isinstance(data, dict):
         raise InputError(f"--resume: checkpoint {where / tag} was not written by infinity-train "
                          f"(no step and data position in its client_state)")
+    missing = [key for key in ("epoch", "next", *FIXED) if not _natural(data.get(key), least=-1)]
+    if missing:
+        raise InputError(f"--resume: checkpoint {where / tag} has no usable {missing[0]!r} in its "
+                         f"client_state data position: damaged, or not written by infinity-train")
     return ResumePoint(where, tag, step, data)
+
+
+def _natural(value: Any, least: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
 def data_state(batches: Batches, seq_len: int) -> dict[str, int]:
@@ -71,11 +84,11 @@ def data_state(batches: Batches, seq_len: int) -> dict[str, int]:
 
 def check_same_data(point: ResumePoint, now: dict[str, int]) -> None:
     """InputError naming the first setting that differs from the checkpoint's."""
-    for key in FIXED:
+    for key, option in FIXED.items():
         if point.data.get(key) != now[key]:
-            raise InputError(f"--resume: the checkpoint at step {point.step} was made with {key} "
-                             f"{point.data.get(key)}, this run has {now[key]} (use the same model, "
-                             f"data, --seq-len, --batch-size and --seed)")
+            raise InputError(f"--resume: the checkpoint at step {point.step} was made with "
+                             f"{option} {point.data.get(key)}, this run has {now[key]} (use the "
+                             "same model, data, --seq-len, --batch-size, --seed and eval split)")
 
 
 class Saver:
@@ -102,8 +115,20 @@ def trim_metrics(path: pathlib.Path, last_step: int) -> None:
     checkpoint: the resumed run does them again), so the file has each step once."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines(keepends=True)
-            if json.loads(line)["step"] <= last_step]
+    lines = path.read_bytes().decode(errors="replace").splitlines(keepends=True)
+    kept = []
+    for number, line in enumerate(lines, 1):
+        try:
+            step = json.loads(line)["step"]
+            if not _natural(step):
+                raise TypeError
+        except (ValueError, KeyError, TypeError, RecursionError):
+            if number < len(lines):
+                raise InputError(f"--resume: {path}:{number} is not a metrics record") from None
+            logger.warning("%s: its last line is partial (the run died writing it); dropped", path)
+            continue
+        if step <= last_step:
+            kept.append(line)
     partial = path.with_name(path.name + ".partial")
     partial.write_text("".join(kept))
     partial.replace(path)

@@ -12,6 +12,7 @@ W + scaling * B @ A per adapted layer, under the base model's names, loadable wi
 from __future__ import annotations
 
 import copy
+import math
 import pathlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,6 +22,7 @@ from safetensors.torch import save_file
 
 from infinity.engine import Engine, parameter_specs
 from infinity.models import write_shards
+from infinity.train import bars
 
 PEFT_PREFIX = "base_model.model."
 MAX_SHARD_BYTES = 2 << 30
@@ -44,17 +46,26 @@ def is_peft(model: torch.nn.Module) -> bool:
     return hasattr(model, "get_base_model") and hasattr(model, "peft_config")
 
 
-def exported_tensors(engine: Engine) -> tuple[list[tuple[str, torch.Size, torch.dtype]],
-                                               Callable[[], Iterator[tuple[str, torch.Tensor]]]]:
+def exported_tensors(engine: Engine, *, merge: bool = True
+                     ) -> tuple[list[tuple[str, torch.Size, torch.dtype]],
+                                Callable[[], Iterator[tuple[str, torch.Tensor]]]]:
     """(specs in export order, a function streaming (name, tensor) in that order), merging LoRA
-    adapters into their base weights for a peft model; persistent buffers come last."""
+    adapters into their base weights for a peft model (without `merge`: the base model alone);
+    persistent buffers come last."""
     model = engine.module
     buffers = _persistent_buffers(model)
     if not is_peft(model):
         specs = [(s.name, s.shape, s.dtype) for s in parameter_specs(engine)]
         return specs + _buffer_specs(buffers), lambda: _chain(engine.named_parameters(), buffers)
-    specs = [(_base_name(s.name), s.shape, s.dtype) for s in parameter_specs(engine) if not _is_adapter(s.name)]
+    specs = [(_base_name(s.name), s.shape, s.dtype) for s in parameter_specs(engine)
+             if not _is_adapter(s.name)]
     scalings = _lora_scalings(model)
+    if not merge:
+        def base() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, values in engine.named_parameters(lambda n: not _is_adapter(n)):
+                yield _base_name(name), values
+            yield from buffers.items()
+        return specs + _buffer_specs(buffers), base
 
     def merged() -> Iterator[tuple[str, torch.Tensor]]:
         adapters = dict(engine.named_parameters(_is_adapter))  # small: rank x width per layer
@@ -84,13 +95,26 @@ def _chain(params: Iterator[tuple[str, torch.Tensor]], buffers: dict[str, torch.
     yield from buffers.items()
 
 
+def _with_progress(tensors: Iterator[tuple[str, torch.Tensor]], total: int, shown: bool
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stream, with a bar of the bytes exported (on stderr, after a second)."""
+    with bars.bar(total=total, desc="exporting", unit="B", unit_scale=True, shown=shown) as bar:
+        for name, values in tensors:
+            bar.update(values.numel() * values.element_size())
+            yield name, values
+
+
 def write_hf(engine: Engine, directory: str | pathlib.Path, *, tokenizer: Any = None,
-             max_shard_bytes: int = MAX_SHARD_BYTES) -> list[pathlib.Path]:
-    """Write the engine's current model into `directory` (created); returns the files written."""
+             max_shard_bytes: int = MAX_SHARD_BYTES, merge: bool = True,
+             progress: bool = False) -> list[pathlib.Path]:
+    """Write the engine's current model into `directory` (created); returns the files written.
+    A peft model is exported merged, or with `merge` False its base model alone."""
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    specs, stream = exported_tensors(engine)
-    files = write_shards(directory, specs, stream(), max_shard_bytes=max_shard_bytes)
+    specs, stream = exported_tensors(engine, merge=merge)
+    total = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in specs)
+    files = write_shards(directory, specs, _with_progress(stream(), total, progress),
+                         max_shard_bytes=max_shard_bytes)
     files += _write_config(engine.module, directory, specs)
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(directory)
@@ -115,9 +139,11 @@ def _write_config(model: torch.nn.Module, directory: pathlib.Path,
     return written
 
 
-def write_adapter(engine: Engine, directory: str | pathlib.Path, *, tokenizer: Any = None) -> list[pathlib.Path]:
+def write_adapter(engine: Engine, directory: str | pathlib.Path, *, tokenizer: Any = None,
+                  base: str | None = None) -> list[pathlib.Path]:
     """Write the LoRA adapters of the engine's peft model into `directory` (created), named as
-    peft saves them (the adapter name "default" dropped from the keys)."""
+    peft saves them (the adapter name "default" dropped from the keys); `base`, when given, is
+    the adapter config's base_model_name_or_path."""
     model = engine.module
     if not is_peft(model):
         raise ValueError("write_adapter needs a peft model (train with --lora)")
@@ -127,7 +153,10 @@ def write_adapter(engine: Engine, directory: str | pathlib.Path, *, tokenizer: A
                for name, values in engine.named_parameters(_is_adapter)}
     path = directory / "adapter_model.safetensors"
     save_file(tensors, str(path), metadata={"format": "pt"})
-    model.peft_config["default"].save_pretrained(directory)
+    adapter_config = copy.copy(model.peft_config["default"])
+    if base is not None:
+        adapter_config.base_model_name_or_path = base
+    adapter_config.save_pretrained(directory)
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(directory)
     return [path, directory / "adapter_config.json"]

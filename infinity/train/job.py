@@ -1,24 +1,18 @@
 """One training job, start to end: check the inputs, build the model and data, fill in the
-DeepSpeed config, train, export, and leave --output complete or not at all.
+DeepSpeed config, train (evaluating as asked), export, and leave --output complete or not at
+all (infinity/train/outputs.py: [Note: nothing half-written], [Note: one run per output]).
 
-[Note: nothing half-written] Everything goes to a hidden sibling `.<output>.partial-<pid>`,
-renamed to --output when the job ends well or when it saves its first checkpoint (which must
-outlive a crash to be resumed: from then on the job writes in --output itself); any failure
-before that removes it. All input is checked before, so bad input never leaves anything in
---output. A --resume works in --output itself. Parameter and optimizer files go to a fresh
-temporary directory (under --nvme-path when given), removed at the end whatever happens.
+Ctrl-C and SIGTERM finish the step in progress, save a checkpoint (with --output), export
+and end as usual. A run with --save-every also saves its last step, so a run killed during
+its export is finished by --resume (which then only exports).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import os
 import pathlib
-import shutil
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,15 +20,24 @@ import torch
 
 from infinity.engine import initialize
 from infinity.errors import BudgetError, CheckpointError, ConfigError, InputError
-from infinity.train import checkpoints, export, models, report
-from infinity.train.data import Batches, load_rows, pack
-from infinity.train.loop import GracefulStop, StepRecord, train
+from infinity.models import INDEX_FILE
+from infinity.train import cache, checkpoints, export, models, report
+from infinity.train.config import MICRO, ds_config, take_monitors
+from infinity.train.data import Batches, Rows, load_rows, pack, split_rows
+from infinity.train.loop import GracefulStop, StepRecord, evaluate, perplexity, train
+from infinity.train.outputs import (
+    check_nvme_path,
+    export_aside,
+    locked_output,
+    scratch_dir,
+    staged_output,
+)
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BATCH_SIZE = 8
-MICRO = "train_micro_batch_size_per_gpu"
 LORA_EXPORTS = ("merged", "adapter")
+ADAPTER_CONFIG = "adapter_config.json"
+BASE_SUBDIR = "base"  # --lora-export adapter of the built-in model: its base model, beside
 
 
 @dataclass
@@ -42,7 +45,7 @@ class TrainOptions:
     """The job's inputs; None means "from the config file, else the default"."""
 
     model: str | None = None  # Hugging Face directory; None: the built-in default model
-    data: str | None = None  # .txt / .jsonl / directory; None: the built-in corpus
+    data: str | None = None  # see infinity/train/data.py; None: the built-in corpus
     config: str | None = None  # DeepSpeed JSON; None: the shipped default (NVMe offload)
     nvme_path: str | None = None
     output: str | None = None
@@ -51,12 +54,26 @@ class TrainOptions:
     batch_size: int | None = None
     lr: float | None = None
     lora: int | None = None
-    lora_export: str = "merged"  # "merged": full model, adapters folded in; "adapter": peft adapter only
+    lora_export: str = "merged"  # "merged": full model, adapters folded in; "adapter": peft's
     report: bool = False
     seed: int = 0
     max_shard_bytes: int = export.MAX_SHARD_BYTES
     save_every: int | None = None  # checkpoint every N steps into <output>/checkpoints
     resume: bool = False  # continue from the latest checkpoint in <output>/checkpoints
+    host_memory: int | None = None  # infinity.host_memory_budget, bytes
+    precision: str | None = None  # "bf16" / "fp32"; None: from the model and the machine
+    text_field: str = "text"
+    eval_data: str | None = None
+    eval_split: float | None = None  # a share of --data's rows held out for evaluation
+    eval_every: int | None = None  # steps between evaluations (and after the last step)
+    warmup: str | None = None  # steps, or a share of --steps below 1
+    schedule: str | None = None  # constant / linear / cosine
+    grad_accum: int | None = None
+    gradient_checkpointing: bool = False
+    weight_decay: float | None = None
+    clip: float | None = None
+    report_to: tuple[str, ...] = ()  # "tensorboard"
+    progress: bool = False  # bars on stderr for tokenizing, loading and exporting
 
 
 @dataclass
@@ -65,139 +82,133 @@ class JobResult:
     peak_rss_bytes: int
     output: pathlib.Path | None
     summary: str
-    interrupted: bool
+    interrupted: str | None  # the signal that stopped the run early ("SIGINT", "SIGTERM")
     files: list[pathlib.Path] = field(default_factory=list)
     checkpoint: pathlib.Path | None = None  # the last one this run saved
+    notes: list[str] = field(default_factory=list)  # what the user should know about the output
 
 
-def ds_config(options: TrainOptions, nvme_dir: Callable[[], str]) -> dict[str, Any]:
-    """The config file (or the shipped default) with the command-line options on top; an NVMe
-    offload without nvme_path gets `nvme_dir()`; --nvme-path replaces any nvme_path."""
-    if options.config is None:
-        config = json.loads((models.DEFAULTS / "ds_config.json").read_text())
-    else:
-        try:
-            config = json.loads(pathlib.Path(options.config).read_text())
-        except OSError as e:
-            raise InputError(f"--config {options.config}: {e.strerror}") from None
-        except json.JSONDecodeError as e:
-            raise InputError(f"--config {options.config}: not JSON ({e})") from None
-        if not isinstance(config, dict):
-            raise InputError(f"--config {options.config}: not a JSON object")
-    if options.batch_size is not None or not isinstance(config.get(MICRO), int):
-        config[MICRO] = options.batch_size or DEFAULT_BATCH_SIZE
-        config.pop("train_batch_size", None)  # follows from micro batch x accumulation
-    if options.lr is not None:
-        optimizer = config.setdefault("optimizer", {"type": "AdamW", "params": {}})
-        optimizer.setdefault("params", {})["lr"] = options.lr
-    zero = config.setdefault("zero_optimization", {})
-    for key in ("offload_param", "offload_optimizer"):
-        section = zero.get(key)
-        if isinstance(section, dict) and section.get("device") == "nvme":
-            if options.nvme_path is not None or not section.get("nvme_path"):
-                section["nvme_path"] = nvme_dir()
-    return config
+@dataclass
+class Data:
+    train: Rows
+    eval: Rows | None
+    to_cache: dict[str, Rows]  # cache key -> rows tokenized by this run
 
 
-@contextlib.contextmanager
-def scratch_dir(nvme_path: str | None) -> Iterator[Callable[[], str]]:
-    """A lazily made temporary directory (under nvme_path when given), removed at the end."""
-    made: list[str] = []
-
-    def get() -> str:
-        if not made:
-            try:
-                if nvme_path is not None:
-                    os.makedirs(nvme_path, exist_ok=True)
-                made.append(tempfile.mkdtemp(prefix="infinity-train-", dir=nvme_path))
-            except OSError as e:
-                where = f"--nvme-path {nvme_path}" if nvme_path else f"temporary directory {tempfile.gettempdir()}"
-                raise InputError(f"{where}: cannot write there ({e.strerror})") from None
-        return made[0]
-    try:
-        yield get
-    finally:
-        if made:
-            shutil.rmtree(made[0], ignore_errors=True)
-
-
-class Output:
-    """Where the job's files go now: the staging directory until `publish()`, then --output."""
-
-    def __init__(self, final: pathlib.Path, staging: pathlib.Path | None) -> None:
-        self.final, self.staging = final, staging
-
-    @property
-    def path(self) -> pathlib.Path:
-        return self.staging or self.final
-
-    def publish(self) -> None:
-        """Make the staging directory --output (files open in it stay valid)."""
-        if self.staging is None:
-            return
-        if self.final.exists():
-            self.final.rmdir()
-        self.staging.rename(self.final)
-        self.staging = None
+def _check_options(options: TrainOptions) -> None:
+    """What is wrong with the options alone, before anything is read or written."""
+    for flag, value in (("--steps", options.steps), ("--save-every", options.save_every),
+                        ("--eval-every", options.eval_every)):
+        if value is not None and value < 1:
+            raise InputError(f"{flag} {value}: must be at least 1")
+    if options.lora_export not in LORA_EXPORTS:
+        raise InputError(f"--lora-export {options.lora_export}: choose one of "
+                         f"{', '.join(LORA_EXPORTS)}")
+    if options.eval_data is not None and options.eval_split is not None:
+        raise InputError("--eval-data and --eval-split: give one (evaluation rows from another "
+                         "file, or a share of --data's)")
+    if options.eval_every is not None and options.eval_data is None and options.eval_split is None:
+        raise InputError("--eval-every needs --eval-data or --eval-split")
+    for reporter in options.report_to:
+        if reporter not in report.REPORTERS:
+            raise InputError(f"--report-to {reporter}: choose from {', '.join(report.REPORTERS)}")
+    if options.output is None:
+        for flag, given in (("--save-every", options.save_every is not None),
+                            ("--resume", options.resume), ("--report", options.report),
+                            ("--report-to", bool(options.report_to))):
+            if given:
+                raise InputError(f"{flag} needs --output (it writes there)")
+    check_nvme_path(options.nvme_path, options.output)
 
 
-@contextlib.contextmanager
-def staged_output(output: str | None, *, resume: bool = False) -> Iterator[Output | None]:
-    """See [Note: nothing half-written]."""
-    if output is None:
-        yield None
-        return
-    final = pathlib.Path(output)
-    if resume:
-        yield Output(final, None)
-        return
-    if final.exists() and not (final.is_dir() and not any(final.iterdir())):
-        hint = " (it holds checkpoints: add --resume to continue)" if checkpoints.has_any(final) else ""
-        raise InputError(f"--output {final}: exists and is not an empty directory{hint}")
-    staging = final.parent / f".{final.name}.partial-{os.getpid()}"
-    try:
-        staging.mkdir(parents=True)
-    except OSError as e:
-        raise InputError(f"--output {final}: cannot write there ({e.strerror})") from None
-    out = Output(final, staging)
-    try:
-        yield out
-        out.publish()
-    finally:
-        if out.staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
+def _export_done(output: pathlib.Path, options: TrainOptions) -> bool:
+    adapter = options.lora is not None and options.lora_export == "adapter"
+    return (output / (ADAPTER_CONFIG if adapter else INDEX_FILE)).is_file()
 
 
-def _tokenizer_and_data(options: TrainOptions):
-    """(the default model or None for --model, its tokenizer, the packed rows), all checked
-    before the (possibly long) model load."""
+def _resume_point(options: TrainOptions) -> checkpoints.ResumePoint | None:
+    """The checkpoint to resume from, if asked. One whose step is --steps resumes only to
+    export, when the export is missing (a run killed while exporting)."""
+    if not options.resume:
+        return None
+    point = checkpoints.find_resume_point(options.output)
+    if point.step >= options.steps and (point.step > options.steps
+                                        or _export_done(pathlib.Path(options.output), options)):
+        raise InputError(f"--resume: the checkpoint is at step {point.step}, --steps "
+                         f"{options.steps} leaves nothing to do")
+    return point
+
+
+def _model_and_tokenizer(options: TrainOptions) -> tuple[torch.nn.Module | None, Any]:
+    """(the default model, or None for --model, loaded later; the tokenizer), and --seq-len
+    checked against the model's positions."""
     if options.model is None:
         model, tokenizer = models.default_model(options.seed)
+        positions = models.max_positions(model)
     else:
-        model = None
-        tokenizer = models.load_tokenizer(options.model)
-    positions = models.max_positions(model) if model is not None else _config_positions(options.model)
+        model, tokenizer = None, models.load_tokenizer(options.model)
+        positions = models.config_positions(options.model)
     if options.seq_len < 2 or (positions is not None and options.seq_len > positions):
         raise InputError(f"--seq-len {options.seq_len}: must be between 2 and the model's "
-                         f"{positions} positions" if positions else f"--seq-len {options.seq_len}: must be at least 2")
-    if options.data is None:
+                         f"{positions} positions" if positions else
+                         f"--seq-len {options.seq_len}: must be at least 2")
+    return model, tokenizer
+
+
+def _rows(spec: str | None, tokenizer: Any, options: TrainOptions,
+          run_dir: pathlib.Path | None, to_cache: dict[str, Rows]) -> Rows:
+    """The packed rows of `spec` (None: the built-in corpus), from the run's cache when it has
+    them (a --resume), else tokenized (and noted in `to_cache`)."""
+    if spec is None:
         text = (models.DEFAULTS / "corpus.txt").read_text()
-        rows = pack(iter([text]), tokenizer, options.seq_len, source="<built-in corpus>")
+        fingerprint: Any = ["built-in corpus", cache.text_hash(text)]
     else:
-        rows = load_rows(options.data, tokenizer, options.seq_len)
-    return model, tokenizer, rows
+        fingerprint = cache.data_fingerprint(spec)
+    key = cache.key(fingerprint, tokenizer, options.seq_len, options.text_field)
+    rows = cache.load(run_dir, key, options.seq_len) if run_dir is not None else None
+    if rows is None:
+        rows = pack(iter([text]), tokenizer, options.seq_len, source="<built-in corpus>") \
+            if spec is None else load_rows(spec, tokenizer, options.seq_len,
+                                           text_field=options.text_field,
+                                           progress=options.progress)
+        to_cache[key] = rows
+    return rows
 
 
-def _placed_model(options: TrainOptions, model, config: dict[str, Any]):
+def _data(options: TrainOptions, tokenizer: Any, run_dir: pathlib.Path | None) -> Data:
+    to_cache: dict[str, Rows] = {}
+    rows = _rows(options.data, tokenizer, options, run_dir, to_cache)
+    held = None
+    if options.eval_split is not None:
+        rows, held = split_rows(rows, options.eval_split, options.seed)
+    elif options.eval_data is not None:
+        held = _rows(options.eval_data, tokenizer, options, run_dir, to_cache)
+    return Data(rows, held, to_cache)
+
+
+def _placed_model(options: TrainOptions, model: torch.nn.Module | None,
+                  config: dict[str, Any]) -> torch.nn.Module:
     """The model ready for `initialize(model, config)`: --model streamed into the store (with
     its LoRA adapters), or the default model (wrapped with LoRA when asked)."""
     if model is not None:
-        return model if options.lora is None else models.add_lora(model, options.lora)
-    torch.manual_seed(options.seed)  # the LoRA adapters' initial values: a run repeats exactly
-    try:
-        return models.load_model(options.model, config, lora=options.lora)
-    except (ConfigError, BudgetError) as e:  # ConfigPathError included: a bad --nvme-path
-        raise InputError(str(e)) from None
+        model = model if options.lora is None else models.add_lora(model, options.lora)
+    else:
+        torch.manual_seed(options.seed)  # the LoRA adapters' initial values: a run repeats
+        try:
+            model = models.load_model(options.model, config, lora=options.lora,
+                                      progress=options.progress)
+        except (ConfigError, BudgetError) as e:  # ConfigPathError included: a bad --nvme-path
+            raise InputError(_budget_hint(e)) from None
+    if options.gradient_checkpointing:
+        models.enable_gradient_checkpointing(model)
+    return model
+
+
+def _budget_hint(error: Exception) -> str:
+    text = str(error)
+    if isinstance(error, BudgetError) and "infinity.host_memory_budget" in text:
+        text += " (infinity-train: --host-memory SIZE)"
+    return text
 
 
 def _restore(engine, batches: Batches, point: checkpoints.ResumePoint) -> None:
@@ -209,95 +220,155 @@ def _restore(engine, batches: Batches, point: checkpoints.ResumePoint) -> None:
     logger.info("resumed from %s at step %d", point.directory / point.tag, point.step)
 
 
-def _config_positions(directory: str) -> int | None:
-    path = pathlib.Path(directory) / "config.json"
-    try:
-        fields = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None  # load_model / load_tokenizer say what is wrong
-    return fields.get("max_position_embeddings") or fields.get("n_positions")
+def _monitor_writers(options: TrainOptions, monitors: dict[str, dict[str, Any]],
+                     run_dir: pathlib.Path | None) -> list[Any]:
+    """Metric writers of --report-to and of the config's enabled sections (tensorboard is
+    honoured when installed; the others are warned about)."""
+    wanted = set(options.report_to)
+    for name in monitors:
+        if name == "tensorboard" and run_dir is not None:
+            wanted.add(name)
+        else:
+            logger.warning("config: %s.enabled is not honoured by infinity-train (metrics go to "
+                           "OUTPUT/metrics.jsonl%s)", name,
+                           "" if run_dir is None else "; --report-to tensorboard for TensorBoard")
+    writers = []
+    if "tensorboard" in wanted:
+        try:
+            writers.append(report.tensorboard_writer(run_dir / "tensorboard"))
+        except InputError:
+            if "tensorboard" in options.report_to:
+                raise
+            logger.warning("config: tensorboard.enabled is not honoured: the tensorboard package "
+                           "is not installed (pip install tensorboard)")
+    return writers
 
 
-def _resume_point(options: TrainOptions) -> checkpoints.ResumePoint | None:
-    """Check the checkpoint options; the checkpoint to resume from, if asked."""
-    if options.save_every is not None and options.save_every < 1:
-        raise InputError(f"--save-every {options.save_every}: must be at least 1")
-    if options.output is None:
-        for flag, given in (("--save-every", options.save_every is not None), ("--resume", options.resume)):
-            if given:
-                raise InputError(f"{flag} needs --output (checkpoints go to <output>/{checkpoints.SUBDIR})")
-        return None
-    if not options.resume:
-        return None
-    point = checkpoints.find_resume_point(options.output)
-    if point.step >= options.steps:
-        raise InputError(f"--resume: the checkpoint is at step {point.step}, --steps {options.steps} "
-                         f"leaves nothing to do")
-    return point
-
-
-def run(options: TrainOptions, on_step: Callable[[StepRecord], None] = lambda record: None) -> JobResult:
+def run(options: TrainOptions, on_step: Callable[[StepRecord], None] = lambda record: None
+        ) -> JobResult:
     """Train as `options` say; InputError (before anything is written to --output) for input
-    that cannot work. SIGINT finishes the current step, saves a checkpoint (with --output),
-    then the job ends normally."""
-    if options.steps < 1:
-        raise InputError(f"--steps {options.steps}: must be at least 1")
-    if options.lora_export not in LORA_EXPORTS:
-        raise InputError(f"--lora-export {options.lora_export}: choose one of {', '.join(LORA_EXPORTS)}")
-    point = _resume_point(options)
-    model, tokenizer, rows = _tokenizer_and_data(options)
-    with scratch_dir(options.nvme_path) as nvme_dir, \
-            staged_output(options.output, resume=point is not None) as out:
+    that cannot work. SIGINT / SIGTERM finish the current step, save a checkpoint (with
+    --output), then the job ends normally."""
+    _check_options(options)
+    try:
+        return _run(options, on_step)
+    except _StoppedEarly as stopped:
+        return JobResult([], 0, None, "stopped before the first step: nothing written",
+                         stopped.by)
+
+
+class _StoppedEarly(Exception):
+    """A signal came before the first step: the run ends with nothing written."""
+
+    def __init__(self, by: str | None) -> None:
+        super().__init__(by)
+        self.by = by
+
+
+def _run(options: TrainOptions, on_step: Callable[[StepRecord], None]) -> JobResult:
+    with GracefulStop() as stop, locked_output(options.output), contextlib.ExitStack() as stack:
+        point = _resume_point(options)
+        model, tokenizer = _model_and_tokenizer(options)
+        data = _data(options, tokenizer, pathlib.Path(options.output) if point else None)
+        nvme_dir = stack.enter_context(scratch_dir(options.nvme_path))
+        out = stack.enter_context(staged_output(options.output, resume=point is not None))
         config = ds_config(options, nvme_dir)
-        batches = Batches(rows, config[MICRO], seed=options.seed)
+        writers = _monitor_writers(options, take_monitors(config), out and out.path)
+        for writer in writers:
+            stack.callback(writer.close)
+        batches = Batches(data.train, config[MICRO], seed=options.seed)
         if point is not None:
             checkpoints.check_same_data(point, checkpoints.data_state(batches, options.seq_len))
         model = _placed_model(options, model, config)
         try:
             engine = initialize(model, config)
-        except (ConfigError, BudgetError) as e:  # ConfigPathError included: a bad --nvme-path
-            raise InputError(str(e)) from None
-        metrics = None
+        except (ConfigError, BudgetError) as e:  # ConfigPathError: a bad --nvme-path
+            raise InputError(_budget_hint(e)) from None
         try:
-            if point is not None:
-                _restore(engine, batches, point)
-                checkpoints.trim_metrics(out.path / "metrics.jsonl", point.step)
-            metrics = report.MetricsFile(out.path / "metrics.jsonl") if out else None
-            saver = checkpoints.Saver(out.final, options.seq_len) if out else None
-
-            def save(step: int) -> None:
-                out.publish()  # the checkpoint must outlive a crash: see [Note: nothing half-written]
-                saver.save(engine, batches, step)
-
-            def step_done(record: StepRecord) -> None:
-                if metrics is not None:
-                    metrics.write(record)
-                if saver is not None and options.save_every and record.step % options.save_every == 0:
-                    save(record.step)
-                on_step(record)
-
-            with GracefulStop() as stop:
-                records = train(engine, batches, steps=options.steps, on_step=step_done, stop=stop,
-                                first_step=point.step + 1 if point else 1)
-            if stop.requested and saver is not None and records:
-                save(records[-1].step)
-            peak = engine.stats()["peak_rss_bytes"]
-            files = []
-            if out is not None:
-                target = out.path
-                if options.report and records:
-                    report.plot(records, target / "report.png")
-                    report.write_step_trace(engine, target / "trace.json", records[-1])
-                if options.lora is not None and options.lora_export == "adapter":
-                    files = export.write_adapter(engine, target, tokenizer=tokenizer)
-                else:
-                    files = export.write_hf(engine, target, tokenizer=tokenizer,
-                                            max_shard_bytes=options.max_shard_bytes)
+            return _train_and_export(options, engine, batches, data, point, out, stop, tokenizer,
+                                     writers, on_step)
         finally:
-            if metrics is not None:
-                metrics.close()
             engine.close(restore_params=False)
-    text = report.summary(records, peak_rss_bytes=peak, requested_steps=options.steps)
-    output = pathlib.Path(options.output) if options.output else None
-    return JobResult(records, peak, output, text, stop.requested,
-                     [output / f.name for f in files] if output else [], saver.last_path if saver else None)
+
+
+def _train_and_export(options: TrainOptions, engine, batches: Batches, data: Data,
+                      point: checkpoints.ResumePoint | None, out, stop: GracefulStop,
+                      tokenizer: Any, writers: list[Any],
+                      on_step: Callable[[StepRecord], None]) -> JobResult:
+    metrics = None
+    saver = checkpoints.Saver(out.final, options.seq_len) if out else None
+    try:
+        if point is not None:
+            _restore(engine, batches, point)
+            checkpoints.trim_metrics(out.path / "metrics.jsonl", point.step)
+        if out is not None:
+            for key, rows in data.to_cache.items():
+                cache.save(out.path, key, rows)
+            metrics = report.MetricsFile(out.path / "metrics.jsonl")
+
+        def save(step: int) -> None:
+            out.publish()  # the checkpoint must outlive a crash: [Note: nothing half-written]
+            saver.save(engine, batches, step)
+
+        def step_done(record: StepRecord) -> None:
+            every = options.eval_every
+            if data.eval is not None and (every and record.step % every == 0 or stop.requested
+                                          or record.step == options.steps):
+                record.eval_loss, _ = evaluate(engine, data.eval, batches.batch_size)
+                record.eval_perplexity = perplexity(record.eval_loss)
+            if metrics is not None:
+                metrics.write(record)
+            for writer in writers:
+                report.write_scalars(writer, record)
+            if saver is not None and options.save_every and record.step % options.save_every == 0:
+                save(record.step)
+            on_step(record)
+
+        records = train(engine, batches, steps=options.steps, on_step=step_done, stop=stop,
+                        first_step=point.step + 1 if point else 1)
+        if stop.requested and not records:
+            raise _StoppedEarly(stop.by)
+        if saver is not None and records and (stop.requested or options.save_every):
+            save(records[-1].step)  # the run's end is a checkpoint: --resume goes on from it
+    finally:
+        if metrics is not None:
+            metrics.close()
+    peak = engine.stats()["peak_rss_bytes"]
+    files, notes = [], []
+    if out is not None:
+        if options.report and records:
+            budgets = {t: s.budget_nbytes for t, s in engine.stats()["store"]["tiers"].items()}
+            report.plot(report.read_history(out.path / "metrics.jsonl"), out.path / "report.png",
+                        budgets=budgets)
+            report.write_step_trace(engine, out.path / "trace.json", records[-1])
+        files, notes = _export(options, engine, out, tokenizer)
+    text = report.summary(records, peak_rss_bytes=peak, requested_steps=options.steps) \
+        if records else f"training was done at step {point.step}: only the export ran" \
+        if point is not None else "no step ran"
+    output = out.final if out is not None else None
+    return JobResult(records, peak, output, text, stop.by,
+                     [output / f.name for f in files] if output else [],
+                     saver.last_path if saver else None, notes)
+
+
+def _export(options: TrainOptions, engine, out, tokenizer: Any
+            ) -> tuple[list[pathlib.Path], list[str]]:
+    """Write the model (or the adapter) into the run directory aside, then into place."""
+    adapter = options.lora is not None and options.lora_export == "adapter"
+    notes = []
+    with export_aside(out.path, ADAPTER_CONFIG if adapter else INDEX_FILE) as aside:
+        if not adapter:
+            files = export.write_hf(engine, aside, tokenizer=tokenizer,
+                                    max_shard_bytes=options.max_shard_bytes,
+                                    progress=options.progress)
+        else:
+            base = None
+            if options.model is None:  # the built-in base exists nowhere else: write it beside
+                base = str((out.final / BASE_SUBDIR).resolve())
+                export.write_hf(engine, aside / BASE_SUBDIR, tokenizer=tokenizer, merge=False,
+                                progress=options.progress)
+                notes.append(f"the adapter's base is the built-in model (seed {options.seed}), "
+                             f"written to {base}: PeftModel.from_pretrained("
+                             "AutoModelForCausalLM.from_pretrained(base), output) loads both")
+            files = export.write_adapter(engine, aside, tokenizer=tokenizer, base=base)
+    return files, notes

@@ -1,9 +1,11 @@
 """The training loop: micro-batches through the engine, one record of figures per optimizer
-step, and a graceful stop on Ctrl-C (the step in progress finishes first)."""
+step, evaluation passes, and a graceful stop on Ctrl-C or SIGTERM (the step in progress
+finishes first)."""
 
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import threading
 import time
@@ -15,6 +17,7 @@ import torch
 
 from infinity.engine import Engine
 from infinity.memory import rss_bytes
+from infinity.train.data import Batch, Rows, in_order
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +31,7 @@ class StepRecord:
     step: int
     loss: float  # mean over the step's micro-batches
     tokens: int
+    trained_tokens: int  # positions the loss counted (chat data: assistant tokens only)
     step_s: float
     tokens_per_s: float
     rss_bytes: int  # resident host memory after the step
@@ -37,75 +41,105 @@ class StepRecord:
     clock_s: float  # time.perf_counter() when the step ended (lines it up with the engine trace)
     tier_used_bytes: dict[str, int] = field(default_factory=dict)
     moved_bytes: dict[str, int] = field(default_factory=dict)  # per direction, since the start
+    grad_norm: float | None = None  # engine.last_grad_norm (None where the step took none)
+    eval_loss: float | None = None  # on the evaluation rows after this step, when evaluated
+    eval_perplexity: float | None = None
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
 class GracefulStop:
-    """While active, the first SIGINT asks the loop to stop after the current step; a second
-    one interrupts at once (KeyboardInterrupt). Outside the main thread it does nothing."""
+    """While active, the first SIGINT or SIGTERM asks the loop to stop after the current step
+    (what a scheduler or `timeout` sends is Ctrl-C here); a second one interrupts at once
+    (KeyboardInterrupt). Outside the main thread it does nothing."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self) -> None:
         self.requested = False
-        self._previous: Any = None
+        self.by: str | None = None  # the signal that asked: "SIGINT" or "SIGTERM"
+        self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> GracefulStop:
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.requested:
             raise KeyboardInterrupt
-        self.requested = True
-        logger.warning("interrupted: stopping after this step (press Ctrl-C again to abort)")
+        self.requested, self.by = True, signal.Signals(signum).name
+        logger.warning("%s: stopping after this step (again to abort)", self.by)
 
     def __exit__(self, *exc: object) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
 
 
 def _moved(stats: dict[str, Any]) -> dict[str, int]:
     return {direction: int(m["nbytes"]) for direction, m in stats["store"]["moves"].items()}
 
 
-def train(engine: Engine, batches: Iterator[torch.Tensor], *, steps: int,
+def train(engine: Engine, batches: Iterator[Batch], *, steps: int,
           on_step: Callable[[StepRecord], None] = lambda record: None,
           stop: GracefulStop | None = None, first_step: int = 1) -> list[StepRecord]:
     """Run optimizer steps `first_step`..`steps` (gradient_accumulation_steps micro-batches
-    each) of causal-LM training on token rows from `batches`; `on_step` gets each step's
-    record. Stops early, after a whole step, when `stop.requested` becomes true."""
+    each) of causal-LM training on batches from `batches`; `on_step` gets each step's record.
+    Stops early, after a whole step, when `stop.requested` becomes true."""
     accumulation = engine.config.gradient_accumulation_steps
     records: list[StepRecord] = []
     engine.train()
     moved = _moved(engine.stats())
     start = time.perf_counter()
     for step in range(first_step, steps + 1):
+        if stop is not None and stop.requested:
+            logger.warning("stopped after step %d of %d", step - 1, steps)
+            break
         t0 = time.perf_counter()
         lr = engine.get_lr()[0]
-        losses, tokens = [], 0
+        losses, tokens, trained = [], 0, 0
         for _ in range(accumulation):
-            ids = next(batches)
-            loss = engine(input_ids=ids, labels=ids).loss
+            batch = next(batches)
+            loss = engine(input_ids=batch.ids, labels=batch.labels).loss
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
-            tokens += ids.numel()
+            tokens += batch.ids.numel()
+            trained += batch.trained_tokens
         step_s = time.perf_counter() - t0
         stats = engine.stats()
         now = _moved(stats)
         nvme = sum(now.get(d, 0) - moved.get(d, 0) for d in NVME_DIRECTIONS)
         moved = now
         record = StepRecord(
-            step=step, loss=sum(losses) / len(losses), tokens=tokens, step_s=step_s,
-            tokens_per_s=tokens / step_s, rss_bytes=rss_bytes(), nvme_gbps=nvme / step_s / 1e9, lr=lr,
-            elapsed_s=t0 + step_s - start, clock_s=t0 + step_s,
+            step=step, loss=sum(losses) / len(losses), tokens=tokens, trained_tokens=trained,
+            step_s=step_s, tokens_per_s=tokens / step_s, rss_bytes=rss_bytes(),
+            nvme_gbps=nvme / step_s / 1e9, lr=lr, elapsed_s=t0 + step_s - start,
+            clock_s=t0 + step_s,
             tier_used_bytes={t: s.used_nbytes for t, s in stats["store"]["tiers"].items()},
-            moved_bytes=now)
+            moved_bytes=now, grad_norm=engine.last_grad_norm)
         records.append(record)
         on_step(record)
-        if stop is not None and stop.requested:
-            logger.warning("stopped after step %d of %d", step, steps)
-            break
     return records
+
+
+def evaluate(engine: Engine, rows: Rows, batch_size: int) -> tuple[float, int]:
+    """(mean loss per trained token over every row, trained tokens) with the engine in eval
+    mode and no gradients: forward only, no optimizer."""
+    total, count = 0.0, 0
+    engine.eval()
+    try:
+        with torch.no_grad():
+            for batch in in_order(rows, batch_size):
+                n = batch.trained_tokens
+                if n:
+                    total += float(engine(input_ids=batch.ids, labels=batch.labels).loss) * n
+                    count += n
+    finally:
+        engine.train()
+    return total / max(count, 1), count
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else math.inf

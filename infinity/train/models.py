@@ -3,9 +3,11 @@ or a local Hugging Face directory with its tokenizer; optionally wrapped with Lo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import pathlib
+from collections.abc import Iterator
 from importlib import resources
 from typing import Any
 
@@ -13,6 +15,7 @@ import torch
 
 from infinity.errors import CheckpointError, InputError
 from infinity.models import DEFAULT_WINDOW, byte_tokenizer, load
+from infinity.train import bars
 
 logger = logging.getLogger(__name__)
 
@@ -32,17 +35,33 @@ def default_model(seed: int = 0) -> tuple[torch.nn.Module, Any]:
 
 
 def load_model(directory: str | pathlib.Path, config: dict[str, Any], *, lora: int | None = None,
-               window: int = DEFAULT_WINDOW) -> torch.nn.Module:
+               window: int = DEFAULT_WINDOW, progress: bool = False) -> torch.nn.Module:
     """A causal LM from a local Hugging Face directory, streamed into the engine's store with
     `infinity.models.load` (never whole in RAM; initialize it with the same `config`), with
     LoRA adapters of rank `lora` added before it is placed (the frozen base gets no optimizer
-    state). InputError when the directory is not a loadable model."""
+    state); `progress` shows a bar of the bytes loaded. InputError when the directory is not a
+    loadable model."""
     directory = _model_dir(directory)
     prepare = None if lora is None else lambda model: add_lora(model, lora)
     try:
-        return load(directory, config, window=window, prepare=prepare)
+        with bars.bar(desc="loading", unit="B", unit_scale=True, shown=progress) as bar, \
+                _config_notes_muted():
+            return load(directory, config, window=window, prepare=prepare, progress=bar.update)
     except CheckpointError as e:
         raise InputError(f"--model {directory}: cannot load a causal LM ({_first_line(e)})") from None
+
+
+@contextlib.contextmanager
+def _config_notes_muted() -> Iterator[None]:
+    """Without the config loader's notes: `load` reads the config twice on its way, and
+    `initialize` says the same once more."""
+    config_logger = logging.getLogger("infinity.config")
+    level = config_logger.level
+    config_logger.setLevel(max(logging.WARNING, config_logger.getEffectiveLevel()))
+    try:
+        yield
+    finally:
+        config_logger.setLevel(level)
 
 
 def load_tokenizer(directory: str | pathlib.Path) -> Any:
@@ -52,7 +71,7 @@ def load_tokenizer(directory: str | pathlib.Path) -> Any:
     directory = _model_dir(directory)
     try:
         return transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
-    except (OSError, ValueError, TypeError) as e:
+    except Exception as e:  # transformers on a handed-in directory raises many types
         raise InputError(f"--model {directory}: no usable tokenizer ({_first_line(e)})") from None
 
 
@@ -60,6 +79,32 @@ def max_positions(model: torch.nn.Module) -> int | None:
     """The longest sequence the model's position embeddings cover, when its config says."""
     config = getattr(model, "config", None)
     return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
+def config_positions(directory: str) -> int | None:
+    """max_position_embeddings (or n_positions) of --model's config.json, when it says."""
+    try:
+        fields = json.loads((pathlib.Path(directory) / "config.json").read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None  # load_model / load_tokenizer say what is wrong
+    if not isinstance(fields, dict):
+        return None
+    found = (fields.get(k) for k in ("max_position_embeddings", "n_positions"))
+    return next((n for n in found if isinstance(n, int) and not isinstance(n, bool) and n > 0),
+                None)
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute activations in backward (transformers' gradient checkpointing, non-reentrant:
+    it needs no input that requires grad, so a frozen LoRA base works too)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not getattr(base, "supports_gradient_checkpointing", False):
+        raise InputError(f"--gradient-checkpointing: {type(base).__name__} does not support it")
+    kwargs = {"use_reentrant": False}
+    if hasattr(base, "activation_checkpointing_enable"):  # transformers 5's name for it
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def add_lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:

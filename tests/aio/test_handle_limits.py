@@ -5,7 +5,6 @@ Files past 4 GiB are sparse: only the bytes written take disk space.
 
 import os
 import random
-import time
 
 import numpy as np
 import pytest
@@ -118,7 +117,6 @@ def test_a_tensor_past_2_gib_round_trips(small_tmpfs):
         torch.arange(BIG_NBYTES // 8, dtype=torch.int64, out=tensor.view(torch.int64))
         windows = _sampled_windows(BIG_NBYTES)
         expected = [tensor[start:start + length].clone() for start, length in windows]
-        started = time.monotonic()
         with aio.Handle() as h:
             assert h.write(tensor, path).wait() == BIG_NBYTES
             with open(path, "rb") as f:
@@ -129,6 +127,5 @@ def test_a_tensor_past_2_gib_round_trips(small_tmpfs):
             assert h.read(tensor, path).wait() == BIG_NBYTES
         for (start, length), want in zip(windows, expected):
             assert torch.equal(tensor[start:start + length], want), start
-        assert time.monotonic() - started < 120
     finally:
         del tensor

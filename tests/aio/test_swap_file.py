@@ -3,12 +3,11 @@
 import errno
 import os
 import random
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from children import python_child
 
 import aio
 
@@ -93,11 +92,9 @@ def test_missing_directory(tmp_path):
         aio.SwapFile(tmp_path / "nope" / "swap", 1 << 20)
 
 
-def test_disk_full_fails_at_creation(small_tmpfs):
-    """On a 1 MiB file system a 4 MiB swap file fails at creation with ENOSPC, leaving nothing."""
-    mnt = small_tmpfs("1m")
-    if mnt is None:
-        pytest.skip("cannot mount a size-limited tmpfs here (needs root)")
+def test_disk_full_fails_at_creation(small_disk):
+    """On a 1 MiB disk a 4 MiB swap file fails at creation with ENOSPC, leaving nothing."""
+    mnt = small_disk("1m")
     with pytest.raises(aio.AIOError) as info:
         aio.SwapFile(mnt / "swap", 4 << 20)
     assert info.value.errno == errno.ENOSPC and "swap" in str(info.value)
@@ -116,7 +113,7 @@ def test_file_size_limit_fails_at_creation(tmp_path):
             sys.exit(0)
         sys.exit(1)
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = python_child(["-c", code], timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"ERR {errno.EFBIG}" in out.stdout and "ulimit -f" in out.stdout
     assert not os.path.exists(tmp_path / "swap")

@@ -12,8 +12,8 @@ rank 1 sleeps `stall_s` there instead (a stuck rank), then exits. `zero_init`: b
 under infinity.zero.Init. `overflow_at_step`: rank 1's gradient of layer 0's bias is multiplied
 by inf there.
 
-Checkpoints: `load` (a directory) restores before training, which then runs from the loaded
-step to `steps` (the parameters right after loading are recorded as "loaded");
+Checkpoints: `load` (a directory, or one per rank) restores before training, which then runs
+from the loaded step to `steps` (the parameters right after loading are recorded as "loaded");
 `save`+`save_after`: save there after that many steps (parameters then recorded as "saved").
 Both record "draw", four numbers from torch's RNG right after the save / the load. Every case
 records "grad_norms", `engine.last_grad_norm` after each step.
@@ -25,10 +25,11 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.getcwd())  # the worktree's infinity, as pytest's cwd
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's infinity
 
 import infinity  # noqa: E402
 
@@ -66,7 +67,8 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     losses, record = [], {}
     try:
         if "load" in case:
-            engine.load_checkpoint(case["load"])
+            load = case["load"]
+            engine.load_checkpoint(load[rank] if isinstance(load, list) else load)
             record["loaded"] = dict(engine.named_parameters())
             record["draw"] = torch.rand(4)  # the RNG state comes back with the checkpoint
         for step in range(engine.global_steps, case["steps"]):
@@ -90,6 +92,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
                 record["draw"] = torch.rand(4)
         params = dict(engine.named_parameters())
         stats = {**engine.stats()["optimizer"], "skipped_steps": engine.skipped_steps,
+                 "device": engine.device.type,
                  "loss_scale": engine.stats()["loss_scale"],
                  "gathered_ahead": engine.stats()["prefetch"]["gathered_ahead"]}
         # What this rank holds: the optimizer's (numel, offset) per unit, gradient buffer sizes.

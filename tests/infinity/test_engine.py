@@ -5,10 +5,11 @@ overflow: test_engine_nonfinite.py)."""
 import copy
 import json
 import math
-import time
+import threading
 
 import pytest
 import torch
+import transformers
 
 import infinity
 from infinity import BudgetError, ConfigError
@@ -25,7 +26,6 @@ def mlp() -> torch.nn.Module:
 
 
 def llama() -> torch.nn.Module:
-    transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                    num_attention_heads=2, num_key_value_heads=1,
@@ -98,9 +98,36 @@ def assert_parity(model, reference, losses, ref_losses):
         assert (p - want[name]).abs().max().item() <= 1e-5 * scale, name
 
 
-@pytest.mark.parametrize("optimizer", DEVICES)
-@pytest.mark.parametrize("param", DEVICES)
-@pytest.mark.parametrize("make, batches", [(mlp, mlp_batches), (llama, llama_batches)], ids=["mlp", "llama"])
+def stepped_after_backward(model, tmp_path, data, **extra):
+    """Train `model` on `data` (NVMe, as config's) with every unit stepped after backward
+    (overlap_optimizer false): the (losses, parameters) an overlapped run must equal exactly,
+    as [Note: optimizer overlapped with backward] says (the same kernel calls)."""
+    extra["infinity"] = {"host_memory_budget": "1GB", **extra.get("infinity", {}),
+                         "overlap_optimizer": False}
+    engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme", **extra))
+    assert not engine.overlap
+    losses = train_engine(engine, data)
+    engine.close()
+    return losses, dict(model.named_parameters())
+
+
+def assert_identical(model, losses, other):
+    """Bit for bit: the same losses and parameters as `other` = (losses, parameters)."""
+    other_losses, other_params = other
+    assert losses == other_losses
+    for name, p in model.named_parameters():
+        assert torch.equal(p, other_params[name]), name
+
+
+# Every offload pair on the MLP; on the Llama (a transformers model, tied embeddings) each
+# device of each kind and all on NVMe: its other pairs run the same code paths again.
+PARITY = [(mlp, mlp_batches, param, optimizer) for param in DEVICES for optimizer in DEVICES] + [
+    (llama, llama_batches, param, optimizer)
+    for param, optimizer in (("none", "none"), ("cpu", "nvme"), ("nvme", "cpu"), ("nvme", "nvme"))]
+
+
+@pytest.mark.parametrize("make, batches, param, optimizer", PARITY,
+                         ids=[f"{make.__name__}-{p}-{o}" for make, _, p, o in PARITY])
 def test_training_matches_pytorch(tmp_path, make, batches, param, optimizer):
     model = make()
     reference = copy.deepcopy(model)
@@ -173,6 +200,38 @@ def test_prefetch_leaves_no_on_demand_fetch_after_the_first_step(tmp_path):
     engine.close()
 
 
+class _WithUnused(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.used, self.unused = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])  # stepped after backward / during it
+def test_a_unit_without_a_gradient_is_stepped_with_a_zero_gradient(tmp_path, offload):
+    """As DeepSpeed (torch's AdamW skips a parameter without .grad): weight decay and the
+    moments' decay apply to the unused module too."""
+    model, reference, data = _WithUnused(), _WithUnused(), mlp_batches(3)
+    engine = infinity.initialize(model, config(tmp_path, offload, offload))
+    losses = train_engine(engine, data)
+    engine.close()
+    opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WD)
+    ref_losses = []
+    for (x,), _ in data:
+        loss = reference(x).square().mean()
+        loss.backward()
+        for p in reference.unused.parameters():
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    assert not torch.equal(model.unused.weight, _WithUnused().unused.weight)  # decayed
+    assert_parity(model, reference, losses, ref_losses)
+
+
 def test_lr_schedule_follows_deepspeed_warmup(tmp_path):
     engine = infinity.initialize(mlp(), config(tmp_path, scheduler={
         "type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
@@ -182,8 +241,8 @@ def test_lr_schedule_follows_deepspeed_warmup(tmp_path):
         train_engine(engine, [batch])
         lrs.append(engine.get_lr()[0])
     engine.close()
-    assert lrs[0] == 0.0 and lrs[-1] == pytest.approx(0.01)
-    assert all(a <= b for a, b in zip(lrs, lrs[1:]))
+    # before any step the minimum; after step k (from 1) lr = 0.01 * min(1, (k - 1) / 4)
+    assert lrs == pytest.approx([0.0, 0.0, 0.0025, 0.005, 0.0075, 0.01], rel=1e-12, abs=0)
 
 
 def test_close_removes_every_hook_and_restores_parameters(tmp_path):
@@ -204,11 +263,13 @@ def test_close_removes_every_hook_and_restores_parameters(tmp_path):
 
 @pytest.mark.parametrize("param", ["none", "cpu"])
 def test_parameters_not_offloaded_stay_bound_with_no_hook_per_module(tmp_path, param):
-    """offload_param none on one process: the values never leave the tier modules compute from,
-    so every unit is resident (bound from the first forward to the step, no fetch per use, no
-    saved-tensor hooks); offloaded ones are released after each use (placeholders)."""
+    """offload_param none on one process, the optimizer stepped after backward ("auto" on the
+    CPU): the values never leave the tier modules compute from, so every unit is resident
+    (bound from the first forward to the step, no fetch per use, no saved-tensor hooks);
+    offloaded ones are released after each use (placeholders)."""
     model = llama()
-    engine = infinity.initialize(model, config(tmp_path, param, "none"))
+    engine = infinity.initialize(model, config(tmp_path, param, "none", infinity={
+        "host_memory_budget": "1GB", "overlap_optimizer": False}))
     hooked = [m for m in model.modules() if m._forward_pre_hooks and m is not model]
     assert all(u.persistent for u in engine.units) == (param == "none")
     assert bool(hooked) == (param == "cpu")
@@ -271,32 +332,46 @@ def test_bf16_tracks_the_fp32_reference(tmp_path, optimizer, steps, compute):
         assert abs(got - want) <= 0.01 * want, (losses, ref_losses)
 
 
-class _SlowBackward(torch.autograd.Function):
-    """Identity whose backward takes a while: the compute of the first layers' backward."""
+class _WaitInBackward(torch.autograd.Function):
+    """Identity whose backward first calls `wait()`: the compute of the first layers' backward."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, wait):
+        ctx.wait = wait
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        time.sleep(0.3)
-        return grad
+        ctx.wait()
+        return grad, None
 
 
-class _SlowModule(torch.nn.Module):
+class _BackwardGate(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wait = lambda: None
+
     def forward(self, x):
-        return _SlowBackward.apply(x)
+        return _WaitInBackward.apply(x, self.wait)
 
 
 def test_optimizer_overlaps_backward_on_the_timeline(tmp_path):
     torch.manual_seed(0)
     layers = [torch.nn.Linear(8, 8) for _ in range(4)]
-    model = torch.nn.Sequential(layers[0], _SlowModule(), *layers[1:])
+    gate = _BackwardGate()
+    model = torch.nn.Sequential(layers[0], gate, *layers[1:])
     reference = copy.deepcopy(model)
     data = mlp_batches(2)
     engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme"))
     assert engine.overlap
+    last = next(i for i, u in enumerate(engine.ranked.trained) if u.key == "param/4")
+
+    def last_layer_stepped():  # backward of layer 0 waits until the worker stepped layer 4
+        future = engine._stepper.future(last)
+        assert future is not None, "layer 4 was not handed to the worker before layer 0's backward"
+        future.result(timeout=60)
+
+    gate.wait = last_layer_stepped
     losses = train_engine(engine, data)
     regions = engine.timeline.regions
     engine.write_trace(tmp_path / "trace.json")
@@ -319,17 +394,14 @@ def test_the_worker_reads_the_next_units_state_while_it_steps_one(tmp_path):
     model, reference, data = mlp(), mlp(), mlp_batches(2)
     engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme"))
     opt, asked = engine.optimizer, []
-    step_unit, prefetch_unit = opt.step_unit, opt.prefetch_unit
-
-    def slow_step_unit(u, grad, **kw):
-        time.sleep(0.05)
-        return step_unit(u, grad, **kw)
+    prefetch_unit = opt.prefetch_unit
 
     def spy_prefetch_unit(u):
         asked.append((u, opt.completed_steps))
         return prefetch_unit(u)
 
-    opt.step_unit, opt.prefetch_unit = slow_step_unit, spy_prefetch_unit
+    opt.prefetch_unit = spy_prefetch_unit
+    _hold_the_worker(engine)  # slower than backward: it steps the first unit once backward ended
     losses = train_engine(engine, data)
     assert engine.units_stepped_in_backward == 6
     engine.close()
@@ -382,18 +454,25 @@ def test_a_unit_backward_let_go_is_kept_in_ram_for_its_step_and_its_gradient_fre
     assert math.inf in after  # stepped during backward: needed last
 
 
-@pytest.mark.parametrize("asked", ["auto", True, False])
-def test_overlap_optimizer_auto_steps_after_backward_when_everything_is_in_ram(tmp_path, asked):
-    """On the CPU with nothing on NVMe, "auto" steps after backward; asked for, the units are
-    stepped during backward; the result is the same either way."""
-    model, reference, data = mlp(), mlp(), mlp_batches(2)
-    engine = infinity.initialize(model, config(tmp_path, "cpu", "cpu", infinity={
-        "host_memory_budget": "1GB", "overlap_optimizer": asked}))
-    assert engine.overlap is (asked is True)
-    losses = train_engine(engine, data)
-    assert engine.units_stepped_in_backward == (6 if asked is True else 0)
-    engine.close()
-    assert_parity(model, reference, losses, train_reference(reference, data))
+def test_overlap_optimizer_steps_the_same_during_or_after_backward(tmp_path):
+    """Nothing on NVMe: "auto" steps after backward on the CPU (during it on an accelerator);
+    asked for, the units are stepped during backward; the result is the same bit for bit."""
+    data, runs = mlp_batches(2), {}
+    for asked in ("auto", True, False):
+        model = mlp()
+        engine = infinity.initialize(model, config(tmp_path, "cpu", "cpu", infinity={
+            "host_memory_budget": "1GB", "overlap_optimizer": asked}))
+        overlaps = asked is True or (asked == "auto" and engine.device.type != "cpu")
+        assert engine.overlap is overlaps
+        losses = train_engine(engine, data)
+        assert engine.units_stepped_in_backward == (6 if overlaps else 0)
+        engine.close()
+        runs[asked] = model, losses
+    after, after_losses = runs[False]
+    reference = mlp()
+    assert_parity(after, reference, after_losses, train_reference(reference, data))
+    for asked in ("auto", True):
+        assert_identical(*runs[asked], (after_losses, dict(after.named_parameters())))
 
 
 def test_overlap_optimizer_true_with_clipping_is_refused(tmp_path):
@@ -402,19 +481,30 @@ def test_overlap_optimizer_true_with_clipping_is_refused(tmp_path):
                                           infinity={"overlap_optimizer": True}))
 
 
-def _slow_steps(engine, seconds=0.05, fail=()):
-    """Make every optimizer unit step take `seconds` (so backward ends before the worker does);
-    the units in `fail` raise OSError on their first step."""
+def _hold_the_worker(engine, fail=()):
+    """The optimizer worker is slower than backward, deterministically: it steps no unit of a
+    step before the next forward begins (or something waits for the step: synchronize). So
+    step() returns with every unit of the step still to step, the first one held in its step
+    while the next forward starts. The units in `fail` raise OSError on their first step."""
     step_unit, failing = engine.optimizer.step_unit, set(fail)
+    go = threading.Event()
+    synchronize = engine.synchronize
 
-    def slow_step_unit(u, grad, **kw):
-        time.sleep(seconds)
+    def held_step_unit(u, grad, **kw):
+        assert go.wait(timeout=60), "neither a forward nor synchronize came to release the worker"
         if u in failing:
             failing.discard(u)
             raise OSError(f"injected failure stepping unit {u}")
         return step_unit(u, grad, **kw)
 
-    engine.optimizer.step_unit = slow_step_unit
+    def synchronize_then_hold():  # backward calls it first: its step's units are held again
+        go.set()
+        synchronize()
+        go.clear()
+
+    engine.optimizer.step_unit = held_step_unit
+    engine.synchronize = synchronize_then_hold
+    engine.module.register_forward_pre_hook(lambda module, args: go.set(), prepend=True)
 
 
 def test_the_steps_tail_runs_into_the_next_forward(tmp_path):
@@ -425,7 +515,7 @@ def test_the_steps_tail_runs_into_the_next_forward(tmp_path):
     schedule = {"type": "WarmupLR", "params": {"warmup_min_lr": LR / 10, "warmup_max_lr": LR,
                                                "warmup_num_steps": 3, "warmup_type": "linear"}}
     engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme", scheduler=schedule))
-    _slow_steps(engine)
+    _hold_the_worker(engine)
     losses, lrs = [], []
     for args, kwargs in data:
         lrs.append(engine.get_lr()[0])
@@ -447,6 +537,8 @@ def test_the_steps_tail_runs_into_the_next_forward(tmp_path):
         opt.zero_grad()
     assert lrs[1] < lrs[2] < lrs[3]  # the schedule moved on while the tails ran
     assert_parity(model, reference, losses, ref_losses)
+    after = stepped_after_backward(mlp(), tmp_path, data, scheduler=schedule)
+    assert_identical(model, losses, after)
 
 
 def test_the_tail_with_gradient_accumulation_matches_pytorch(tmp_path):
@@ -454,11 +546,13 @@ def test_the_tail_with_gradient_accumulation_matches_pytorch(tmp_path):
     taken (they accumulate into autograd's tensors, HeldGrad, only after the step let them go)."""
     model, reference, data = mlp(), mlp(), mlp_batches(6)
     engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme", gradient_accumulation_steps=2))
-    _slow_steps(engine)
+    _hold_the_worker(engine)
     losses = train_engine(engine, data)
     assert engine.global_steps == 3 and engine.stats()["optimizer"]["units_left_to_forward"] > 0
     engine.close()
     assert_parity(model, reference, losses, train_reference(reference, data, gas=2))
+    assert_identical(model, losses, stepped_after_backward(mlp(), tmp_path, data,
+                                                           gradient_accumulation_steps=2))
 
 
 def test_a_tail_unit_that_failed_on_the_worker_is_stepped_again_before_its_use(tmp_path):
@@ -466,10 +560,11 @@ def test_a_tail_unit_that_failed_on_the_worker_is_stepped_again_before_its_use(t
     next forward steps it again before using it; nothing is lost or stepped twice."""
     model, reference, data = mlp(), mlp(), mlp_batches(3)
     engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme"))
-    _slow_steps(engine, fail={0})
+    _hold_the_worker(engine, fail={0})
     losses = train_engine(engine, data)
     engine.close()
     assert_parity(model, reference, losses, train_reference(reference, data))
+    assert_identical(model, losses, stepped_after_backward(mlp(), tmp_path, data))
 
 
 def test_a_tail_unit_that_keeps_failing_fails_the_next_forward_until_it_steps(tmp_path):
@@ -481,13 +576,13 @@ def test_a_tail_unit_that_keeps_failing_fails_the_next_forward_until_it_steps(tm
     real, calls = engine.optimizer.step_unit, []
 
     def disk_gone_for_unit_0(u, grad, **kw):
-        time.sleep(0.05)  # backward ends before the worker reaches unit 0
         if u == 0:
             calls.append(u)
             raise OSError("disk gone")
         return real(u, grad, **kw)
 
     engine.optimizer.step_unit = disk_gone_for_unit_0
+    _hold_the_worker(engine)  # backward ends before the worker reaches unit 0
     loss = engine(x).square().mean()
     engine.backward(loss)
     engine.step()
@@ -498,6 +593,7 @@ def test_a_tail_unit_that_keeps_failing_fails_the_next_forward_until_it_steps(tm
     losses = [loss.item(), *train_engine(engine, data[1:])]
     engine.close()
     assert_parity(model, reference, losses, train_reference(reference, data))
+    assert_identical(model, losses, stepped_after_backward(mlp(), tmp_path, data))
 
 
 def test_with_clipping_the_optimizer_runs_after_backward(tmp_path):
@@ -506,11 +602,13 @@ def test_with_clipping_the_optimizer_runs_after_backward(tmp_path):
     train_engine(engine, mlp_batches(2))
     regions = engine.timeline.regions
     engine.close()
-    backward_ends = [r.end for r in regions if r.name == "backward"]
+    backwards = sorted((r.start, r.end) for r in regions if r.name == "backward")
     steps = [r.start for r in regions if r.lane == "optimizer"]
-    assert steps and all(any(b <= s for b in backward_ends) for s in steps)
-    first_backward_end = backward_ends[0]
-    assert min(steps) >= first_backward_end
+    assert len(backwards) == 2 and len(steps) == 2 * len(engine.optimizer.units)
+    for n, (start, end) in enumerate(backwards):  # each step's units after its own backward
+        following = backwards[n + 1][0] if n + 1 < len(backwards) else math.inf
+        own = [s for s in steps if start <= s < following]
+        assert len(own) == len(engine.optimizer.units) and min(own) >= end, (n, own, end)
 
 
 def test_a_failed_initialize_leaves_the_model_as_it_was(tmp_path, monkeypatch):
@@ -531,7 +629,8 @@ def test_a_failed_initialize_leaves_the_model_as_it_was(tmp_path, monkeypatch):
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_activation_checkpointing_matches_pytorch(tmp_path, reentrant):
     """Hugging Face gradient checkpointing recomputes forwards inside backward (and the
-    non-reentrant kind stops a recompute early by raising): values stay right, nothing leaks."""
+    non-reentrant kind stops a recompute early by raising): values stay right, bit for bit
+    those of the same training without it, and nothing leaks."""
     model = llama()
     reference = copy.deepcopy(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
@@ -539,6 +638,11 @@ def test_activation_checkpointing_matches_pytorch(tmp_path, reentrant):
     engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme"))
     losses = train_engine(engine, data)
     engine.close()
+    plain = llama()
+    engine = infinity.initialize(plain, config(tmp_path, "nvme", "nvme"))
+    plain_losses = train_engine(engine, data)
+    engine.close()
+    assert_identical(model, losses, (plain_losses, dict(plain.named_parameters())))
     assert_parity(model, reference, losses, train_reference(reference, data))
 
 

@@ -2,11 +2,11 @@
 uninterrupted one (fp32 and bf16, optimizer state in RAM or on NVMe, fp16 loss scaling, LR
 schedule); client_state comes back; a checkpoint without moments needs an explicit choice."""
 
-import subprocess
-import sys
 
 import pytest
 import torch
+import transformers
+from children import python_child
 
 import infinity
 from infinity import CheckpointError
@@ -164,7 +164,6 @@ def test_a_failed_background_save_is_raised_by_the_next_call(tmp_path):
 def test_a_transformers_model_saved_by_the_engine_converts_to_hf_alone(tmp_path):
     """The engine keeps the model's config, so `infinity-convert --to hf` needs nothing else and
     from_pretrained gives the logits of the trained model."""
-    transformers = pytest.importorskip("transformers")
     from infinity.cli.convert import main
 
     cfg = transformers.LlamaConfig(vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
@@ -214,6 +213,49 @@ def test_frozen_and_resident_parameters_resume_too(tmp_path):
     assert all(torch.equal(got[n], t) for n, t in expected.items())
 
 
+def test_a_deepspeed_checkpoint_converted_to_infinity_resumes_with_weights_and_moments(tmp_path):
+    """`infinity-convert --to infinity` of a 2-rank ZeRO-3 DeepSpeed checkpoint: load_checkpoint
+    gives its fp32 weights and step count, and the next step is AdamW's from its moments at
+    Adam step 7 (as DeepSpeed would go on)."""
+    import deepspeed_layout
+
+    from infinity.cli.convert import main
+
+    def model():
+        torch.manual_seed(5)  # other values than the checkpoint's
+        return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+    g = torch.Generator().manual_seed(3)
+    weights = {name: torch.randn(p.shape, generator=g) for name, p in model().named_parameters()}
+    deepspeed_layout.write(tmp_path / "ds", weights, stage=3, precision="fp32")
+    assert main([str(tmp_path / "ds"), str(tmp_path / "run"), "--to", "infinity"]) == 0
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    cfg = config(swap, "nvme")
+    del cfg["scheduler"]
+    engine = infinity.initialize(model(), cfg)
+    engine.load_checkpoint(tmp_path / "run")
+    assert engine.global_steps == 7
+    loaded = dict(engine.named_parameters())
+    assert loaded.keys() == weights.keys()
+    assert all(torch.equal(loaded[name], w) for name, w in weights.items())
+    x = torch.randn(2, 8, generator=g)
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    got = dict(engine.named_parameters())
+    engine.close()
+
+    reference = model()
+    reference.load_state_dict(weights)
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    for name, p in reference.named_parameters():
+        opt.state[p] = {"step": torch.tensor(7.0), **deepspeed_layout.moments(weights[name])}
+    reference(x).square().mean().backward()
+    opt.step()
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-7)
+
+
 LOAD_CHILD = r"""
 import sys
 import torch
@@ -247,8 +289,7 @@ def test_a_load_holds_chunks_not_rows_or_copies_of_each_tensor(tmp_path):
     the development machine: 51-59 MiB; with load_state taking the unit's 3 fp32 rows whole
     (the session before): 337 MiB; reading each tensor whole and then copying it: 432 MiB."""
     def child(*args):
-        out = subprocess.run([sys.executable, "-c", LOAD_CHILD, *args], capture_output=True, text=True,
-                             timeout=300)
+        out = python_child(["-c", LOAD_CHILD, *args], timeout=300)
         assert out.returncode == 0, out.stderr
         return out.stdout
 

@@ -6,11 +6,10 @@ RSS of the same work without the engine plus the budget plus a small slack (docs
 Each figure comes from a fresh child process (VmHWM cannot be reset)."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
+from children import python_child
 
 from infinity import BudgetError
 from infinity.engine._plan import plan_memory
@@ -53,14 +52,12 @@ print(json.dumps(result))
 
 
 def _child(mode: str, tmp_path) -> dict:
-    done = subprocess.run([sys.executable, "-c", _CHILD, mode, str(tmp_path)], capture_output=True,
-                          text=True, timeout=300)
+    done = python_child(["-c", _CHILD, mode, str(tmp_path)], timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_peak_rss_stays_within_the_budget_plus_the_baseline(tmp_path):
-    pytest.importorskip("transformers")
     baseline = _child("baseline", tmp_path)
     run = _child("engine", tmp_path)
     assert 500e6 <= 16 * run["numel"] <= 800e6  # a budget of 100-200 MB: large against the noise
@@ -88,17 +85,43 @@ def test_prefetch_window_shrinks_to_what_the_host_budget_leaves():
     assert 0 < tight.prefetch_numel * 4 <= (48 << 20) - 5 * (4 << 20) - 3 * (3 << 20)
 
 
-def test_a_budget_too_small_for_the_optimizer_tiles_names_sub_group_size():
-    """At the default sub_group_size (1e9) a tile is a whole unit: a big embedding makes three
-    of them exceed a modest budget; the error says which setting shrinks them."""
-    units = [_unit(i, 1 << 24) for i in range(4)]  # 64 MiB units: tiles of 192 MiB
-    kwargs = {"offload_param": "nvme", "offload_optimizer": "nvme", "accelerator": False, "prefetch_numel": 0}
-    with pytest.raises(BudgetError, match=r"3 optimizer tiles of 16777216 elements \(zero_optimization."
-                                          r"sub_group_size 1000000000: lower it"):
-        plan_memory(units, host_memory_budget=512 << 20, tile_numel=1_000_000_000, **kwargs)
-    small_tiles = plan_memory(units, host_memory_budget=512 << 20, tile_numel=1 << 20, **kwargs)
-    assert small_tiles.budgets[Tier.HOST] <= 512 << 20
-    assert small_tiles.tile_numel == 1 << 20  # on NVMe the tiles are sub_group_size's
+def test_sub_group_size_is_an_upper_bound_the_plan_shrinks_to_fit(caplog):
+    """At the default sub_group_size (1e9) a tile is a whole unit: three tiles of a big
+    embedding exceed a modest budget. The plan picks the largest smaller tiles that fit (and
+    says so) before it moves the gradients to NVMe; with tiles small enough it keeps them."""
+    units = [_unit(i, 1 << 24) for i in range(4)]  # 64 MiB units: whole-unit tiles of 192 MiB
+    kwargs = {"offload_param": "nvme", "offload_optimizer": "nvme", "accelerator": False,
+              "prefetch_numel": 0}
+    with caplog.at_level("INFO", logger="infinity.engine._plan"):
+        plan = plan_memory(units, host_memory_budget=1 << 30, tile_numel=1_000_000_000, **kwargs)
+    assert plan.budgets[Tier.HOST] + plan.outside_store_nbytes <= 1 << 30
+    assert plan.grads_tier is None  # 256 MiB of gradients stay in RAM: the tiles made room
+    assert 1 << 18 <= plan.tile_numel < 1 << 24 and plan.tile_numel % 4096 == 0
+    chose = f"optimizer tiles of {plan.tile_numel} elements (sub_group_size 1000000000"
+    assert chose in caplog.text
+    one_more = plan_memory(units, host_memory_budget=1 << 30, tile_numel=plan.tile_numel + 4096,
+                           **kwargs)
+    assert one_more.tile_numel == plan.tile_numel  # the largest that fits was picked
+    small = plan_memory(units, host_memory_budget=1 << 30, tile_numel=1 << 20, **kwargs)
+    assert small.tile_numel == 1 << 20  # an asked size that fits is kept
+    # 400 MiB cannot hold the 256 MiB of gradients beside two units and the smallest tiles
+    tight = plan_memory(units, host_memory_budget=400 << 20, tile_numel=1_000_000_000, **kwargs)
+    assert tight.grads_tier is Tier.NVME and tight.budgets[Tier.HOST] <= 400 << 20
+
+
+def test_below_the_smallest_plan_the_error_names_the_budget_that_works():
+    units = [_unit(i, 1 << 24) for i in range(4)]
+    kwargs = {"offload_param": "nvme", "offload_optimizer": "nvme", "accelerator": False,
+              "prefetch_numel": 0, "tile_numel": 1_000_000_000}
+    least = plan_memory(units, host_memory_budget=None, **kwargs).min_host_budget
+    assert least < 3 * 12 * (1 << 24)  # less than three whole-unit tiles alone
+    message = rf"host_memory_budget {least - 1} bytes .* at least {least} bytes" \
+        rf".*set infinity.host_memory_budget to at least {least}$"
+    with pytest.raises(BudgetError, match=message):
+        plan_memory(units, host_memory_budget=least - 1, **kwargs)
+    fits = plan_memory(units, host_memory_budget=least, **kwargs)
+    assert fits.budgets[Tier.HOST] + fits.outside_store_nbytes <= least
+    assert fits.tile_numel == 1 << 18 and fits.grads_tier is Tier.NVME
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -58,6 +58,26 @@ def test_fp16_overflow_skips_the_step_and_lowers_the_scale(tmp_path):
     engine.close()
 
 
+def test_the_lr_schedule_does_not_advance_on_a_skipped_fp16_step(tmp_path):
+    """As DeepSpeed: the schedule moves on applied steps only, so the step after an overflow
+    gets the lr the skipped one would have had."""
+    schedule = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
+                                               "warmup_num_steps": 4, "warmup_type": "linear"}}
+    engine = infinity.initialize(mlp(), config(tmp_path, "cpu", "cpu", scheduler=schedule, fp16={
+        "enabled": True, "initial_scale_power": 8, "hysteresis": 1}))
+    (x,), _ = mlp_batches(1)[0]
+    lrs = [engine.get_lr()[0]]
+    for overflow in (False, True, False, False):
+        loss = engine(x.half()).float().square().mean()
+        engine.backward(loss * float("inf") if overflow else loss)
+        engine.step()
+        lrs.append(engine.get_lr()[0])
+    assert engine.skipped_steps == 1 and engine.global_steps == 4
+    engine.close()
+    # lr after k applied steps: 0.01 * min(1, (k - 1) / 4); the second step applied nothing
+    assert lrs == pytest.approx([0.0, 0.0, 0.0, 0.0025, 0.005], rel=1e-12, abs=0)
+
+
 @pytest.mark.parametrize("clipping", [0.0, 1.0])
 @pytest.mark.parametrize("offload", ["none", "nvme"])
 def test_a_non_finite_gradient_fails_the_step_and_updates_nothing(tmp_path, offload, clipping):
@@ -67,7 +87,8 @@ def test_a_non_finite_gradient_fails_the_step_and_updates_nothing(tmp_path, offl
     clipping), the units stepped before it keep their update and the error says so."""
     model = mlp()
     engine = infinity.initialize(model, config(tmp_path, offload, offload, gradient_clipping=clipping))
-    overlapped = clipping == 0.0 and offload == "nvme"
+    # "auto" overlaps where anything is on NVMe, or on an accelerator
+    overlapped = clipping == 0.0 and (offload == "nvme" or engine.device.type != "cpu")
     assert engine.overlap == overlapped
     bad = model[0] if overlapped else model[4]  # final last in backward / stepped last after it
     (x,), _ = mlp_batches(1)[0]

@@ -6,11 +6,10 @@ import copy
 import json
 import logging
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from children import python_child
 
 import infinity
 from infinity import recompute
@@ -113,8 +112,9 @@ def test_recompute_is_on_the_trace_prefetched_and_training_matches_no_recompute(
     plain_stats: list[dict] = []
     (tmp_path / "plain").mkdir()
     (tmp_path / "recompute").mkdir()
-    plain = infinity.initialize(copy.deepcopy(model), engine_config(tmp_path / "plain", "nvme"))
-    train_with(plain, data, plain_stats)
+    plain_model = copy.deepcopy(model)
+    plain = infinity.initialize(plain_model, engine_config(tmp_path / "plain", "nvme"))
+    plain_losses = train_with(plain, data, plain_stats)
     plain.close()
 
     model.recompute = {"use_reentrant": reentrant}
@@ -122,6 +122,10 @@ def test_recompute_is_on_the_trace_prefetched_and_training_matches_no_recompute(
     per_step: list[dict] = []
     losses = train_with(engine, data, per_step)
     engine.close()
+    assert losses == plain_losses  # bit for bit what the same training without checkpointing gives
+    checkpointed = dict(model.named_parameters())
+    for name, p in plain_model.named_parameters():
+        assert torch.equal(checkpointed[name], p), name
     assert_parity(model, reference, losses, train_plain(reference, data))
 
     recomputed = [a - b for a, b in zip(step_deltas(per_step, "acquires"), step_deltas(plain_stats, "acquires"))]
@@ -157,10 +161,10 @@ def test_a_config_without_the_section_leaves_the_settings_alone(tmp_path):
 
 
 _CHILD = r"""
-import json, sys
+import json, os, sys
 import torch
 import infinity
-sys.path.insert(0, sys.argv[2])
+sys.path[:0] = [sys.argv[2], os.path.dirname(sys.argv[2])]  # this test module and tests/ (children)
 from test_engine_recompute import Stack, engine_config
 def status(field):
     with open("/proc/self/status") as f:
@@ -179,8 +183,7 @@ print(json.dumps({**before, "peak": status("VmHWM")}))
 
 def _child_peak(mode: str) -> dict:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # freed tensors go back to the OS at once
-    done = subprocess.run([sys.executable, "-c", _CHILD, mode, os.path.dirname(__file__)], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=os.getcwd())
+    done = python_child(["-c", _CHILD, mode, os.path.dirname(__file__)], env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

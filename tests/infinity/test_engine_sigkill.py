@@ -1,34 +1,72 @@
-"""Training killed with SIGKILL at random moments (inside steps and inside checkpoint saves), 20
-times, each time resumed from `latest`, ends with exactly the weights of an uninterrupted run.
+"""Training killed with SIGKILL (inside optimizer steps and inside checkpoint saves), 20 times,
+each time resumed from `latest`, ends with exactly the weights of an uninterrupted run.
 
 One child process imports torch and infinity once and forks a grandchild per attempt (forking
-before any engine, zarr or aio thread exists in the child); the child kills each of the first
-20 attempts after a random delay, then lets one run to the end.
+before any engine, zarr or aio thread exists in the child). An uninterrupted run first counts
+the durability steps of a save (fsync, rename) and the units' optimizer steps of a step; each
+of the next 20 attempts then kills itself at a drawn one of them, alternately inside the first
+save after its start and inside one of its first steps (where, it notes in kills.jsonl first),
+so every kill lands, and one last attempt runs to the end.
 """
 
 import json
 import os
-import subprocess
-import sys
+import signal
 
 import torch
+from children import python_child
+
+KILLS = 20
 
 CHILD = r"""
-import json, os, random, signal, sys, time
+import json, os, random, signal, sys
 import torch
 import infinity
 from infinity.checkpoint import latest_tag
 
-ROOT, KILLS, STEPS = sys.argv[1], int(sys.argv[2]), 40
+ROOT, KILLS = sys.argv[1], int(sys.argv[2])
+STEPS = 2 * KILLS + 6  # an attempt gets at most one save further: every kill has work to land in
 
 def config(swap):
     return {"train_micro_batch_size_per_gpu": 2,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
-            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "sub_group_size": 64,
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                  "sub_group_size": 64,
                                   "offload_optimizer": {"device": "nvme", "nvme_path": swap}},
             "infinity": {"host_memory_budget": "1GB"}}
 
-def train(run, out):
+def counted(engine, kill):
+    # Counts this attempt's save durability steps and unit steps; SIGKILL at kill = (where, n).
+    counts, saving, per_save = {"save": 0, "step": 0}, [False], []
+
+    def count(where, real):
+        def call(*args, **kwargs):
+            if where == "step" or saving[0]:
+                counts[where] += 1
+                if kill == (where, counts[where]):
+                    with open(os.path.join(ROOT, "kills.jsonl"), "a") as f:
+                        f.write(json.dumps({"where": where, "n": counts[where], "saving": saving[0],
+                                            "global_steps": engine.global_steps}) + "\n")
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return real(*args, **kwargs)
+        return call
+
+    os.fsync, os.replace, os.rename = (count("save", f) for f in (os.fsync, os.replace, os.rename))
+    engine.optimizer.step_unit = count("step", engine.optimizer.step_unit)
+    save = engine.save_checkpoint
+
+    def save_checkpoint(*args, **kwargs):
+        saving[0], before = True, counts["save"]
+        try:
+            return save(*args, **kwargs)
+        finally:
+            saving[0] = False
+            per_save.append(counts["save"] - before)
+
+    engine.save_checkpoint = save_checkpoint
+    return counts, per_save
+
+def train(run, out, kill):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1),
                                 torch.nn.Linear(32, 4))
@@ -36,6 +74,7 @@ def train(run, out):
     torch.manual_seed(1)
     if latest_tag(run) is not None:
         engine.load_checkpoint(run)
+    counts, per_save = counted(engine, kill)
     while engine.global_steps < STEPS:
         x = torch.randn(2, 8)
         loss = engine(x).square().mean()
@@ -45,51 +84,49 @@ def train(run, out):
             engine.save_checkpoint(run)
     torch.save(dict(engine.named_parameters()), out)
     engine.close()
+    with open(out + ".json", "w") as f:
+        json.dump({"save": min(per_save), "step": counts["step"] // STEPS}, f)
 
-def attempt(run, out, delay_s=None):
+def attempt(run, out, kill=None):
     pid = os.fork()
     if pid == 0:
         code = 0
         try:
-            train(run, out)
+            train(run, out, kill)
         except BaseException:
             import traceback; traceback.print_exc()
             code = 3
         os._exit(code)
-    if delay_s is not None:
-        time.sleep(delay_s)
-        os.kill(pid, signal.SIGKILL)
     return os.waitpid(pid, 0)[1]
 
 os.makedirs(os.path.join(ROOT, "swap"))
-start = time.perf_counter()
-assert attempt(os.path.join(ROOT, "reference"), os.path.join(ROOT, "reference.pt")) == 0
-full_s = time.perf_counter() - start
-start = time.perf_counter()  # start-up and load alone: the finished run has nothing left to do
-assert attempt(os.path.join(ROOT, "reference"), os.path.join(ROOT, "again.pt")) == 0
-init_s = time.perf_counter() - start
+reference = os.path.join(ROOT, "reference.pt")
+assert attempt(os.path.join(ROOT, "reference"), reference) == 0
+per = json.load(open(reference + ".json"))  # durability steps of a save, unit steps of a step
 rng = random.Random(11)
+# Inside the first save after the start, or inside the first three steps (the third one after
+# the first save): an attempt gets at most one save (two steps) further than the last.
+plan = [("save", rng.randint(1, per["save"])) if i % 2 == 0 else
+        ("step", rng.randint(1, 3 * per["step"])) for i in range(KILLS)]
 run, out = os.path.join(ROOT, "run"), os.path.join(ROOT, "resumed.pt")
-# Each attempt lives through its start-up and then, on average, 1/(KILLS + 5) of the training:
-# the kills land at random points of steps and saves, and the run is not finished before them.
-work_s = max(full_s - init_s, 0.1) / (KILLS + 5)
-statuses = [attempt(run, out, init_s + rng.uniform(0, 2 * work_s)) for _ in range(KILLS)]
+statuses = [attempt(run, out, kill) for kill in plan]
 statuses.append(attempt(run, out))
-print(json.dumps({"statuses": statuses, "full_s": full_s, "init_s": init_s}))
+print(json.dumps({"statuses": statuses, "plan": plan, "per": per}))
 """
 
 
 def test_sigkilled_training_resumes_to_the_uninterrupted_weights(tmp_path):
-    out = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), "20"], capture_output=True,
-                         text=True, timeout=280, cwd=os.getcwd())
+    out = python_child(["-c", CHILD, str(tmp_path), str(KILLS)], timeout=280)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.splitlines()[-1])
     *killed, last = report["statuses"]
     assert last == 0, out.stderr[-3000:]
-    assert all(os.WIFSIGNALED(s) or s == 0 for s in killed), (report, out.stderr[-3000:])
-    # Kill times come from a timing measured once; on a loaded machine a few attempts finish
-    # (or die in start-up) before their kill, so ask for a clear majority, not all.
-    assert sum(os.WIFSIGNALED(s) for s in killed) >= 10, f"too few kills landed: {report}"
+    assert all(os.WIFSIGNALED(s) and os.WTERMSIG(s) == signal.SIGKILL for s in killed), (
+        report, out.stderr[-3000:])
+    kills = [json.loads(line) for line in (tmp_path / "kills.jsonl").read_text().splitlines()]
+    assert [[k["where"], k["n"]] for k in kills] == report["plan"]  # each died where drawn
+    assert all(k["saving"] for k in kills if k["where"] == "save")  # half of them in a save
+    assert len({k["global_steps"] for k in kills}) > KILLS // 4, kills  # spread over the run
     reference = torch.load(tmp_path / "reference.pt")
     resumed = torch.load(tmp_path / "resumed.pt")
     assert reference.keys() == resumed.keys()

@@ -3,7 +3,6 @@ backward (issue 7: the host tier fragmented under copies in use and a gradient f
 although the plan had accepted the budget)."""
 
 import json
-import time
 
 import pytest
 import torch
@@ -40,7 +39,6 @@ def _train(train_lm, tmp_path, budget, *, overlap, steps=3):
         return losses, engine.units_stepped_in_backward, dict(engine.named_parameters())
 
 
-@pytest.mark.timeout(120)
 @pytest.mark.parametrize("above", [0, 572_064, 1_272_064])  # 2.73 MB (the minimum), 3.3 MB, 4.0 MB
 def test_the_plans_smallest_budgets_train_with_the_optimizer_overlapped(tmp_path, min_budget, above, train_lm):
     """3.3 MB failed before issue 7's fix: BudgetError for 'grad/param/lm_head' at step 1."""
@@ -49,7 +47,6 @@ def test_the_plans_smallest_budgets_train_with_the_optimizer_overlapped(tmp_path
     assert all(map(lambda x: x == x, losses)) and losses[-1] < losses[0]
 
 
-@pytest.mark.timeout(120)
 def test_at_the_minimum_budget_the_overlapped_step_equals_the_step_after_backward(tmp_path, min_budget, train_lm):
     overlapped = _train(train_lm, tmp_path, min_budget, overlap=True, steps=2)
     after = _train(train_lm, tmp_path, min_budget, overlap=False, steps=2)
@@ -58,16 +55,17 @@ def test_at_the_minimum_budget_the_overlapped_step_equals_the_step_after_backwar
         assert torch.equal(overlapped[2][name], value), name
 
 
-@pytest.mark.timeout(60)
 def test_a_budget_below_the_minimum_fails_at_initialize_naming_both(tmp_path, min_budget):
+    """Refused by the plan, before anything is moved or written."""
     model, _ = default_model()
-    start = time.monotonic()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with pytest.raises(BudgetError, match=f"host_memory_budget {min_budget - 1} bytes .* at least {min_budget} bytes"):
         infinity.initialize(model, _config(tmp_path, min_budget - 1))
-    assert time.monotonic() - start < 30
+    assert list(tmp_path.iterdir()) == []  # no swap file was ever made there
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[name]), name
 
 
-@pytest.mark.timeout(120)
 def test_infinity_train_runs_at_the_plans_minimum_budget(tmp_path, min_budget, capsys):
     from infinity.cli import train  # the CLI over the same engine
 

@@ -7,15 +7,14 @@ import json
 import os
 
 import pytest
+import safetensors.torch as safetensors_torch
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
-safetensors_torch = pytest.importorskip("safetensors.torch")
-
-import infinity  # noqa: E402
-from infinity import CheckpointError, ConfigError  # noqa: E402
-from infinity.engine import Placed  # noqa: E402
-from infinity.store import TensorStore, Tier  # noqa: E402
+import infinity
+from infinity import CheckpointError, ConfigError
+from infinity.engine import Placed
+from infinity.store import TensorStore, Tier
 
 WINDOW = 1 << 20  # the smallest window: slices of 128 Ki elements (fp32 from fp32)
 

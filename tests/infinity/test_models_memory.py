@@ -9,12 +9,7 @@ materialised the model would fail."""
 
 import os
 
-import pytest
-
 from tools.bench_load import run_child, write_checkpoint
-
-pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
 
 MiB = 1 << 20
 WINDOW = 16 * MiB

@@ -7,11 +7,10 @@ import weakref
 
 import pytest
 import torch
+import transformers
+from safetensors import safe_open
 
-transformers = pytest.importorskip("transformers")
-from safetensors import safe_open  # noqa: E402
-
-from infinity.models import byte_tokenizer, plan_shards, write_random_model, write_shards  # noqa: E402
+from infinity.models import byte_tokenizer, plan_shards, write_random_model, write_shards
 
 
 def tiny_config(**overrides):

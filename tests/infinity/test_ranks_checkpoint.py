@@ -38,6 +38,8 @@ def runs(tmp_path_factory):
                   "save": str(tmp / "a-file" / "ckpt")})
     resumed = [{"name": f"stage{s}", "config": _stage_config(s, nvme), "steps": STEPS,
                 "load": str(tmp / f"ckpt{s}")} for s in STAGES]
+    resumed.append({"name": "load-fails-on-rank-1", "config": _stage_config(3, nvme),
+                    "steps": STEPS, "load": [str(tmp / "ckpt3"), str(tmp / "no-checkpoint-here")]})
     alone = [{"name": f"stage{s}", "steps": STEPS, "load": str(tmp / f"ckpt{s}"), "data_world": WORLD,
               "config": _stage_config(s, nvme, train_micro_batch_size_per_gpu=WORLD * MICRO)}
              for s in STAGES]
@@ -81,6 +83,16 @@ def test_one_rank_resumes_a_two_rank_checkpoint(runs, stage):
     assert _relative(torch.tensor(one["losses"]), two_rank_losses) <= 1e-5
     for key, value in first[0][name]["params"].items():
         assert _relative(one["params"][key], value) <= 1e-5, key
+
+
+def test_a_load_that_fails_on_one_rank_fails_on_every_rank(runs):
+    """Rank 1 finds no checkpoint where rank 0 loads one: both raise (rank 1 its own error),
+    neither trains on."""
+    _, resumed, _ = runs
+    zero, one = (resumed[rank]["load-fails-on-rank-1"] for rank in range(WORLD))
+    assert "no-checkpoint-here" in one["message"], one
+    assert "CheckpointError" in zero["error"], zero
+    assert zero["message"].startswith("rank 1 could not load the checkpoint from"), zero
 
 
 def test_a_save_rank_0_cannot_write_fails_on_every_rank(runs):

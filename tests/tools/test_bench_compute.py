@@ -6,8 +6,6 @@ import pytest
 
 from tools import bench_compute
 
-pytest.importorskip("transformers")
-
 
 def test_floor_is_the_rest_plus_every_layer_at_the_median(tmp_path, capsys, tiny_hf_model):
     assert bench_compute.main(["--model", str(tiny_hf_model), "--seq-len", "16", "--dtype", "fp32",

@@ -1,10 +1,7 @@
 """tools.bench_load: a tiny run prints the checkpoint, the peak RSS of both children and the speed."""
 
-import pytest
 
 from tools import bench_load
-
-pytest.importorskip("transformers")
 
 
 def test_tiny_run_prints_peaks_and_speed(tmp_path, capsys):

@@ -3,26 +3,34 @@
 import json
 
 import pytest
+from children import ROOT, child_env
 
 from tools import bench_step
+
+
+@pytest.fixture(autouse=True)
+def children_import_this_checkout(monkeypatch):
+    """main() starts `python -m tools.bench_step` children: from here, with this checkout."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("PYTHONPATH", child_env()["PYTHONPATH"])
+
 
 TINY = ["--layers", "1", "--d-model", "32", "--vocab", "64", "--seq", "8", "--sub-group-size", "2048"]
 
 
 @pytest.mark.parametrize("config", ["nvme", "torch", "torch-default"])
 def test_a_child_reports_its_figures(tmp_path, config):
-    pytest.importorskip("transformers")
     args = bench_step.parse_args(["--path", str(tmp_path), *TINY, "--steps", "2", "--warmup", "1"])
     result = bench_step.run_child(args, config, str(tmp_path))
     assert result["step_s"] > 0 and result["cpu_s"] > 0 and result["peak_rss"] > 0 and result["params"] > 0
     if config == "nvme":
         assert result["bytes_per_step"] > 0 and result["raw_gbps"] > 0
         assert result["on_demand_nvme_after_step_1"] == 0  # the trace prefetches every unit
-        assert result["compactions_per_step"] >= 0 and result["compaction_s_per_step"] >= 0
+        # a tiny model in a budget that holds it: the host tier never needs compacting
+        assert result["compactions_per_step"] == 0 and result["compaction_s_per_step"] == 0
 
 
 def test_main_runs_each_config_in_a_child(tmp_path):
-    pytest.importorskip("transformers")
     out = tmp_path / "out.json"
     assert bench_step.main(["--path", str(tmp_path), *TINY, "--steps", "2", "--warmup", "1", "--configs", "none",
                             "--json", str(out)]) == 0
@@ -31,7 +39,6 @@ def test_main_runs_each_config_in_a_child(tmp_path):
 
 
 def test_pair_runs_the_engine_and_pytorch_in_turn_in_one_child(tmp_path):
-    pytest.importorskip("transformers")
     out = tmp_path / "out.json"
     assert bench_step.main(["--path", str(tmp_path), *TINY, "--steps", "4", "--warmup", "1", "--configs", "pair",
                             "--json", str(out)]) == 0

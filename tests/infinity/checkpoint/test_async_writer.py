@@ -40,12 +40,20 @@ def test_add_blocks_while_the_budget_is_full(tmp_path, monkeypatch):
 
     monkeypatch.setattr(writer_module.TensorSink, "write", held_write)
     saver = AsyncCheckpointWriter(tmp_path, "step1", budget_nbytes=4000)
+    waiting = threading.Event()
+
+    class SpiedCondition(threading.Condition):  # says when add() waits for room
+        def wait(self, timeout=None):
+            waiting.set()
+            return super().wait(timeout)
+
+    saver._room = SpiedCondition()  # the worker has not used it yet: nothing was added
     big = torch.arange(10_000, dtype=torch.float32)  # 40 KB: ten budget-sized pieces
     adder = threading.Thread(target=saver.add, args=("big", big))
     adder.start()
-    adder.join(timeout=1.0)
+    assert waiting.wait(timeout=60), "add() never waited for room"
     assert adder.is_alive(), "add() returned with 40 KB queued against a 4 KB budget"
-    assert saver.peak_queued_nbytes <= 4000
+    assert saver.peak_queued_nbytes == 4000  # one piece queued, held in the worker's write
     gate.set()
     adder.join(timeout=30)
     saver.commit().result(timeout=60)

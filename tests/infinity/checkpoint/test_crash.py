@@ -10,10 +10,9 @@ forks come from a process that has not used zarr yet, not from pytest's.
 
 import json
 import os
-import subprocess
-import sys
 
 import torch
+from children import python_child
 
 from infinity.checkpoint import CheckpointReader, CheckpointWriter, latest_tag
 
@@ -76,8 +75,7 @@ def _expected(step):
 
 
 def test_sigkill_during_save_never_leaves_latest_on_an_incomplete_checkpoint(tmp_path):
-    out = subprocess.run([sys.executable, "-c", SERVER, str(tmp_path), "5"], capture_output=True,
-                         text=True, timeout=240, cwd=os.getcwd())
+    out = python_child(["-c", SERVER, str(tmp_path), "5"], timeout=240)
     assert out.returncode == 0, out.stderr
     crashes = [json.loads(line) for line in out.stdout.splitlines()]
     assert len(crashes) > 12, "the save has too few durability steps to test: test broken"

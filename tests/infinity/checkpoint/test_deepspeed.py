@@ -50,7 +50,8 @@ def test_every_stage_precision_and_rank_count_gives_back_the_weights(tmp_path, s
     _check(reader, expected)
     assert reader.zero_stage == stage and reader.world_size == world_size
     assert reader.metadata["global_steps"] == 7 and reader.metadata["bf16"] == (precision == "bf16")
-    assert reader.metadata["optimizer_step"] == 7 and reader.metadata["loss_scale"] == 1.0
+    assert reader.metadata["optimizer_step"] == 7
+    assert reader.metadata["loss_scale"] == (2.0 ** 16 if precision == "fp16" else 1.0)
 
 
 def test_a_param_spanning_sub_groups_and_ranks_streams_in_pieces(tmp_path):

@@ -4,13 +4,12 @@ memory bounded by --max-shard-size."""
 
 import json
 import os
-import subprocess
-import sys
 
 import deepspeed_layout
 import pytest
 import torch
 import zarr
+from children import python_child
 from safetensors.torch import load_file
 
 from infinity.checkpoint import CheckpointReader, CheckpointWriter
@@ -54,7 +53,11 @@ def test_a_deepspeed_checkpoint_converts_to_every_format(tmp_path, fmt, stage, c
     got = _read_output(tmp_path / "out", fmt)
     if fmt in ("hf", "safetensors", "torch"):
         expected = {k: v for k, v in expected.items() if "/" not in k}
-        assert len(list((tmp_path / "out").iterdir())) > 3, "300-byte shards: several files and an index"
+        # 300-byte shards of the five tensors: three shards (embed.weight's 264 bytes alone)
+        stem, ext = ("pytorch_model", ".bin") if fmt == "torch" else ("model", ".safetensors")
+        files = [f"{stem}-0000{i}-of-00003{ext}" for i in (1, 2, 3)] + [f"{stem}{ext}.index.json"]
+        files += ["config.json"] if fmt == "hf" else []
+        assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(files)
     assert sorted(got) == sorted(expected)
     for name, tensor in expected.items():
         assert got[name].dtype == tensor.dtype and torch.equal(got[name].reshape(tensor.shape), tensor), name
@@ -81,7 +84,8 @@ def test_an_infinity_checkpoint_converts_and_keeps_its_model_config(tmp_path):
             writer.add(name, tensor)
         writer.add("exp_avg/fc.bias", torch.ones(6))
     assert main([str(tmp_path / "run"), str(tmp_path / "out"), "--to", "hf", "--dtype", "fp16"]) == 0
-    assert json.loads((tmp_path / "out" / "config.json").read_text()) == {"model_type": "toy"}
+    config = json.loads((tmp_path / "out" / "config.json").read_text())  # says what was written
+    assert config == {"model_type": "toy", "dtype": "float16", "torch_dtype": "float16"}
     got = _read_output(tmp_path / "out", "hf")
     assert sorted(got) == sorted(params)
     assert all(torch.equal(got[k], v.half()) for k, v in params.items())
@@ -196,10 +200,33 @@ def test_peak_memory_is_bounded_by_the_shard_size_not_the_checkpoint(tmp_path, f
     with CheckpointWriter(tmp_path / "run", "big") as writer:  # 64 MiB: 4x the shard size
         for i in range(16):
             writer.add(f"layer{i}.weight", torch.full((1 << 20,), float(i)))
-    out = subprocess.run([sys.executable, "-c", PEAK_CHILD, str(tmp_path / "run"), str(tmp_path / "out"),
-                          "--to", fmt, "--max-shard-size", "16M"], capture_output=True, text=True,
-                         timeout=120, cwd=os.getcwd())
+    out = python_child(["-c", PEAK_CHILD, str(tmp_path / "run"), str(tmp_path / "out"),
+                        "--to", fmt, "--max-shard-size", "16M"], timeout=120)
     assert out.returncode == 0, out.stderr
     grown = int(out.stdout.split("GROWN")[1])
     assert len(list((tmp_path / "out").glob("*-of-00004*"))) == 4
     assert grown < 2 * SHARD + OVERHEAD, f"peak RSS grew by {grown / MiB:.1f} MiB converting 64 MiB"
+
+
+def test_an_infinity_train_run_converts_to_hf_in_bf16_with_its_tokenizer(tmp_path, capsys):
+    """The run folder itself is a source (its checkpoints/latest); --dtype bf16 writes a
+    config.json that says bfloat16, and the run's tokenizer files come along."""
+    transformers = pytest.importorskip("transformers")
+    from infinity.cli import train
+
+    run = tmp_path / "run"
+    assert train.main(["--steps", "1", "--batch-size", "2", "--seq-len", "32", "--save-every", "1",
+                       "--output", str(run)]) == 0
+    capsys.readouterr()
+    assert main([str(run), str(tmp_path / "hf"), "--to", "hf", "--dtype", "bf16"]) == 0, \
+        capsys.readouterr().err
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert next(model.parameters()).dtype == torch.bfloat16
+    exported = load_file(run / "model-00001-of-00001.safetensors")  # what the run exported
+    for name, values in model.state_dict().items():
+        if name in exported:
+            assert torch.equal(values, exported[name].to(torch.bfloat16)), name
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert tokenizer.encode("hé", add_special_tokens=False) == list("hé".encode())

@@ -7,8 +7,6 @@ import pytest
 
 from infinity.cli import make_model
 
-pytest.importorskip("transformers")
-
 SHAPE = ["--layers", "2", "--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv-heads", "2",
          "--vocab", "320", "--max-positions", "128"]
 
@@ -22,14 +20,17 @@ def test_writes_the_asked_shape_and_counts_its_parameters(tmp_path, capsys):
     assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "bfloat16"
     per_layer = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64
     count = 2 * per_layer + 2 * 320 * 64 + 64
-    assert f"({count})" in out
-    assert len(list((tmp_path / "m").glob("model-*-of-*.safetensors"))) > 1
+    assert f"Llama of {count / 1e3:.3g} K parameters ({count})" in out
+    shards = [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]  # 230,016 bytes in 64K
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == sorted(
+        ["config.json", *shards, "model.safetensors.index.json", "tokenizer.json",
+         "tokenizer_config.json"])
 
 
 @pytest.mark.parametrize("args, message", [
     (["--heads", "5"], "--hidden 256, --heads 5, --kv-heads 5: hidden must divide by heads"),
     (["--heads", "8", "--kv-heads", "3"], "--kv-heads 3: hidden must divide by heads, and heads by kv-heads"),
-    (["--vocab", "100"], "--vocab 100: at least 258"),
+    (["--vocab", "258"], "--vocab 258: at least 259"),
     (["--layers", "0"], "--layers 0: must be at least 1"),
 ])
 def test_bad_shapes_are_one_line_and_exit_2(tmp_path, capsys, args, message):
@@ -43,3 +44,20 @@ def test_an_existing_directory_is_refused(tmp_path, capsys):
     (tmp_path / "m").mkdir()
     assert make_model.main([str(tmp_path / "m")]) == 2
     assert "exists" in capsys.readouterr().err
+
+
+def test_the_default_vocab_holds_every_token_of_its_tokenizer(tmp_path, capsys):
+    """<pad> (258) was beyond the default vocab of 258: padding a batch was an IndexError."""
+    transformers = pytest.importorskip("transformers")
+    assert make_model.main([str(tmp_path / "m"), "--layers", "1", "--hidden", "32",
+                            "--intermediate", "64", "--heads", "4"]) == 0
+    count = 32 * 32 * 4 + 3 * 32 * 64 + 2 * 32 + 2 * 259 * 32 + 32  # one layer, two embeddings
+    out = capsys.readouterr().out
+    assert f"Llama of {count / 1e3:.3g} K parameters ({count})" in out  # not "0.000 B"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["vocab_size"] == len(tokenizer) == 259 and config["pad_token_id"] == 258
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    batch = tokenizer(["a", "abc"], padding=True, return_tensors="pt")
+    assert batch.input_ids.max() == tokenizer.pad_token_id
+    model(**batch)  # every id has an embedding row

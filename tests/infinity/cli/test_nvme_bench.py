@@ -22,6 +22,19 @@ def disk(tmp_path):
     return path
 
 
+def o_direct_opens(directory) -> bool:
+    """Whether this file system opens files with O_DIRECT (tmpfs before Linux 6.6 does not)."""
+    probe = os.path.join(directory, ".o-direct-probe")
+    try:
+        os.close(os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o600))
+        return True
+    except OSError:
+        return False
+    finally:
+        if os.path.exists(probe):
+            os.unlink(probe)
+
+
 def run(capsys, *argv):
     code = nvme_bench.main([str(a) for a in argv])
     out, err = capsys.readouterr()
@@ -30,13 +43,17 @@ def run(capsys, *argv):
 
 @pytest.mark.parametrize("text, nbytes", [
     ("4096", 4096), ("256K", 256 << 10), ("1M", 1 << 20), ("2G", 2 << 30), ("2g", 2 << 30),
-    ("1GiB", 1 << 30), ("8MB", 8 << 20), ("1T", 1 << 40),
+    ("1GiB", 1 << 30), ("1T", 1 << 40), ("1.5G", 3 << 29), ("8MB", 8_000_000), ("2GB", 2 * 10**9),
 ])
-def test_sizes_accept_binary_suffixes(text, nbytes):
+def test_sizes_mean_what_the_config_means(text, nbytes):
+    """One parser: a size on a command line is what the same text means in a config."""
+    from infinity.config import parse_bytes
+
+    assert cli.parse_size(text) == nbytes == parse_bytes(text)
     assert cli.parse_size(text) == nbytes
 
 
-@pytest.mark.parametrize("text", ["", "G", "1.5G", "-1M", "0", "3X", "1MM"])
+@pytest.mark.parametrize("text", ["", "G", "1.3B", "-1M", "0", "3X", "1MM"])
 def test_bad_sizes_are_refused(text):
     with pytest.raises(argparse.ArgumentTypeError, match="is not a size"):
         cli.parse_size(text)
@@ -50,7 +67,9 @@ def test_default_run_writes_then_reads_and_leaves_nothing(disk, tmp_path, capsys
     assert "GB/s = 1e9 bytes/s" in out and "4 KiB random reads" in out
     assert list(disk.iterdir()) == []
     result = json.loads(out_json.read_text())
-    assert result["size_bytes"] == 8 << 20 and result["o_direct"] is True
+    direct = o_direct_opens(tmp_path)  # the same file system as disk (left empty)
+    assert result["size_bytes"] == 8 << 20 and result["o_direct"] is direct
+    assert f"O_DIRECT {'yes' if direct else 'NO'}" in out
     report = result["report"]
     assert list(report["sequential"]) == ["write", "read"]
     ours = f"aio/{report['config']['backend']}"
@@ -183,3 +202,10 @@ def test_mix_uses_real_layer_shapes_when_they_fit():
     assert {(4096, 4096), (11008, 4096), (4096, 11008), (4096,)} == shapes
     assert layers == 5
     assert {spec.dtype for spec in specs} == {torch.bfloat16, torch.float32}
+
+
+def test_a_json_file_that_cannot_be_written_is_refused_before_the_benchmark(disk, tmp_path, capsys):
+    for target in (tmp_path / "absent" / "x.json", tmp_path):
+        code, out, err = run(capsys, "--path", disk, "--size", "4M", "--json", target)
+        assert code == 2 and f"--json {target}:" in err and out == "", err
+    assert list(disk.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["disk"]

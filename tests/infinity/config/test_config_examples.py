@@ -11,6 +11,7 @@ import types
 
 import pytest
 import torch
+import transformers
 
 from infinity.config import load_config
 from infinity.engine import build_lr_schedule
@@ -120,7 +121,6 @@ def test_hf_zero3_inference_nvme(tmp_path):
 
 def test_hf_auto_from_a_transformers_model(tmp_path):
     """A real (tiny, randomly initialised) transformers model: hidden_size via its config."""
-    transformers = pytest.importorskip("transformers")
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=16))
     config = _load("hf_zero3_offload_cpu_auto.json", tmp_path, model=model)

@@ -79,13 +79,12 @@ def test_a_copy_needed_after_the_tier_turns_over_is_evicted_rather_than_compacte
 
 
 def test_copies_this_thread_holds_in_the_way_are_a_prompt_error_naming_the_numbers():
-    with TensorStore({"host": MiB}) as s:
+    with TensorStore({"host": MiB}, room_wait_s=60) as s:
         _slots(s)
         held = [s.fetch(k, "host").result() for k in ("s3", "s5")]  # gaps of 360, 120, 304 KB
-        start = time.monotonic()
         with pytest.raises(BudgetError) as err:
             s.put("wide", torch.ones(WIDE), "host")
-        assert time.monotonic() - start < 1.0  # no wait: only this thread could release them
+        assert s.stats()["room"]["waits"] == 0  # no wait: only this thread could release them
         assert str(err.value).startswith(
             "host tier cannot hold 'wide': needs 400000 bytes (401408 aligned), 557056 of 1048576 "
             "bytes free, largest hole 311296 after compaction; 245760 bytes in use (245760 by this "
@@ -178,12 +177,11 @@ def test_two_threads_each_waiting_for_the_others_copy_do_not_deadlock(in_thread)
             finally:
                 s.release("s5", "host")
 
-        start = time.monotonic()
         (ta, out_a), (tb, out_b) = in_thread(a), in_thread(b)
         ta.join(20)
         tb.join(20)
         assert not ta.is_alive() and not tb.is_alive()
-        assert time.monotonic() - start < 10
+        assert s.stats()["room"]["waits"] == 1  # A's; B failed without waiting its 30 s
         assert "error" not in out_a, out_a
         assert isinstance(out_b.get("error"), BudgetError)
         assert "122880 by threads waiting for room" in str(out_b["error"])
@@ -205,10 +203,10 @@ def test_a_wait_for_a_release_that_never_comes_ends_after_room_wait_s(in_thread)
 
         h, _ = in_thread(hold)
         held.wait(10)
-        start = time.monotonic()
         with pytest.raises(BudgetError, match=r"122880 by this thread.*waited \d+\.\d s for releases"):
             s.put("wide", torch.ones(WIDE), "host")
-        assert 0.5 <= time.monotonic() - start < 5
+        room = s.stats()["room"]
+        assert room["waits"] == 1 and room["wait_s"] >= 0.5  # then gave up, not forever
         assert not s._tiers.room.waiting()
         done.set()
         h.join(10)
@@ -227,7 +225,6 @@ def test_on_a_tier_with_nothing_below_a_request_larger_than_the_free_bytes_does_
         held = threading.Event()
         h, _ = in_thread(lambda: (s.fetch("s5", "host").result(), held.set()))
         held.wait(10)
-        start = time.monotonic()
         with pytest.raises(BudgetError, match="65536 of 1048576 bytes free"):
             s.put("wide", torch.ones(WIDE), "host")
-        assert time.monotonic() - start < 5
+        assert s.stats()["room"]["waits"] == 0

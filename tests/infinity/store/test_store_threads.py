@@ -2,6 +2,7 @@
 
 import errno
 import random
+import sys
 import threading
 import time
 
@@ -13,6 +14,22 @@ from infinity.errors import BudgetError
 from infinity.store import TensorStore
 
 MiB = 1 << 20
+
+
+def _until(condition, timeout=60.0):
+    """Poll `condition` until it holds (an event the code under test does not signal)."""
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.005)
+
+
+def _waiting(thread) -> bool:
+    """Whether `thread` is inside a wait call (for I/O or for room), by its Python stack."""
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None and frame.f_code.co_name != "wait":
+        frame = frame.f_back
+    return frame is not None
 
 
 @pytest.mark.parametrize("blocker", ["flush", "eviction", "put"])
@@ -36,7 +53,7 @@ def test_a_thread_waiting_for_a_hung_write_does_not_block_another_threads_fetch(
             else:  # 600 KB more on the host: only w can make room, once its write-back is done
                 store.put("big", torch.ones(150_000), "nvme")
                 thread, outcome = in_thread(lambda: store.fetch("big", "host").result(timeout=60))
-        time.sleep(0.3)
+        _until(lambda: _waiting(thread) or not thread.is_alive())
         assert thread.is_alive(), outcome  # it is waiting for the hung write
 
         def fetch_resident():
@@ -96,7 +113,8 @@ def test_close_with_a_failed_read_in_flight_raises_it(tmp_path):
 @pytest.mark.parametrize("checksum", [False, True])
 def test_close_racing_fetches_and_write_backs_never_crashes_nor_hangs(tmp_path, checksum, in_thread):
     store = TensorStore({"device": MiB, "host": 2 * MiB, "nvme": 32 * MiB}, nvme_path=tmp_path, device="cpu",
-                        aio_options={"block_size": 64 << 10}, checksum=checksum)
+                        aio_options={"block_size": 64 << 10}, checksum=checksum,
+                        room_wait_s=600)  # a thread waiting for room must be woken by close()
     keys = [f"k{i}" for i in range(16)]
     for key in keys:
         store.put(key, torch.full((40_000,), 1.0), "nvme")
@@ -132,7 +150,7 @@ def test_close_racing_fetches_and_write_backs_never_crashes_nor_hangs(tmp_path, 
 
     threads = [in_thread(lambda s=s: worker(s)) for s in range(4)]
     started.wait()
-    time.sleep(0.5)
+    _until(lambda: min(calls) >= 20 or not all(t.is_alive() for t, _ in threads))  # all busy
     closer, closed = in_thread(store.close)
     closer.join(timeout=60)
     for thread, _ in threads:

@@ -9,7 +9,7 @@ import torch
 from infinity.errors import InputError
 from infinity.models import byte_tokenizer
 from infinity.train import corpus, models
-from infinity.train.data import Batches, data_files, load_rows, pack, read_documents
+from infinity.train.data import Batches, Rows, data_files, load_rows, pack, read_documents
 
 
 def test_txt_jsonl_and_directories_are_read_in_a_stable_order(tmp_path):
@@ -27,9 +27,10 @@ def test_txt_jsonl_and_directories_are_read_in_a_stable_order(tmp_path):
 def test_packing_wraps_documents_in_bos_eos_and_drops_the_tail():
     tok = byte_tokenizer()
     rows = pack(iter(["ab", "", "cde"]), tok, 3, source="x")
-    assert rows.tolist() == [[256, 97, 98], [257, 256, 99], [100, 101, 257]]
+    assert rows.ids.tolist() == [[256, 97, 98], [257, 256, 99], [100, 101, 257]]
+    assert rows.trained is None  # documents: every token trains
     rows = pack(iter(["abcd"]), tok, 4, source="x")  # 6 tokens: one row, tail of 2 dropped
-    assert rows.tolist() == [[256, 97, 98, 99]]
+    assert rows.ids.tolist() == [[256, 97, 98, 99]]
 
 
 def test_byte_tokens_are_the_utf8_bytes_whatever_the_text_holds():
@@ -47,8 +48,8 @@ def test_byte_tokens_are_the_utf8_bytes_whatever_the_text_holds():
     (lambda p: p / "missing.txt", "no such file"),
     (lambda p: (p / "empty.txt").write_text("  \n") and p / "empty.txt", "no text"),
     (lambda p: (p / "short.txt").write_text("hi") and p / "short.txt", "not enough for one sequence"),
-    (lambda p: (p / "d").mkdir() or p / "d", "no .txt or .jsonl"),
-    (lambda p: (p / "x.csv").write_text("a") and p / "x.csv", "not a .txt or .jsonl"),
+    (lambda p: (p / "d").mkdir() or p / "d", "no .txt, .jsonl, .json or .parquet file"),
+    (lambda p: (p / "x.csv").write_text("a") and p / "x.csv", "not a .txt, .jsonl, .json or"),
     (lambda p: (p / "x.jsonl").write_text('{"body": "a"}\n') and p / "x.jsonl", 'x.jsonl:1: no string field "text"'),
     (lambda p: (p / "y.jsonl").write_text('{"text": "a"}\n{oops\n') and p / "y.jsonl", "y.jsonl:2: not JSON"),
 ])
@@ -58,10 +59,10 @@ def test_bad_data_names_the_culprit(tmp_path, make, message):
 
 
 def test_shuffle_is_seed_stable_and_covers_every_row_each_epoch():
-    rows = torch.arange(10).view(10, 1)
-    first = [b.flatten().tolist() for _, b in zip(range(5), Batches(rows, 4, seed=3))]
-    again = [b.flatten().tolist() for _, b in zip(range(5), Batches(rows, 4, seed=3))]
-    other = [b.flatten().tolist() for _, b in zip(range(5), Batches(rows, 4, seed=4))]
+    rows = Rows(torch.arange(10).view(10, 1))
+    first = [b.ids.flatten().tolist() for _, b in zip(range(5), Batches(rows, 4, seed=3))]
+    again = [b.ids.flatten().tolist() for _, b in zip(range(5), Batches(rows, 4, seed=3))]
+    other = [b.ids.flatten().tolist() for _, b in zip(range(5), Batches(rows, 4, seed=4))]
     assert first == again and first != other
     assert all(len(b) == 4 for b in first)
     flat = sum(first, [])
@@ -74,18 +75,19 @@ def test_the_shipped_corpus_is_the_generators_output():
 
 def test_rows_are_compact_and_batches_are_model_inputs():
     rows = pack(iter(["abcdefgh"] * 4), byte_tokenizer(), 5, source="x")
-    assert rows.dtype == torch.int32 and rows.shape == (8, 5)
+    assert rows.ids.dtype == torch.int32 and rows.ids.shape == (8, 5)
     batch = next(Batches(rows, 3))
-    assert batch.dtype == torch.int64 and batch.shape == (3, 5)
+    assert batch.ids.dtype == torch.int64 and batch.ids.shape == (3, 5)
+    assert batch.labels is batch.ids and batch.trained_tokens == 3 * 4  # the model shifts
 
 
 def test_batches_seek_continues_where_a_run_stopped():
-    rows = torch.arange(7 * 3).view(7, 3)
+    rows = Rows(torch.arange(7 * 3).view(7, 3))
     first = Batches(rows, 3, seed=5)
-    taken = [next(first) for _ in range(4)]  # crosses an epoch boundary (7 rows, 3 a batch)
+    taken = [next(first).ids for _ in range(4)]  # crosses an epoch boundary (7 rows, 3 a batch)
     resumed = Batches(rows, 3, seed=5)
     resumed.seek(first.epoch, first.position)
-    assert all(next(resumed).equal(next(first)) for _ in range(5))
+    assert all(next(resumed).ids.equal(next(first).ids) for _ in range(5))
     fresh = Batches(rows, 3, seed=5)
     fresh.seek(-1, 0)  # a run saved before its first batch
-    assert next(fresh).equal(taken[0])
+    assert next(fresh).ids.equal(taken[0])

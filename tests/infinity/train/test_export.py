@@ -4,14 +4,14 @@ written, no optimizer state) and exports merged."""
 
 import json
 
+import peft
 import pytest
 import torch
+import transformers
 
 from infinity.engine import initialize
 from infinity.train import models
 from infinity.train.export import write_adapter, write_hf
-
-transformers = pytest.importorskip("transformers")
 
 
 def nvme_config(tmp_path) -> dict:
@@ -108,7 +108,6 @@ def test_lora_trains_only_the_adapters_and_exports_merged(tmp_path, tiny_hf_mode
 
 
 def test_lora_adapter_export_loads_with_peft(tmp_path, tiny_hf_model):
-    peft = pytest.importorskip("peft")
     engine = streamed(tiny_hf_model, nvme_config(tmp_path), lora=2)
     fine_tune(engine)
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(2))

@@ -6,7 +6,9 @@ import json
 import pytest
 
 from infinity.errors import InputError
-from infinity.train.job import TrainOptions, ds_config, scratch_dir, staged_output
+from infinity.train.config import ds_config
+from infinity.train.job import TrainOptions
+from infinity.train.outputs import scratch_dir, staged_output
 
 
 def test_shipped_config_gets_the_scratch_directory_and_defaults():
@@ -81,3 +83,93 @@ def test_output_published_at_the_first_checkpoint_outlives_a_failure(tmp_path):
         assert resumed.path == out
         (out / "model.safetensors").write_bytes(b"x")
     assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "metrics.jsonl", "model.safetensors"]
+
+
+def test_the_shipped_budget_follows_the_machine_and_host_memory_sets_it():
+    """The shipped config's budget is "auto" (a share of the memory available, as the config
+    means it); --host-memory sets it in the config's own units."""
+    from infinity.cli.args import parse_size
+    from infinity.config import load_config
+
+    shipped = ds_config(TrainOptions(), lambda: "/scratch")
+    assert shipped["infinity"]["host_memory_budget"] == "auto"
+    assert load_config({**shipped, "zero_optimization": {}}).infinity.host_memory_budget > 256e6
+    given = ds_config(TrainOptions(host_memory=parse_size("2GB")), lambda: "/scratch")
+    config = load_config({**given, "zero_optimization": {}})
+    assert config.infinity.host_memory_budget == 2_000_000_000 == parse_size("2GB")
+
+
+def _bf16_model(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "dtype": "bfloat16"}))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_bf16_model_trains_in_bf16_where_the_machine_computes_it_fast(tmp_path, monkeypatch,
+                                                                        fast):
+    from infinity.train import config as train_config
+
+    monkeypatch.setattr(train_config, "bf16_is_fast", lambda: fast)
+    chosen = ds_config(TrainOptions(model=_bf16_model(tmp_path)), lambda: "/scratch")
+    assert chosen.get("bf16", {}).get("enabled", False) is fast
+    builtin = ds_config(TrainOptions(), lambda: "/scratch")  # an fp32 model stays fp32
+    assert "bf16" not in builtin
+    for flag, enabled in (("bf16", True), ("fp32", False)):
+        forced = ds_config(TrainOptions(model=_bf16_model(tmp_path), precision=flag), lambda: "/s")
+        assert forced["bf16"] == {"enabled": enabled} and forced["fp16"] == {"enabled": False}
+
+
+def test_the_config_files_precision_is_kept(tmp_path, monkeypatch):
+    from infinity.train import config as train_config
+
+    monkeypatch.setattr(train_config, "bf16_is_fast", lambda: True)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"bf16": {"enabled": False}}))
+    kept = ds_config(TrainOptions(model=_bf16_model(tmp_path), config=str(path)), lambda: "/s")
+    assert kept["bf16"] == {"enabled": False}
+
+
+def test_the_cpu_probe_is_what_decides_on_a_cpu(monkeypatch):
+    from infinity.train import config as train_config
+
+    monkeypatch.setattr(train_config.torch.cuda, "is_available", lambda: False)
+    for has_units in (True, False):
+        monkeypatch.setattr(train_config, "cpu_has_bf16_units", lambda has=has_units: has)
+        assert train_config.bf16_is_fast() is has_units
+
+
+@pytest.mark.parametrize("schedule, kind", [("constant", "WarmupLR"), ("linear", "WarmupDecayLR"),
+                                            ("cosine", "WarmupCosineLR")])
+def test_schedule_and_warmup_flags_build_the_scheduler(schedule, kind):
+    config = ds_config(TrainOptions(steps=200, schedule=schedule, warmup="0.05"), str)
+    assert config["scheduler"]["type"] == kind
+    assert config["scheduler"]["params"]["warmup_num_steps"] == 10  # 5% of --steps
+    total = config["scheduler"]["params"].get("total_num_steps")
+    assert total == (None if kind == "WarmupLR" else 200)
+    steps = ds_config(TrainOptions(steps=200, warmup="7"), str)  # a warmup alone: constant after it
+    assert steps["scheduler"] == {"type": "WarmupLR", "params": {
+        "warmup_num_steps": 7, "warmup_min_lr": 0, "warmup_max_lr": "auto"}}  # up to the lr
+
+
+def test_a_config_schedule_with_auto_total_steps_takes_steps(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"scheduler": {"type": "WarmupDecayLR", "params": {
+        "total_num_steps": "auto", "warmup_num_steps": 3}}}))
+    config = ds_config(TrainOptions(config=str(path), steps=40), str)
+    assert config["scheduler"]["params"] == {"total_num_steps": 40, "warmup_num_steps": 3}
+
+
+@pytest.mark.parametrize("warmup", ["-1", "1.5", "x", "2.0"])
+def test_bad_warmup_is_refused(warmup):
+    with pytest.raises(InputError, match=f"--warmup {warmup}: steps"):
+        ds_config(TrainOptions(warmup=warmup), str)
+
+
+def test_training_flags_reach_the_config():
+    config = ds_config(TrainOptions(grad_accum=4, weight_decay=0.1, clip=1.0, batch_size=2), str)
+    assert config["gradient_accumulation_steps"] == 4 and "train_batch_size" not in config
+    assert config["optimizer"]["params"]["weight_decay"] == 0.1
+    assert config["optimizer"]["params"]["lr"] == 3e-3  # the shipped config's, kept
+    assert config["gradient_clipping"] == 1.0
+    with pytest.raises(InputError, match="--grad-accum 0: must be at least 1"):
+        ds_config(TrainOptions(grad_accum=0), str)

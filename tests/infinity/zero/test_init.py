@@ -5,17 +5,15 @@ RSS while building and placing a model four times the host budget stays under th
 import copy
 import json
 import math
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+import transformers
+from children import python_child
 
 import infinity
 from infinity.zero import Init, is_deferred
-
-transformers = pytest.importorskip("transformers")
 
 MiB = 1 << 20
 
@@ -161,8 +159,8 @@ CHILD = textwrap.dedent("""
 
 
 def _child(tmp_path, what):
-    out = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), what, str(BUDGET), json.dumps(SHAPE)],
-                         capture_output=True, text=True, timeout=280)
+    out = python_child(["-c", CHILD, str(tmp_path), what, str(BUDGET), json.dumps(SHAPE)],
+                       timeout=280)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -1,0 +1,29 @@
+"""Child Python processes of the tests import this checkout, wherever pytest was started.
+
+A `python -c` child puts its working directory first on sys.path and a `-m` child may find
+another checkout (or the installed package), so children run in the repository root with it
+on PYTHONPATH, found from this file's location.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def child_env(base: dict[str, str] | None = None, **extra: str) -> dict[str, str]:
+    """`base` (default: this environment) and `extra`, with the repository first on PYTHONPATH."""
+    env = {**(os.environ if base is None else base), **extra}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def python_child(args: list[str], *, env: dict[str, str] | None = None,
+                 **kwargs) -> subprocess.CompletedProcess:
+    """Run `python *args` to the end in the repository root; output captured as text."""
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=child_env(env),
+                          capture_output=True, text=True, **kwargs)

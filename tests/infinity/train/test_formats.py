@@ -1,0 +1,165 @@
+"""--data formats beyond .txt/.jsonl (datasets folders, parquet/json files, a cached dataset
+id, --text-field), chat conversations trained on their assistant turns only, the evaluation
+split, and the tokenized-data cache."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from chat_data import CHAT, chat_tokenizer
+
+from infinity.errors import InputError
+from infinity.models import byte_tokenizer
+from infinity.train import cache
+from infinity.train.data import IGNORE, Batches, Rows, as_batch, load_rows, pack, split_rows
+
+DOCS = [f"document number {i} says something about the weather. " * 2 for i in range(12)]
+
+
+def test_datasets_folders_parquet_and_json_files_pack_as_jsonl_does(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    tok = byte_tokenizer()
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"body": d}) + "\n" for d in DOCS))
+    expected = load_rows(tmp_path / "docs.jsonl", tok, 32, text_field="body")
+    data = datasets.Dataset.from_dict({"body": DOCS, "id": list(range(len(DOCS)))})
+    data.save_to_disk(str(tmp_path / "saved"))
+    splits = datasets.DatasetDict({"train": data, "test": data.select([0])})
+    splits.save_to_disk(str(tmp_path / "dict"))
+    data.to_parquet(str(tmp_path / "docs.parquet"))
+    data.to_json(str(tmp_path / "docs.json"))
+    for spec in ("saved", "dict", "docs.parquet", "docs.json"):
+        rows = load_rows(tmp_path / spec, tok, 32, text_field="body")
+        assert rows.ids.equal(expected.ids), spec
+    with pytest.raises(InputError, match='saved record 1: no string field "text" \\(--text-field'):
+        load_rows(tmp_path / "saved", tok, 32)
+
+
+def test_a_cached_dataset_id_is_read_offline(tmp_path, monkeypatch):
+    """A Hub dataset once downloaded (prepared in the datasets cache) trains by its id; one
+    not in the cache is one line, not a download."""
+    datasets = pytest.importorskip("datasets")
+    from datasets.data_files import DataFilesDict
+    from datasets.packaged_modules.json.json import Json
+
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    builder = Json(cache_dir=str(tmp_path / "build"), dataset_name="tiny",
+                   data_files=DataFilesDict.from_patterns({"train": [str(tmp_path / "t.jsonl")]}))
+    builder.download_and_prepare()
+    # where load_dataset("owner/tiny") prepares it: <owner>___<name>/<config>/<version>/<hash>
+    prepared = tmp_path / "cache" / "owner___tiny" / "default" / "0.0.0" / "abc"
+    shutil.copytree(builder.cache_dir, prepared)
+    tok = byte_tokenizer()
+    monkeypatch.chdir(tmp_path)  # "owner/tiny" is no path here
+    rows = load_rows("owner/tiny", tok, 32)
+    assert rows.ids.equal(load_rows(tmp_path / "t.jsonl", tok, 32).ids)
+    assert cache.data_fingerprint("owner/tiny")[:2] == ["dataset", "owner/tiny"]
+    with pytest.raises(InputError, match="--data owner/other: no such file or directory, nor a "
+                                         "dataset in the local"):
+        load_rows("owner/other", tok, 32)
+
+
+def test_without_datasets_those_formats_say_what_to_install(tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_datasets(name, *args, **kwargs):
+        if name == "datasets" or name.startswith("datasets."):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_datasets)
+    (tmp_path / "x.parquet").write_bytes(b"PAR1")
+    with pytest.raises(InputError, match=r"needs the datasets package "
+                                         r"\(pip install 'infinity\[data\]'\)"):
+        load_rows(tmp_path / "x.parquet", byte_tokenizer(), 16)
+
+
+def test_chat_trains_on_the_assistant_turns_only():
+    """Every prompt token (system, user, the assistant header) is masked; the assistant's
+    words and the newline that closes its turn are trained, as TRL's assistant_only_loss."""
+    tok = chat_tokenizer()
+    text = tok.apply_chat_template(CHAT, tokenize=False)
+    rows = pack(iter([CHAT]), tok, len(text.encode()), source="x")  # one row: the conversation
+    assert rows.ids[0].tolist() == list(text.encode())
+    trained = bytes(t for t, keep in zip(rows.ids[0].tolist(), rows.trained[0].tolist()) if keep)
+    assert trained == b"Hello.\nBlue.\n"
+    batch = as_batch(rows)
+    assert batch.trained_tokens == len(b"Hello.\nBlue.\n")
+    assert (batch.labels == IGNORE).sum() == len(text.encode()) - batch.trained_tokens
+
+
+def test_chat_rows_without_a_trained_token_are_dropped():
+    tok = chat_tokenizer()
+    long_prompt = [{"role": "user", "content": "x" * 40}, {"role": "assistant", "content": "ok"}]
+    rows = pack(iter([long_prompt] * 3), tok, 8, source="x")
+    assert len(rows) > 0 and all(r[1:].any() for r in rows.trained)  # only rows with targets
+
+
+@pytest.mark.parametrize("messages, message", [
+    ([{"role": "user", "content": "hi"}], "no assistant message"),
+    ([{"role": "robot", "content": "hi"}], "message 0 is not"),
+    ("hello", '"messages" is not a non-empty list'),
+])
+def test_bad_chat_lines_name_the_line(tmp_path, messages, message):
+    (tmp_path / "c.jsonl").write_text(json.dumps({"messages": CHAT}) + "\n"
+                                      + json.dumps({"messages": messages}) + "\n")
+    with pytest.raises(InputError, match=f"c.jsonl:2: {message}"):
+        load_rows(tmp_path / "c.jsonl", chat_tokenizer(), 8)
+
+
+def test_chat_needs_a_chat_template(tmp_path):
+    (tmp_path / "c.jsonl").write_text(json.dumps({"messages": CHAT}) + "\n")
+    with pytest.raises(InputError, match="chat messages need a tokenizer with a chat template"):
+        load_rows(tmp_path / "c.jsonl", byte_tokenizer(), 8)
+
+
+def test_mixed_text_and_chat_batches_mask_only_the_prompts():
+    tok = chat_tokenizer()
+    rows = pack(iter(["plain text here", CHAT]), tok, 4, source="x")
+    batches = Batches(rows, len(rows))
+    batch = next(batches)
+    assert 0 < batch.trained_tokens < batch.ids.numel()
+
+
+def test_the_eval_split_is_seeded_and_disjoint():
+    rows = Rows(torch.arange(40).view(20, 2))
+    train, held = split_rows(rows, 0.25, seed=1)
+    again, _ = split_rows(rows, 0.25, seed=1)
+    assert len(held) == 5 and len(train) == 15 and train.ids.equal(again.ids)
+    assert not set(held.ids[:, 0].tolist()) & set(train.ids[:, 0].tolist())
+    with pytest.raises(InputError, match="--eval-split 1.5: a share"):
+        split_rows(rows, 1.5, 0)
+    with pytest.raises(InputError, match="too few"):
+        split_rows(Rows(torch.zeros(1, 2)), 0.5, 0)
+
+
+def test_the_cache_key_follows_data_tokenizer_and_seq_len(tmp_path):
+    data = tmp_path / "d.txt"
+    data.write_text("some text " * 50)
+    tok = byte_tokenizer()
+    key = cache.key(cache.data_fingerprint(str(data)), tok, 16, "text")
+    assert key == cache.key(cache.data_fingerprint(str(data)), byte_tokenizer(), 16, "text")
+    assert key != cache.key(cache.data_fingerprint(str(data)), tok, 32, "text")
+    assert key != cache.key(cache.data_fingerprint(str(data)), chat_tokenizer(), 16, "text")
+    assert key != cache.key(cache.data_fingerprint(str(data)), tok, 16, "body")
+    data.write_text("other text " * 50)
+    assert key != cache.key(cache.data_fingerprint(str(data)), tok, 16, "text")
+
+
+def test_cached_rows_come_back_and_a_foreign_file_is_ignored(tmp_path):
+    tok = chat_tokenizer()
+    rows = pack(iter([CHAT] * 4), tok, 8, source="x")
+    key = cache.key(["x"], tok, 8, "text")
+    path = cache.save(tmp_path, key, rows)
+    back = cache.load(tmp_path, key, 8)
+    assert back.ids.equal(rows.ids) and back.trained.equal(rows.trained)
+    assert cache.load(tmp_path, key, 16) is None  # another --seq-len
+    other = cache.key(["y"], tok, 8, "text")
+    assert cache.load(tmp_path, other, 8) is None
+    shutil.copyfile(path, cache.path(tmp_path, other))  # a file under another key's name
+    assert cache.load(tmp_path, other, 8) is None
+    cache.path(tmp_path, key).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
+    assert cache.load(tmp_path, key, 8) is None  # corrupt: tokenized again, never trusted
