@@ -8,11 +8,11 @@ process costs ~15 s of imports on a busy machine), the resumed one a fresh proce
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
+from children import python_child
 
 sys.path.insert(0, str(Path(__file__).parent))
 import getting_started  # noqa: E402
@@ -80,12 +80,10 @@ def _run_here(monkeypatch, tmp_path: Path, config: Path, out: str) -> dict:
 
 
 def _run_fresh(tmp_path: Path, config: Path, out: str, *extra: str) -> dict:
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), *_arguments(tmp_path, config, out, *extra)],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    run = python_child(
+        [str(SCRIPT), *_arguments(tmp_path, config, out, *extra)],
         env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=600,
     )
     assert run.returncode == 0 and (tmp_path / out).is_file(), (
         run.stdout[-2000:] + run.stderr[-3000:]

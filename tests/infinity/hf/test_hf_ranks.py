@@ -8,13 +8,13 @@ all (hf_ranks_child.py)."""
 
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from children import python_child
 
 from infinity.checkpoint import latest_tag
 
@@ -32,7 +32,6 @@ def _free_port() -> int:
 
 def test_the_trainer_on_two_ranks_at_stage_3(tmp_path):
     command = [
-        sys.executable,
         "-m",
         "torch.distributed.run",
         "--nproc_per_node",
@@ -44,12 +43,8 @@ def test_the_trainer_on_two_ranks_at_stage_3(tmp_path):
         str(CHILD),
         str(tmp_path),
     ]
-    run = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)},
+    run = python_child(
+        command, env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}, timeout=900
     )
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     result = torch.load(tmp_path / "result.pt")
