@@ -23,6 +23,10 @@ LAYERS: dict[str, set[str]] = {
     # the console scripts' faces over the library
     "infinity.cli": {"infinity.train", "infinity.models", "infinity.checkpoint", "infinity.memory",
                      "infinity.config", "infinity.errors", "aio"},  # config: its size parser
+    # the Hugging Face Trainer and DeepSpeed's API over the engine (docs/hf.md)
+    "infinity.hf": {"infinity.deepspeed", "infinity.models", "infinity.config", "infinity.errors"},
+    "infinity.deepspeed": {"infinity.engine", "infinity.recompute", "infinity.checkpoint",
+                           "infinity.zero", "infinity.config", "infinity.errors"},
     "infinity.train": {"infinity.engine", "infinity.models", "infinity.checkpoint", "infinity.zero",
                        "infinity.optim", "infinity.config", "infinity.store", "infinity.memory",
                        "infinity.errors", "aio"},

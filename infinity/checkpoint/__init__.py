@@ -1,6 +1,8 @@
 """Checkpoints: the Infinity format (atomic, verified, sliceable) and DeepSpeed checkpoints read
 without DeepSpeed, converted to Hugging Face, safetensors, torch or zarr with bounded memory."""
 
+from infinity.checkpoint._safetensors import write_safetensors
+from infinity.checkpoint._shards import plan_shards, write_index
 from infinity.checkpoint.async_writer import AsyncCheckpointWriter
 from infinity.checkpoint.convert import FORMATS, Conversion, ConversionResult, ConvertedFile
 from infinity.checkpoint.deepspeed import (
@@ -38,7 +40,10 @@ __all__ = [
     "load_rng_state",
     "open_source",
     "optimizer_state_name",
+    "plan_shards",
     "remove_debris",
     "rng_state",
     "save_rng_state",
+    "write_index",
+    "write_safetensors",
 ]

@@ -7,7 +7,7 @@ from infinity.config._ignored import (
     MonitorConfig,
     WandbConfig,
 )
-from infinity.config._load import load_config
+from infinity.config._load import load_config, read_json
 from infinity.config._sections import (
     AdamParams,
     AioConfig,
@@ -47,5 +47,6 @@ __all__ = [
     "WarmupLRParams",
     "ZeroConfig",
     "load_config",
+    "read_json",
     "parse_bytes",
 ]

@@ -114,8 +114,10 @@ class Config(Section):
         "gradient_predivide_factor": _SUMMED_ONCE,
         "prescale_gradients": _SUMMED_ONCE,
         "sparse_gradients": "gradients are dense (embedding gradients included)",
-        "zero_allow_untested_optimizer": "the optimizer always comes from the config",
-        "zero_force_ds_cpu_optimizer": "the optimizer always comes from the config",
+        "zero_allow_untested_optimizer": "the optimizer always runs Infinity's CPU Adam (a "
+                                         "client's torch Adam/AdamW is taken over, docs/hf.md)",
+        "zero_force_ds_cpu_optimizer": "the optimizer always runs Infinity's CPU Adam (a "
+                                       "client's torch Adam/AdamW is taken over, docs/hf.md)",
         "dump_state": "logging.getLogger('infinity') at DEBUG shows the state",
         "memory_breakdown": "engine.stats() reports peak host memory",
     }
@@ -134,7 +136,7 @@ class Config(Section):
         "torch_autocast": "the compute dtype is infinity.compute_dtype",
         "managed_gradient_accumulation": "the update happens at the boundaries that "
                                          "gradient_accumulation_steps sets",
-        "dataloader_drop_last": "Infinity has no data loader",
+        "dataloader_drop_last": "infinity.deepspeed's training loader keeps the last short batch",
         "log_level": "configure logging.getLogger('infinity') in the application",
     }
 

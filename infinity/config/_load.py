@@ -24,7 +24,9 @@ from infinity.errors import ConfigError, ConfigPathError
 logger = logging.getLogger(__name__)
 
 
-def _read_json(config: dict[str, Any] | str | os.PathLike[str]) -> Any:
+def read_json(config: dict[str, Any] | str | os.PathLike[str]) -> Any:
+    """The config as given (a dict), or read from its JSON file; ConfigError /
+    ConfigPathError naming the file."""
     if isinstance(config, dict):
         return config
     if not isinstance(config, (str, os.PathLike)):
@@ -71,7 +73,7 @@ def load_config(config: Config | dict[str, Any] | str | os.PathLike[str], *,
     """
     if isinstance(config, Config):
         return config  # already loaded: initialize() may be handed one
-    raw = _read_json(config)
+    raw = read_json(config)
     notes = Notes()
     raw, nested_aio = hoist_nested_aio(translate_cpu_offload(raw, notes))
     tree = read(Config, raw, "", notes)

@@ -59,7 +59,8 @@ MASTER = "master"
 
 def save_checkpoint(engine: Engine, directory: str | Path, tag: str | None = None,
                     client_state: dict[str, Any] | None = None, *,
-                    async_budget_nbytes: int | None = None) -> Future[Path]:
+                    async_budget_nbytes: int | None = None,
+                    update_latest: bool = True) -> Future[Path]:
     """Write the engine's whole training state as tag `tag` (default `step<global_steps>`)
     under `directory` and point `directory/latest` at it. Every rank calls it; see
     [Note: checkpoints of several ranks].
@@ -77,8 +78,12 @@ def save_checkpoint(engine: Engine, directory: str | Path, tag: str | None = Non
     sink = _RankZeroSink(ranks.world > 1)
     if ranks.rank == 0:
         metadata = _metadata(engine, client_state)
-        sink.open(lambda: CheckpointWriter(directory, tag, metadata=metadata) if async_budget_nbytes is None
-                  else AsyncCheckpointWriter(directory, tag, metadata=metadata, budget_nbytes=async_budget_nbytes))
+        sink.open(lambda: CheckpointWriter(directory, tag, metadata=metadata,
+                                           update_latest=update_latest)
+                  if async_budget_nbytes is None else
+                  AsyncCheckpointWriter(directory, tag, metadata=metadata,
+                                        budget_nbytes=async_budget_nbytes,
+                                        update_latest=update_latest))
     try:
         _write_state(engine, sink)
         for rank, state in enumerate(rng_states):
@@ -164,13 +169,15 @@ def _write_state(engine: Engine, writer: _RankZeroSink) -> None:
 
 
 def load_checkpoint(engine: Engine, directory: str | Path, tag: str | None = None, *,
-                    load_optimizer_states: bool = True) -> dict[str, Any]:
+                    load_optimizer_states: bool = True,
+                    values_only: bool = False) -> dict[str, Any]:
     """Restore what save_checkpoint wrote (tag None: the one `directory/latest` names), on any
-    number of ranks; returns the saved `client_state`. CheckpointError naming the parameter
-    when the checkpoint lacks one or has another shape."""
+    number of ranks; returns the saved `client_state`. With `values_only` only the parameters'
+    values are read (optimizer state, counters and RNG stay as they are). CheckpointError naming
+    the parameter when the checkpoint lacks one or has another shape."""
     error: BaseException | None = None
     try:
-        client_state = _load(engine, directory, tag, load_optimizer_states)
+        client_state = _load(engine, directory, tag, load_optimizer_states, values_only)
     except Exception as exc:
         error = exc
     _agree(engine, error, "checkpoint loaded",
@@ -189,27 +196,28 @@ def _agree(engine: Engine, error: BaseException | None, what: str, failure: Call
         raise CheckpointError(failure(*failed[0]))
 
 
-def _load(engine: Engine, directory: str | Path, tag: str | None, load_optimizer_states: bool) -> dict[str, Any]:
+def _load(engine: Engine, directory: str | Path, tag: str | None, load_optimizer_states: bool,
+          values_only: bool) -> dict[str, Any]:
     reader = CheckpointReader(directory, tag)
     engine.coordinator.release_all()
     names = set(reader.names())
     for unit in engine.units:
         _check_unit(reader, names, unit)
+    if values_only:
+        if any(u.dtype != torch.float32 for u in engine.ranked.trained):
+            raise CheckpointError("loading only the values of bf16/fp16 parameters would leave the "
+                                  "optimizer's fp32 master weights stale: load the whole "
+                                  "checkpoint, or with load_optimizer_states=False")
+        _load_values(engine, reader)
+        logger.info("engine: parameter values loaded from %s", reader.path)
+        return reader.metadata.get("client_state") or {}
     has_moments = all(optimizer_state_name(state, s.name) in names for u in engine.ranked.trained
                       for s in u.slots for state in ADAM_STATES)
     if not has_moments and load_optimizer_states:
         raise CheckpointError(f"checkpoint {reader.path} holds no Adam moments for every "
                               f"parameter; load_checkpoint(..., load_optimizer_states=False) "
                               f"starts them from zero")
-    for unit in engine.units:
-        with engine.store.hold(unit.key, Tier.HOST, dirty=True) as values:
-            # Read chunk by chunk into the values themselves unless they are partitioned (a
-            # stage-3 shard is cut from the whole unit, assembled first).
-            whole = torch.empty(unit.numel, dtype=unit.dtype) if engine.partition.params else values
-            for s in unit.slots:
-                reader.read_flat(s.name, 0, s.shape.numel(), out=whole[s.offset:s.offset + s.shape.numel()])
-            if whole is not values:
-                values.copy_(engine.ranked.own_values(unit, whole))
+    _load_values(engine, reader)
     saved = reader.metadata.get("engine") or {  # a DeepSpeed conversion's counters
         key: reader.metadata[key] for key in ("global_steps", "skipped_steps", "optimizer_step")
         if isinstance(reader.metadata.get(key), int)}
@@ -228,6 +236,21 @@ def _load(engine: Engine, directory: str | Path, tag: str | None, load_optimizer
                     written_by, engine.ranks.world)
     logger.info("engine restored from %s (step %d)", reader.path, engine.global_steps)
     return reader.metadata.get("client_state") or {}
+
+
+def _load_values(engine: Engine, reader: CheckpointReader) -> None:
+    """Every unit's values from the checkpoint, into the store (this rank's part)."""
+    for unit in engine.units:
+        with engine.store.hold(unit.key, Tier.HOST, dirty=True) as values:
+            # Read chunk by chunk into the values themselves unless they are partitioned (a
+            # stage-3 shard is cut from the whole unit, assembled first).
+            whole = torch.empty(unit.numel, dtype=unit.dtype) if engine.partition.params \
+                else values
+            for s in unit.slots:
+                reader.read_flat(s.name, 0, s.shape.numel(),
+                                 out=whole[s.offset:s.offset + s.shape.numel()])
+            if whole is not values:
+                values.copy_(engine.ranked.own_values(unit, whole))
 
 
 def _check_unit(reader: CheckpointReader, names: set[str], unit) -> None:

@@ -34,6 +34,7 @@ import torch
 
 from infinity.config import AdamParams, Config, OptimizerConfig
 from infinity.engine import _checkpoint
+from infinity.engine._client import LRSource
 from infinity.engine._overlap import OverlappedStep
 from infinity.engine._partition import RankedUnits
 from infinity.engine._placement import (
@@ -152,6 +153,8 @@ class Engine:
         self._static_scale = fp16.initial_scale if fp16.enabled and not fp16.dynamic else 1.0
         if self._schedule is not None:
             self.optimizer.lr = self._schedule.lr_at(-1)
+        self.lr_source: LRSource | None = None  # a client's scheduler (infinity/engine/_client.py)
+        self._boundary: bool | None = None  # set_gradient_accumulation_boundary
         self.last_grad_norm: float | None = None
         if self.overlap:
             self._stepper = OverlappedStep(self.ranked.trained, self._step_at, self._prefetch_state,
@@ -209,9 +212,10 @@ class Engine:
         with self.timeline.region("forward", "compute"):
             return self.module(*args, **kwargs)
 
-    def backward(self, loss: torch.Tensor) -> torch.Tensor:
-        """Backpropagate `loss` divided by gradient_accumulation_steps (times the fp16 loss
-        scale); gradients land in the units' flat buffers. Returns `loss` unchanged."""
+    def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backpropagate `loss` divided by gradient_accumulation_steps (not with
+        `scale_wrt_gas` false: a loss the caller scaled already; times the fp16 loss scale);
+        gradients land in the units' flat buffers. Returns `loss` unchanged."""
         self._check_open()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError("backward() needs a scalar loss tensor that requires grad, got "
@@ -221,7 +225,7 @@ class Engine:
         self._refuse_if_broken()
         self.synchronize()  # gradients accumulate again only once every unit was stepped
         scaled = loss
-        if self.config.gradient_accumulation_steps > 1:
+        if scale_wrt_gas and self.config.gradient_accumulation_steps > 1:
             scaled = scaled / self.config.gradient_accumulation_steps
         if self.config.fp16.enabled:
             scaled = scaled * self._loss_scale()
@@ -230,7 +234,7 @@ class Engine:
             if u.grad is not None:
                 u.grad.check_now = boundary
         if self._stepper is not None and boundary:
-            self.optimizer.begin_step()
+            self._begin_optimizer_step()
             self._stepper.begin(self.optimizer.lr)
             self._move(StepPhase.STEPPING)
         try:
@@ -252,7 +256,15 @@ class Engine:
         self._zero_grads()
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary is not None:
+            return self._boundary
         return (self.counters.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Say whether the next backward and step end an accumulation (DeepSpeed's method: a
+        loop whose last accumulation of an epoch is short sets it per micro-batch); None goes
+        back to counting micro-batches."""
+        self._boundary = is_boundary
 
     def step(self) -> None:
         """Call after every backward; updates the parameters at accumulation boundaries."""
@@ -315,7 +327,7 @@ class Engine:
             clip = 1.0
             if norm is not None and self.config.gradient_clipping > 0 and norm > 0:
                 clip = min(1.0, self.config.gradient_clipping / (norm + 1e-6))
-            self.optimizer.begin_step()
+            self._begin_optimizer_step()
             finite = norm is not None and math.isfinite(norm)
             for i, unit in enumerate(self.ranked.trained):
                 self._step_unit(i, unit, clip / scale, finite=finite)
@@ -323,6 +335,13 @@ class Engine:
             self._log_and_schedule()
         finally:
             self._move(StepPhase.IDLE)
+
+    def _begin_optimizer_step(self) -> None:
+        """The update about to be built takes its learning rate from the client's scheduler,
+        when one was given (read per step, as torch's optimizer reads its param groups)."""
+        if self.lr_source is not None:
+            self.optimizer.lr = self.lr_source.lr()
+        self.optimizer.begin_step()
 
     def _end_overlapped_step(self) -> None:
         """step() after an overlapped backward: queue the units backward did not hand over
@@ -432,6 +451,9 @@ class Engine:
         if self._schedule is not None:  # as DeepSpeed: the schedule advances on applied steps
             self.counters.schedule_steps += 1
             self.optimizer.lr = self._schedule.lr_at(self.counters.schedule_steps - 1)
+        if self.lr_source is not None:
+            self.lr_source.advance()
+            self.optimizer.lr = self.lr_source.lr()
 
     def _refuse_if_broken(self) -> None:
         if self.phase is StepPhase.BROKEN:
@@ -481,14 +503,29 @@ class Engine:
         """Yield (name, a copy of its current values in the stored dtype) for the parameters
         `select` accepts (all without it), one unit at a time: at most one unit's values are
         held here, and a unit with no selected parameter is not read."""
+        for unit in self._units_to_read(select):
+            yield from [(name, values.clone())
+                        for name, values in self.ranked.unit_values(self.store, unit)
+                        if select is None or select(name)]
+
+    def parameter_views(self, select: Callable[[str], bool] | None = None
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+        """As `named_parameters`, without the copies: views of the store's copy, valid until
+        the next item is taken (its unit is held meanwhile), for a writer that stores each
+        before taking the next (a streamed save). Every rank takes every item (stage 3 gathers
+        each unit)."""
+        for unit in self._units_to_read(select):
+            for name, values in self.ranked.unit_values(self.store, unit):
+                if select is None or select(name):
+                    yield name, values
+
+    def _units_to_read(self, select: Callable[[str], bool] | None) -> list[FetchUnit]:
+        """The units holding a parameter `select` accepts, once the last step is done and no
+        unit is in use."""
         self._check_open()
         self.synchronize()
         self.coordinator.release_all()
-        for unit in self.units:
-            if select is None or any(select(s.name) for s in unit.slots):
-                yield from [(name, values.clone())
-                            for name, values in self.ranked.unit_values(self.store, unit)
-                            if select is None or select(name)]
+        return [u for u in self.units if select is None or any(select(s.name) for s in u.slots)]
 
     def stats(self) -> dict[str, Any]:
         """Store tiers and moves, prefetch counters, steps, the optimizer state's format and
@@ -517,16 +554,19 @@ class Engine:
 
     def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
                         client_state: dict[str, Any] | None = None, *, async_save: bool = False,
-                        async_budget_nbytes: int = ASYNC_SAVE_BUDGET_NBYTES) -> Path:
+                        async_budget_nbytes: int = ASYNC_SAVE_BUDGET_NBYTES,
+                        update_latest: bool = True) -> Path:
         """Save everything needed to continue bit-identically as `tag` (default `step<N>`)
-        under `save_dir`, crash-safe, and point `save_dir/latest` at it (docs/checkpoints.md).
-        With async_save the last `async_budget_nbytes` of copies are written while training
-        goes on; the next save, load or close() waits for it. Returns the tag's path."""
+        under `save_dir`, crash-safe, and point `save_dir/latest` at it (not with
+        `update_latest` false; docs/checkpoints.md). With async_save the last
+        `async_budget_nbytes` of copies are written while training goes on; the next save,
+        load or close() waits for it. Returns the tag's path."""
         self._check_open()
         self.wait_for_checkpoint()
         self.synchronize()
         self._pending_save = _checkpoint.save_checkpoint(
-            self, save_dir, tag, client_state, async_budget_nbytes=async_budget_nbytes if async_save else None)
+            self, save_dir, tag, client_state, update_latest=update_latest,
+            async_budget_nbytes=async_budget_nbytes if async_save else None)
         return Path(save_dir) / (tag or f"step{self.global_steps}")
 
     def wait_for_checkpoint(self) -> None:
@@ -536,8 +576,10 @@ class Engine:
             pending.result()
 
     def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None, *,
-                        load_optimizer_states: bool = True) -> dict[str, Any]:
-        """Restore a checkpoint (tag None: `load_dir/latest`); returns its client_state. After a
+                        load_optimizer_states: bool = True,
+                        values_only: bool = False) -> dict[str, Any]:
+        """Restore a checkpoint (tag None: `load_dir/latest`); returns its client_state. With
+        `values_only` only the parameters' values (fp32 ones: the optimizer's master). After a
         broken step it is the way on: the worker's work is waited for, nothing retried."""
         self._check_open()
         self.wait_for_checkpoint()
@@ -545,7 +587,8 @@ class Engine:
             self._stepper.drain()
         else:
             self.synchronize()
-        state = _checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states)
+        state = _checkpoint.load_checkpoint(self, load_dir, tag, values_only=values_only,
+                                            load_optimizer_states=load_optimizer_states)
         self._zero_grads()  # what was accumulated belongs to the state before the load
         if self.phase is StepPhase.BROKEN:
             self._move(StepPhase.IDLE)

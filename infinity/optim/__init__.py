@@ -5,10 +5,11 @@ from infinity.optim._native import StateKernel, adam_step, available_isas, resol
 from infinity.optim.cpu_adam import CPUAdam
 from infinity.optim.loss_scaler import DynamicLossScaler
 from infinity.optim.lr_schedule import LRSchedule, WarmupCosineLR, WarmupDecayLR, WarmupLR
-from infinity.optim.swapped import SwappedOptimizer, UnitSpec
+from infinity.optim.swapped import DecaySpan, SwappedOptimizer, UnitSpec
 
 __all__ = [
     "CPUAdam",
+    "DecaySpan",
     "DynamicLossScaler",
     "LRSchedule",
     "SegmentState",

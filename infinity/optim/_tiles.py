@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 from torch.autograd.graph import increment_version
 
+from infinity.optim._decay import UnitKernels
 from infinity.optim._format import StateFormat, TileLayout
 from infinity.optim._grads import GradPieces
 from infinity.optim._native import AdamKernel, StateKernel
@@ -95,19 +96,21 @@ class TileFormat:
         stochastically, so `seed` is moot)."""
         return AdamKernel(**hyper)
 
-    def step(self, kernel: AdamKernel, tile: torch.Tensor, values: torch.Tensor,
+    def step(self, kernels: UnitKernels, tile: torch.Tensor, values: torch.Tensor,
              grad: GradPieces, start: int, index: int) -> None:
         """Update the tile and `values` (its elements of the unit's values) from the gradient
         of elements [start, start + len(values)) of the unit, one kernel call per gradient
-        piece. Every input is fetched and checked already (see AdamKernel). `index`: the
-        stochastic rounding counter of the tile's first element (`PackedTileFormat`)."""
+        piece and weight decay range. Every input is fetched and checked already (see
+        AdamKernel). `index`: the stochastic rounding counter of the tile's first element
+        (`PackedTileFormat`)."""
         rows = dict(zip(self.rows, tile, strict=True))
         master = rows["master"] if self.has_master else values
         lowp = values if self.has_master else None  # new values rounded from the master
         for first, g in grad.ranges(start, start + values.numel()):
-            at = slice(first - start, first - start + g.numel())
-            kernel(master[at], g, rows["exp_avg"][at], rows["exp_avg_sq"][at],
-                   None if lowp is None else lowp[at])
+            for lo, hi, kernel in kernels.ranges(first, first + g.numel()):
+                at = slice(lo - start, hi - start)
+                kernel(master[at], g[lo - first:hi - first], rows["exp_avg"][at],
+                       rows["exp_avg_sq"][at], None if lowp is None else lowp[at])
         increment_version(values)  # as an in-place op would: a graph that saved them fails loudly
 
 
@@ -167,13 +170,19 @@ class PackedTileFormat(TileFormat):
     def kernel(self, *, seed: int, **hyper: object) -> StateKernel:
         return StateKernel(self.state, seed=seed, **hyper)
 
-    def step(self, kernel: StateKernel, tile: torch.Tensor, values: torch.Tensor,
+    def step(self, kernels: UnitKernels, tile: torch.Tensor, values: torch.Tensor,
              grad: GradPieces, start: int, index: int) -> None:
+        """One fused call per weight decay range (one for the whole tile without client
+        parameter groups); for 8-bit moments a range must start and end on the tile's blocks
+        (SwappedOptimizer.set_weight_decay checks)."""
         layout = self.layout(values.numel())
-        own = values if self.values_dtype == torch.float32 else None  # values are the master
-        state = layout.segment(layout.views(tile), 0, layout.numel, master=own)
-        pieces = [g for _, g in grad.ranges(start, start + values.numel())]
-        kernel(state, pieces, None if own is not None else values, index=index)
+        views = layout.views(tile)
+        own = self.values_dtype == torch.float32  # the values are the master
+        for lo, hi, kernel in kernels.ranges(start, start + values.numel()):
+            at = slice(lo - start, hi - start)
+            state = layout.segment(views, at.start, at.stop, master=values[at] if own else None)
+            pieces = [g for _, g in grad.ranges(lo, hi)]
+            kernel(state, pieces, None if own else values[at], index=index + at.start)
         increment_version(values)
 
 

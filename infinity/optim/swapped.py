@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from infinity.memory import ThreadPool
+from infinity.optim._decay import DecaySpan, UnitKernels, check_spans
 from infinity.optim._format import StateFormat
 from infinity.optim._grads import GRAD_DTYPES, GradPieces, all_finite, check_grad_pieces
 from infinity.optim._native import check_hyperparameters, check_threads
@@ -33,7 +34,7 @@ from infinity.optim._tiles import UnitSpec
 from infinity.optim._values import UnitValues
 from infinity.store import TensorStore, Tier
 
-__all__ = ["SwappedOptimizer", "UnitSpec"]
+__all__ = ["DecaySpan", "SwappedOptimizer", "UnitSpec"]
 
 _UNIT_INDEX_BITS = 40  # a unit's elements take this many bits of a rounding counter
 
@@ -100,6 +101,7 @@ class SwappedOptimizer:
             raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
         self.seed = seed
         self._completed = 0  # steps finished; tiles hold this step between steps
+        self._decay: dict[int, list[DecaySpan]] = {}  # unit -> its own weight decays
         self._lock = threading.Lock()  # finish_step against itself
         self.tiles = TileSet(store, self.units, tile_numel, name, self.state_tier,
                              self.state_format)
@@ -151,6 +153,28 @@ class SwappedOptimizer:
         check_hyperparameters(lr=lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
                               weight_decay=self.weight_decay)
         self._stream(u, self._completed + 1, pieces, grad_scale, lr)
+
+    def set_weight_decay(self, u: int, spans: Sequence[DecaySpan]) -> None:
+        """Give elements [start, stop) of what unit u steps their own weight decay (a client's
+        parameter groups: decay on weights, none on biases and norms); elements no span covers
+        keep the optimizer's `weight_decay`. ValueError for spans that overlap or leave the
+        unit, or a decay outside Adam's range."""
+        self._check_index(u)
+        checked = check_spans(u, spans, self.units[u].numel)
+        for span in checked:
+            check_hyperparameters(lr=self.lr, beta1=self.betas[0], beta2=self.betas[1],
+                                  eps=self.eps, weight_decay=span.weight_decay)
+        if self.state_format.quantized:  # a fused call never splits an 8-bit block
+            block = self.state_format.block
+            for t in self.tiles.of_unit[u]:
+                tile = self.tiles[t]
+                for edge in {e for span in checked for e in span[:2]}:
+                    if tile.start < edge < tile.stop and (edge - tile.start) % block:
+                        raise ValueError(
+                            f"unit {u}: a weight decay range ends at element {edge}, inside an "
+                            f"8-bit block of {block} elements; with int8 moments a unit's decay "
+                            "ranges must fall on its blocks (or give every group one decay)")
+        self._decay[u] = checked
 
     def prefetch_unit(self, u: int) -> list[str]:
         """Start reading unit u's first tile not yet at the step being built (and the values
@@ -217,16 +241,18 @@ class SwappedOptimizer:
         try:
             if todo:  # the unit's values are read with its first tile
                 self.store.prefetch([self.units[u].values_key] + (keys[:1] if streamed else []))
-                kernel = self.tiles.formats[u].kernel(
-                    step=target, lr=lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
-                    weight_decay=self.weight_decay, adamw=self.adamw_mode, grad_scale=grad_scale,
-                    pool=self._pool, seed=self.seed)
+                fmt = self.tiles.formats[u]
+                hyper = dict(step=target, lr=lr, beta1=self.betas[0], beta2=self.betas[1],
+                             eps=self.eps, adamw=self.adamw_mode, grad_scale=grad_scale,
+                             pool=self._pool, seed=self.seed)
+                kernels = UnitKernels(lambda wd: fmt.kernel(weight_decay=wd, **hyper),
+                                      self.weight_decay, self._decay.get(u, ()))
             for i, (t, key) in enumerate(zip(todo, keys)):
                 if streamed and i + 1 < len(keys):
                     self.store.prefetch(keys[i + 1:i + 2])
                 tile = self.tiles[t]
                 with self.tiles.updating(t, target) as entry:
-                    self.tiles.format(t).step(kernel, entry, values.get(u)[tile.start:tile.stop],
+                    self.tiles.format(t).step(kernels, entry, values.get(u)[tile.start:tile.stop],
                                               grad, tile.start, self._index(u, tile.start))
                     values.modified(u)
                     if streamed:  # needed again at the next step, after every other tile

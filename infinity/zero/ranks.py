@@ -184,10 +184,10 @@ class Ranks:
             self._collective(f"all_reduce({what})", t, dist.all_reduce)
             t.div_(self.world)
 
-    def broadcast_(self, t: torch.Tensor, what: str) -> None:
-        """Overwrite `t` with rank 0's, in place."""
+    def broadcast_(self, t: torch.Tensor, what: str, src: int = 0) -> None:
+        """Overwrite `t` with rank `src`'s, in place."""
         if self.world > 1:
-            self._collective(f"broadcast({what})", t, lambda x: dist.broadcast(x, 0))
+            self._collective(f"broadcast({what})", t, lambda x: dist.broadcast(x, src))
 
     def all_reduce_sum(self, value: float, what: str) -> float:
         """The sum of `value` over the ranks (float64)."""

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import read_back
 
-from infinity.optim import StateFormat, SwappedOptimizer
+from infinity.optim import DecaySpan, StateFormat, SwappedOptimizer
 from infinity.optim._tiles import PackedTileFormat
 from infinity.store import TensorStore
 
@@ -115,3 +115,29 @@ def test_bad_format_arguments_are_refused(tmp_path, put_units, kwargs, error, ma
     _, specs = put_units(store, [torch.bfloat16], [64])
     with pytest.raises(error, match=match):
         SwappedOptimizer(specs, store, **kwargs)
+
+
+@pytest.mark.parametrize("moments", ["bf16", "int8"])
+def test_decay_ranges_step_as_their_own_decay_does(tmp_path, put_units, moments):
+    """A client's parameter groups (DecaySpan) in a compressed format: the elements of a range
+    end exactly as a run with that decay everywhere leaves them (the kernel is elementwise, an
+    8-bit block's scale is its own elements': ranges on blocks change no neighbour)."""
+    fmt = StateFormat(moments, "none")
+    runs = {}
+    for name, decay, spans in (("none", 0.0, ()), ("all", 0.1, ()),
+                               ("mixed", 0.1, [DecaySpan(256, 768, 0.0)])):
+        (tmp_path / name).mkdir()
+        opt = _optimizer(tmp_path / name, put_units, torch.bfloat16, fmt, name=name)
+        opt.weight_decay = decay
+        for u, s in enumerate([spans, ()]):
+            opt.set_weight_decay(u, s)
+        for step in range(1, 3):
+            _step(opt, _grads(step, torch.bfloat16))
+        runs[name] = _values(opt)[0]
+    assert torch.equal(runs["mixed"][256:768], runs["none"][256:768])
+    assert torch.equal(runs["mixed"][:256], runs["all"][:256])
+    assert torch.equal(runs["mixed"][768:], runs["all"][768:])
+    assert not torch.equal(runs["none"], runs["all"])
+    if moments == "int8":
+        with pytest.raises(ValueError, match="inside an 8-bit block of 256 elements"):
+            opt.set_weight_decay(0, [DecaySpan(100, 600, 0.0)])

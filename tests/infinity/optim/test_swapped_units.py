@@ -6,7 +6,8 @@ import threading
 import pytest
 import torch
 
-from infinity.optim import CPUAdam, SwappedOptimizer, UnitSpec
+from infinity.optim import CPUAdam, DecaySpan, SwappedOptimizer, UnitSpec
+from infinity.optim._decay import UnitKernels
 from infinity.store import TensorStore, Tier
 
 MiB = 1 << 20
@@ -82,6 +83,47 @@ def test_fp32_units_track_torch_adamw(tmp_path, put_units, values_of):
             _run_steps(opt, [grads], [1e-2], range(len(specs)), [1.0])
         for p, spec in zip(torch_params, specs):
             torch.testing.assert_close(values_of(store, spec.values_key), p.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_weight_decay_ranges_cut_a_unit_where_the_decay_changes():
+    spans = [DecaySpan(2, 5, 0.1), DecaySpan(5, 6, 0.0), DecaySpan(9, 12, 0.2)]
+    kernels = UnitKernels(lambda wd: f"wd={wd}", 0.5, spans)  # a kernel per decay
+    assert list(kernels.ranges(0, 14)) == [(0, 2, "wd=0.5"), (2, 5, "wd=0.1"), (5, 6, "wd=0.0"),
+                                           (6, 9, "wd=0.5"), (9, 12, "wd=0.2"),
+                                           (12, 14, "wd=0.5")]
+    assert list(kernels.ranges(3, 10)) == [(3, 5, "wd=0.1"), (5, 6, "wd=0.0"), (6, 9, "wd=0.5"),
+                                           (9, 10, "wd=0.2")]
+    assert list(UnitKernels(str, 0.5).ranges(3, 10)) == [(3, 10, "0.5")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_decay_spans_equal_cpu_adam_groups(tmp_path, put_units, dtype):
+    """A unit's elements in spans of their own decay (across tiles and the gradient's pieces)
+    step as CPUAdam's parameter groups of those decays, bit for bit."""
+    spans = [DecaySpan(1200, 1250, 0.0), DecaySpan(300, 1200, 0.3), DecaySpan(2400, 2500, 0.05)]
+    cuts, decays = [0, 300, 1200, 1250, 2400, 2500], [0.1, 0.3, 0.0, 0.1, 0.05]
+    with _store(tmp_path) as store:
+        (master,), specs = put_units(store, [dtype], [2500])
+        parts = [master[a:b].clone() for a, b in zip(cuts, cuts[1:])]
+        opt_ref = CPUAdam([{"params": [p], "weight_decay": wd} for p, wd in zip(parts, decays)],
+                          lr=1e-2, betas=HYPER["betas"], eps=HYPER["eps"])
+        opt = SwappedOptimizer(specs, store, lr=1e-2, tile_numel=TILE, **HYPER)
+        opt.set_weight_decay(0, spans)
+        for step in range(2):
+            (grad,) = _grads(specs, step)
+            for p, a, b in zip(parts, cuts, cuts[1:]):
+                p.grad = grad[a:b].float()
+            opt_ref.step()
+            opt.step_unit(0, [grad[:700], grad[700:]])  # pieces cut inside a span
+            opt.finish_step()
+        (_, state), = opt.iter_state()
+        assert torch.equal(state["master"], torch.cat(parts))
+        with pytest.raises(ValueError, match="disjoint ranges within"):
+            opt.set_weight_decay(0, [DecaySpan(0, 10, 0.1), DecaySpan(5, 20, 0.1)])
+        with pytest.raises(ValueError, match=r"disjoint ranges within \[0, 2500\)"):
+            opt.set_weight_decay(0, [DecaySpan(2000, 2501, 0.1)])
+        with pytest.raises(ValueError, match="Invalid weight_decay"):
+            opt.set_weight_decay(0, [DecaySpan(0, 10, -0.1)])
 
 
 def test_fp32_units_keep_no_master_in_the_tiles(tmp_path, put_units):
