@@ -80,11 +80,6 @@ def optimizer_overlaps(config: Config, device: torch.device) -> bool:
     """Whether units are stepped during backward: see [Note: optimizer overlapped with
     backward] (infinity/engine/_overlap.py) and `infinity.overlap_optimizer`."""
     asked = config.infinity.overlap_optimizer
-    if config.gradient_clipping > 0 or config.fp16.enabled:
-        if asked is True:
-            raise ConfigError("infinity.overlap_optimizer = true needs gradient_clipping 0 and fp16 off: "
-                              "clipping and the fp16 overflow check need every gradient before any step")
-        return False
     if asked != "auto":
         return asked
     zero = config.zero_optimization

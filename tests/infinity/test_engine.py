@@ -475,12 +475,6 @@ def test_overlap_optimizer_steps_the_same_during_or_after_backward(tmp_path):
         assert_identical(*runs[asked], (after_losses, dict(after.named_parameters())))
 
 
-def test_overlap_optimizer_true_with_clipping_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match="overlap_optimizer = true needs gradient_clipping 0"):
-        infinity.initialize(mlp(), config(tmp_path, gradient_clipping=1.0,
-                                          infinity={"overlap_optimizer": True}))
-
-
 def _hold_the_worker(engine, fail=()):
     """The optimizer worker is slower than backward, deterministically: it steps no unit of a
     step before the next forward begins (or something waits for the step: synchronize). So
