@@ -144,3 +144,20 @@ def test_the_plan_of_a_rank_counts_its_shards(stage):
     grads = n * unit_nbytes // (4 if stage >= 2 else 1)
     collectives = {0: 0, 1: 2, 2: 3, 3: 3}[stage] * unit_nbytes
     assert rank.outside_store_nbytes == grads + collectives
+
+
+def test_a_speculated_step_gets_room_for_the_old_state_beside_the_new():
+    """Overlapped with clipping or fp16 the old state is kept until the step is validated: NVMe
+    (state there) or the host tier (state in RAM, within the budget) gets room for a second
+    copy of the state (8 B/element, fp32 units) and of the trained values (4 B/element)."""
+    units = [_unit(i, 1 << 20) for i in range(8)]  # 8 units of 1M fp32 elements
+    kwargs = {"offload_param": "nvme", "accelerator": False, "prefetch_numel": 0,
+              "tile_numel": 1 << 18, "host_memory_budget": None}
+    for offload, tier in (("nvme", Tier.NVME), ("cpu", Tier.HOST)):
+        plain = plan_memory(units, offload_optimizer=offload, **kwargs)
+        speculated = plan_memory(units, offload_optimizer=offload, speculates=True, **kwargs)
+        extra = speculated.budgets[tier] - plain.budgets[tier]
+        assert 8 * (12 << 20) <= extra <= 8 * (12 << 20) * 9 // 8 + (4 << 20), offload
+    capped = plan_memory(units, offload_optimizer="cpu", speculates=True,
+                         **{**kwargs, "host_memory_budget": 200 << 20})
+    assert capped.budgets[Tier.HOST] <= 200 << 20  # the budget still caps it
