@@ -251,7 +251,7 @@ class OverlappedStep:
 
     def _run(self, i: int) -> None:
         speculating = self.speculating
-        if not self._step(i, self.lr, self.grad_scale, speculating):
+        if not self._step(i, self.lr, self.grad_scale, speculating) and speculating:
             if not self._unspeculated:
                 logger.warning("no room in the store to keep the state a speculative step of %s "
                                "overwrites: it (and any other such unit) is stepped after "

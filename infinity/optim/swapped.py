@@ -200,6 +200,8 @@ class SwappedOptimizer:
         """Consume what iter_state yields (every unit, in order, all at one step), writing tiles
         as they fill; then every tile holds that step. A row may be a tensor or a RowSource
         (`_state`), read one tile at a time (memory holds a tile, not a row)."""
+        for u in range(len(self.units)):  # a speculative step left undecided is dropped
+            self.commit_unit(u)
         step = load_states(self.tiles, self.units, states)
         self._completed = step
         self.tiles.loaded(step)
