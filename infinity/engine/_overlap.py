@@ -1,10 +1,10 @@
 """The optimizer step overlapped with backward.
 
-[Note: optimizer overlapped with backward] The backward of a boundary micro-batch steps each unit on
-a worker thread as soon as its gradients are final, while backward goes on with earlier layers.
-The unit was released first, so nothing computes from its values while they change. Each unit
-gets the same kernel call with the same gradient and grad_scale as after backward, so the
-result is the same. The store is told the unit's values are needed again soon (the worker reads
+[Note: optimizer overlapped with backward] The backward of a boundary micro-batch steps each
+unit on a worker thread as soon as its gradients are final, while backward goes on with earlier
+layers. The unit was released first, so nothing computes from its values while they change.
+Each unit gets the same kernel call with the same gradient and grad_scale as after backward, so
+the result is the same. The store is told the unit's values are needed again soon (the worker reads
 them; the trace alone says "at the next forward", so they went first and were read from NVMe
 again), and once stepped, that they are needed last. A unit's gradient is let go as soon as it
 is stepped, so the gradients held at once are those of the units backward is ahead of the
@@ -112,6 +112,7 @@ class OverlappedStep:
         self.grad_scale = 1.0  # of the step being built (speculated, then the validated one)
         self.speculating = False  # see [Note: speculate, then validate]
         self._unspeculated: set[int] = set()  # units a speculation found no room for
+        self._warned_no_room = False
         self._squares: list[float | None] = [None] * len(self._units)
         self._tail = False  # step() returned; the units' futures are not settled yet
         self.stepped_in_backward = 0  # units handed to the worker during backward
@@ -252,7 +253,8 @@ class OverlappedStep:
     def _run(self, i: int) -> None:
         speculating = self.speculating
         if not self._step(i, self.lr, self.grad_scale, speculating) and speculating:
-            if not self._unspeculated:
+            if not self._warned_no_room:
+                self._warned_no_room = True
                 logger.warning("no room in the store to keep the state a speculative step of %s "
                                "overwrites: it (and any other such unit) is stepped after "
                                "backward, once the step is validated", self._units[i].key)
@@ -319,15 +321,13 @@ class UnitStepper:
         done.set_result(None)
         self._futures[i] = done
 
-    def withdraw(self) -> list[int]:
+    def withdraw(self) -> None:
         """Take the units not started out of the queue (and their futures: they may be queued
-        again). Returns them."""
+        again)."""
         with self._lock:
-            withdrawn = [i for i, _ in self._waiting]
-            for i in withdrawn:
+            for i, _ in self._waiting:
                 del self._futures[i]
             self._waiting.clear()
-        return withdrawn
 
     def take(self) -> dict[int, Future[None]]:
         """The step's futures; the next submit starts a new step."""

@@ -115,7 +115,7 @@ def main() -> int:
             case = {**case, "config": config[rank]}
         withdraw = UnitStepper.withdraw
         if case.get("patient_worker"):
-            UnitStepper.withdraw = lambda self: []
+            UnitStepper.withdraw = lambda self: None
         try:
             results[case["name"]] = run_case(case, rank, world)
         except (infinity.ConfigError, infinity.CheckpointError, OSError) as exc:

@@ -30,7 +30,7 @@ from infinity.checkpoint import latest_tag
 ROOT, KILLS, CLIP = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 if CLIP:  # every unit handed over in backward is speculated, however far behind the worker is
     from infinity.engine._overlap import UnitStepper
-    UnitStepper.withdraw = lambda self: []
+    UnitStepper.withdraw = lambda self: None
 STEPS = 2 * KILLS + 6  # an attempt gets at most one save further: every kill has work to land in
 
 def config(swap):

@@ -33,7 +33,7 @@ FP16 = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
 def patient_worker(monkeypatch):
     """Validation takes no unit out of the worker's queue: every unit handed over in backward
     is stepped speculatively, however far behind the worker is (deterministic counts)."""
-    monkeypatch.setattr(UnitStepper, "withdraw", lambda self: [])
+    monkeypatch.setattr(UnitStepper, "withdraw", lambda self: None)
 
 
 def _engine(tmp_path, offload, overlap, **extra):
