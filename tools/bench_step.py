@@ -1,7 +1,8 @@
 """Training step of a GPT through the engine against its floor, in the same run.
 
 Configurations, each in a fresh child process (so its peak RSS is its own), alternating in
-rounds: "nvme" (the engine, params and optimizer on NVMe under --path), "none" (the engine,
+rounds: "nvme" (the engine, params and optimizer on NVMe under --path), "nvme-clip" (the same
+with gradient_clipping --clip: the speculative overlapped step, docs/engine.md), "none" (the engine,
 offload none), "torch" (plain PyTorch + torch.optim.AdamW(fused=True): PyTorch's fastest AdamW
 on the CPU, one pass over the state as the engine's kernel) and, on request, "torch-default"
 (AdamW with its default options: on the CPU a loop of several elementwise ops per parameter,
@@ -26,6 +27,7 @@ turn (--steps pairs), for the "none over torch" ratio without the spread between
     python -m tools.bench_step --path /tmp --configs pair --steps 20 --rounds 2
     python -m tools.bench_step --path /tmp --layers 2 --d-model 64 --vocab 256 --seq 16
     python -m tools.bench_step --path /nvme --bf16 --optimizer-state int8 --no-master
+    python -m tools.bench_step --path /nvme --configs nvme,nvme-clip --clip 1.0 --rounds 5
 
 --bf16, --optimizer-state and --no-master set the engine configurations' parameter dtype and
 `infinity.optimizer_state` (docs/engine.md "Optimizer state formats"); the torch ones keep
@@ -47,7 +49,7 @@ import time
 
 from infinity.memory import peak_rss_bytes
 
-CONFIGS = ("nvme", "none", "torch", "torch-default", "pair")
+CONFIGS = ("nvme", "nvme-clip", "none", "torch", "torch-default", "pair")
 DEFAULT_CONFIGS = ("nvme", "none", "torch")
 GB = 1e9
 
@@ -64,9 +66,11 @@ def build(args: argparse.Namespace):
     return transformers.GPT2LMHeadModel(cfg), {"input_ids": ids, "labels": ids}
 
 
-def engine_config(args: argparse.Namespace, offload: str, directory: str) -> dict:
+def engine_config(args: argparse.Namespace, config: str, directory: str) -> dict:
+    offload = config.removesuffix("-clip")
     device = {"device": offload, **({"nvme_path": directory} if offload == "nvme" else {})}
     return {"train_micro_batch_size_per_gpu": args.batch,
+            "gradient_clipping": args.clip if config.endswith("-clip") else 0.0,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
             "zero_optimization": {"stage": 3, "offload_param": device, "offload_optimizer": device,
                                   "sub_group_size": args.sub_group_size},
@@ -238,6 +242,12 @@ def report(runs: dict[str, list[dict]]) -> dict:
                 floor = max(out[base]["step_s"], io_s)
                 out[f"nvme over floor ({base} compute)"] = {"floor_s": floor, "io_s": io_s,
                                                             "ratio": nvme["step_s"] / floor}
+    if "nvme" in runs and "nvme-clip" in runs:
+        step, step_range = paired_ratio(runs["nvme-clip"], runs["nvme"], "step_s")
+        out["nvme-clip over nvme"] = {
+            "ratio": step, "range": step_range,
+            "rollbacks": [r["optimizer"]["rollbacks"] for r in runs["nvme-clip"]],
+            "units_speculated": [r["optimizer"]["units_speculated"] for r in runs["nvme-clip"]]}
     for base in ("torch", "torch-default"):
         if "none" in out and base in out:
             step, step_range = paired_ratio(runs["none"], runs[base], "step_s")
@@ -278,6 +288,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=1, help="rounds of all configs, alternating")
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                         help="subset of " + ",".join(CONFIGS))
+    parser.add_argument("--clip", type=float, default=1.0,
+                        help="gradient_clipping of the nvme-clip configuration")
     parser.add_argument("--sub-group-size", type=int, default=2_000_000,
                         help="elements per optimizer tile (sub_group_size)")
     parser.add_argument("--bf16", action="store_true", help="engine configs: bf16 parameters")

@@ -235,7 +235,9 @@ class Engine:
                 u.grad.check_now = boundary
         if self._stepper is not None and boundary:
             self._begin_optimizer_step()
-            self._stepper.begin(self.optimizer.lr)
+            speculate = self.config.gradient_clipping > 0 or self.config.fp16.enabled
+            self._stepper.begin(self.optimizer.lr,
+                                speculate_scale=1.0 / self._loss_scale() if speculate else None)
             self._move(StepPhase.STEPPING)
         try:
             with self.timeline.region("backward", "compute"):
@@ -302,35 +304,19 @@ class Engine:
         unit is stepped (all or nothing: a refused step changes nothing, step count included)."""
         self._move(StepPhase.VALIDATING)
         try:
-            scale = self._loss_scale()
             # The norm is a pass over every gradient: taken when clipping or the fp16 overflow
             # check needs it (last_grad_norm is None otherwise; overlapped, it comes with the
             # gradients as they become final).
             norm = None
             if self.config.gradient_clipping > 0 or self.config.fp16.enabled:
-                norm = self._grad_norm([_grad_square(u) for u in self.ranked.trained]) / scale
-            self.last_grad_norm = norm
-            if not self.config.fp16.enabled and (norm is None or not math.isfinite(norm)):
-                # before any unit is stepped (a finite norm says all are finite)
-                self._refuse_non_finite()
-            self.counters.global_steps += 1
-            if self.config.fp16.enabled:
-                overflow = not math.isfinite(norm)
-                if self.scaler is not None:
-                    self.scaler.update(overflow)
-                if overflow:
-                    logger.info("step %d skipped: gradient overflow, loss scale now %g",
-                                self.global_steps, self._loss_scale())
-                    self.counters.skipped_steps += 1
-                    self._zero_grads()
-                    return
-            clip = 1.0
-            if norm is not None and self.config.gradient_clipping > 0 and norm > 0:
-                clip = min(1.0, self.config.gradient_clipping / (norm + 1e-6))
+                norm = self._grad_norm([_grad_square(u) for u in self.ranked.trained])
+            grad_scale = self._validate(norm)
+            if grad_scale is None:
+                return
             self._begin_optimizer_step()
             finite = norm is not None and math.isfinite(norm)
             for i, unit in enumerate(self.ranked.trained):
-                self._step_unit(i, unit, clip / scale, finite=finite)
+                self._step_unit(i, unit, grad_scale, finite=finite)
             self._close_step()
             self._log_and_schedule()
         finally:
@@ -343,18 +329,60 @@ class Engine:
             self.optimizer.lr = self.lr_source.lr()
         self.optimizer.begin_step()
 
+    def _validate(self, norm: float | None,
+                  undo: Callable[[], None] = lambda: None) -> float | None:
+        """Decide the step from the global norm (of the scaled gradients; None: not taken):
+        returns its gradient scale (clip factor / loss scale), or None for an fp16 step skipped
+        on an overflow; raises NonFiniteGradientError for a refused step. `undo()` (the
+        speculated units rolled back) runs before a step is refused or skipped, so either
+        changes nothing."""
+        scale = self._loss_scale()
+        norm = None if norm is None else norm / scale
+        self.last_grad_norm = norm
+        if not self.config.fp16.enabled and (norm is None or not math.isfinite(norm)):
+            try:  # before any unit is stepped (a finite norm says all are finite)
+                self._refuse_non_finite()
+            except NonFiniteGradientError:
+                undo()
+                raise
+        self.counters.global_steps += 1
+        if self.config.fp16.enabled:
+            overflow = not math.isfinite(norm)
+            if self.scaler is not None:
+                self.scaler.update(overflow)
+            if overflow:
+                undo()
+                logger.info("step %d skipped: gradient overflow, loss scale now %g",
+                            self.global_steps, self._loss_scale())
+                self.counters.skipped_steps += 1
+                self._zero_grads()
+                return None
+        clip = 1.0
+        if norm is not None and self.config.gradient_clipping > 0 and norm > 0:
+            clip = min(1.0, self.config.gradient_clipping / (norm + 1e-6))
+        return clip / scale
+
     def _end_overlapped_step(self) -> None:
-        """step() after an overlapped backward: queue the units backward did not hand over
-        (resident ones, units that got no gradient), take the norm, then wait for them all, or
-        on one process let the next forward wait unit by unit (see [Note: the step's tail in
+        """step() after an overlapped backward: take the norm; if the units were stepped
+        speculatively, validate them (see [Note: speculate, then validate] in
+        infinity/engine/_overlap.py); queue the units not stepped yet, then wait for them all,
+        or on one process let the next forward wait unit by unit (see [Note: the step's tail in
         the next forward])."""
         self._move(StepPhase.VALIDATING)
-        self.counters.global_steps += 1
-        try:
-            squares = self._stepper.queue_rest(lambda i: _grad_square(self.ranked.trained[i]))
+        stepper = self._stepper
+        if stepper.speculating:
+            decided = self._validate_speculation()
+            if decided is None:  # skipped (fp16 overflow): nothing changed
+                self._move(StepPhase.IDLE)
+                return
+            grad_scale, committed = decided
+        else:
+            squares = stepper.squares(lambda i: _grad_square(self.ranked.trained[i]))
             self.last_grad_norm = self._grad_norm(squares)
-        finally:
-            self._move(StepPhase.TAIL_OPEN)
+            self.counters.global_steps += 1
+            grad_scale, committed = 1.0, []
+        self._move(StepPhase.TAIL_OPEN)
+        stepper.queue_rest(grad_scale, committed)
         # Several ranks wait (stages 1-2 gather the values after the step); so does a bad
         # gradient (a non-finite gradient fails the step here, not at the next call).
         trained = self.ranked.trained
@@ -367,6 +395,54 @@ class Engine:
 
             self._stepper.leave_to_forward(forward_order)
         self._log_and_schedule()
+
+    def _validate_speculation(self) -> tuple[float, list[int]] | None:
+        """Backward is over: stop speculating, validate the step from the global norm and
+        commit the speculated units, or roll them back (clipping acts: they are stepped again
+        with the clip factor; a refused or skipped step: it changes nothing). Returns the
+        gradient scale of the units still to step and the units committed, or None for a
+        skipped step; raises NonFiniteGradientError for a refused one (phase IDLE), any
+        other error after rolling back (BROKEN if the rollback fails too)."""
+        stepper = self._stepper
+        speculated, failed = stepper.end_speculation()
+
+        def undo() -> None:
+            self._roll_back(speculated)
+            stepper.rollbacks += bool(speculated)
+            stepper.units_rolled_back += len(speculated)
+
+        try:
+            self._roll_back(failed)  # stepped again, as a unit whose step failed is
+            squares = stepper.squares(lambda i: _grad_square(self.ranked.trained[i]))
+            grad_scale = self._validate(self._grad_norm(squares), undo=undo)
+            if grad_scale is None:
+                return None
+            if grad_scale != stepper.grad_scale:  # clipping acts: redo them with its factor
+                undo()
+                speculated = []
+            for i in speculated:  # the scale they were stepped with: they stand
+                j = self.ranked.optimizer_index.get(i)
+                if j is not None:
+                    self.optimizer.commit_unit(j)
+            return grad_scale, speculated
+        except NonFiniteGradientError:
+            self._move(StepPhase.IDLE)
+            raise
+        except BaseException:
+            try:
+                self._roll_back(speculated + failed)
+            except BaseException:
+                self._move(StepPhase.BROKEN)
+                raise
+            self._move(StepPhase.IDLE)
+            raise
+
+    def _roll_back(self, units: list[int]) -> None:
+        """Undo the speculative steps of these trained units."""
+        for i in units:
+            j = self.ranked.optimizer_index.get(i)
+            if j is not None:
+                self.optimizer.rollback_unit(j)
 
     def _grads_final(self, unit: FetchUnit) -> None:
         """Coordinator callback: average the unit's gradient over the ranks at the boundary
@@ -400,10 +476,11 @@ class Engine:
                 self._move(StepPhase.BROKEN)
             raise
 
-    def _step_at(self, i: int, lr: float) -> None:
-        """Step trained unit i at the overlapped step's learning rate (grad_scale 1: no clipping,
-        no fp16)."""
-        self._step_unit(i, self.ranked.trained[i], 1.0, lr=lr)
+    def _step_at(self, i: int, lr: float, grad_scale: float, speculative: bool) -> bool:
+        """Step trained unit i for the overlapped step (its learning rate and gradient scale);
+        False: a speculative step found no room to keep the old state (nothing changed)."""
+        return self._step_unit(i, self.ranked.trained[i], grad_scale, lr=lr,
+                               speculative=speculative)
 
     def _prefetch_state(self, i: int) -> None:
         j = self.ranked.optimizer_index.get(i)
@@ -411,17 +488,19 @@ class Engine:
             self.optimizer.prefetch_unit(j)
 
     def _step_unit(self, i: int, unit: FetchUnit, grad_scale: float, *, finite: bool = False,
-                   lr: float | None = None) -> None:
+                   lr: float | None = None, speculative: bool = False) -> bool:
         """Step unit i; `finite`: its gradient is known to be free of inf/nan (a finite norm);
-        `lr`: the step's learning rate (default: the optimizer's)."""
+        `lr`: the step's learning rate (default: the optimizer's); `speculative`: to be
+        committed or rolled back, its gradient kept for a redo. Returns what
+        SwappedOptimizer.step_unit returns."""
         j = self.ranked.optimizer_index.get(i)
         if j is None:  # this rank steps no element of the unit
-            return
+            return True
         with self.timeline.region(unit.key, "optimizer"):
             if unit.grad is None:
-                self.optimizer.step_unit(j, torch.zeros(unit.numel, dtype=unit.compute_dtype),
-                                         grad_scale=grad_scale, lr=lr)
-                return
+                return self.optimizer.step_unit(
+                    j, torch.zeros(unit.numel, dtype=unit.compute_dtype), grad_scale=grad_scale,
+                    lr=lr, speculative=speculative)
             with unit.grad.read_pieces() as pieces:
                 # Overlapped: found in backward, or here (not kept: it surfaces where the tail
                 # settles, the next forward at the latest, whenever the worker found it).
@@ -431,9 +510,12 @@ class Engine:
                         f"the gradient of {unit.key} has non-finite values (inf/nan): no parameter "
                         f"of it was updated; units stepped during backward before it keep their "
                         f"update (infinity.overlap_optimizer false makes the step all or nothing)")
-                self.optimizer.step_unit(j, self.ranked.grad_part(i, pieces), grad_scale=grad_scale,
-                                         check_finite=False, lr=lr)
-            unit.grad.zero()  # used up: a gradient held in RAM is freed while the other units step
+                stepped = self.optimizer.step_unit(
+                    j, self.ranked.grad_part(i, pieces), grad_scale=grad_scale, check_finite=False,
+                    lr=lr, speculative=speculative)
+            if not speculative:  # used up: a gradient held in RAM is freed while the others step
+                unit.grad.zero()
+            return stepped
 
     def _close_step(self) -> None:
         """Every unit is stepped: the optimizer's step is complete, the gradients start over."""
@@ -457,9 +539,10 @@ class Engine:
 
     def _refuse_if_broken(self) -> None:
         if self.phase is StepPhase.BROKEN:
-            raise RuntimeError("the last step failed on a non-finite gradient after some units were updated "
-                               "during backward (the optimizer overlapped it): load a checkpoint "
-                               "(engine.load_checkpoint) to go on from a consistent state")
+            raise RuntimeError("the last step failed after some units were updated during "
+                               "backward (a non-finite gradient, or a rollback that failed): load "
+                               "a checkpoint (engine.load_checkpoint) to go on from a consistent "
+                               "state")
 
     def _refuse_non_finite(self) -> None:
         """Raise, with nothing changed, when a gradient of this step holds inf/nan (on any
@@ -535,7 +618,10 @@ class Engine:
         stepped = sum(u.numel for u in optimizer.units)
         overlapped = {"units_stepped_in_backward": self.units_stepped_in_backward,
                       "units_left_to_forward": 0 if stepper is None else stepper.left_to_forward,
-                      "forward_wait_s": 0.0 if stepper is None else stepper.forward_wait_s}
+                      "forward_wait_s": 0.0 if stepper is None else stepper.forward_wait_s,
+                      "units_speculated": 0 if stepper is None else stepper.units_speculated,
+                      "rollbacks": 0 if stepper is None else stepper.rollbacks,
+                      "units_rolled_back": 0 if stepper is None else stepper.units_rolled_back}
         return {"store": self.store.stats(), "prefetch": asdict(self.coordinator.stats),
                 "global_steps": self.global_steps, "skipped_steps": self.skipped_steps,
                 "optimizer": {"overlap": self.overlap, **overlapped,
@@ -562,6 +648,9 @@ class Engine:
         `async_budget_nbytes` of copies are written while training goes on; the next save,
         load or close() waits for it. Returns the tag's path."""
         self._check_open()
+        if self.phase is StepPhase.STEPPING:
+            raise RuntimeError("save_checkpoint() between a boundary backward and its step(): "
+                               "call step() first")
         self.wait_for_checkpoint()
         self.synchronize()
         self._pending_save = _checkpoint.save_checkpoint(

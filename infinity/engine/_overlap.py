@@ -1,17 +1,17 @@
 """The optimizer step overlapped with backward.
 
-[Note: optimizer overlapped with backward] When the step needs no gradient but a unit's own
-(no clipping, no fp16 overflow check), the backward of a boundary micro-batch steps each unit on
-a worker thread as soon as its gradients are final, while backward goes on with earlier layers.
-The unit was released first, so nothing computes from its values while they change. Each unit
-gets the same kernel call with the same gradient and grad_scale as after backward, so the
-result is the same. The store is told the unit's values are needed again soon (the worker reads
+[Note: optimizer overlapped with backward] The backward of a boundary micro-batch steps each
+unit on a worker thread as soon as its gradients are final, while backward goes on with earlier
+layers. The unit was released first, so nothing computes from its values while they change.
+Each unit gets the same kernel call with the same gradient and grad_scale as after backward, so
+the result is the same. The store is told the unit's values are needed again soon (the worker reads
 them; the trace alone says "at the next forward", so they went first and were read from NVMe
 again), and once stepped, that they are needed last. A unit's gradient is let go as soon as it
 is stepped, so the gradients held at once are those of the units backward is ahead of the
 worker by, not the whole model's. Resident units (held until the step) are stepped after
-backward. With clipping or fp16 the whole step runs after backward (the norm / overflow needs
-every gradient). Each unit's gradient sum of squares is taken as the gradient becomes final,
+backward. With clipping or fp16 the step needs every gradient first (the norm, the overflow
+check): the units are stepped speculatively ([Note: speculate, then validate]). Each unit's
+gradient sum of squares is taken as the gradient becomes final,
 before the worker frees it; step() sums them in unit order (over every rank's shard), so
 `last_grad_norm` is the norm the step after backward reports, to the bit. It pays where the
 step waits on something other than the cores backward computes on (NVMe, an accelerator); with
@@ -40,8 +40,34 @@ a non-finite gradient (NonFiniteGradientError) breaks the step (phase BROKEN: un
 were updated), any other error leaves it to be tried again. With several ranks `step()` waits
 as before (stages 1-2 gather the values after the step).
 
+[Note: speculate, then validate] With gradient clipping or fp16 the clip factor and the
+overflow check need the global norm, known only when backward ends. The worker steps each unit
+anyway, as if the step will stand unclipped and finite (gradient scale 1 / loss scale, the
+step's learning rate), speculatively: the optimizer keeps what the step overwrote ([Note:
+speculative steps] in infinity/optim/_kept.py: the new tiles go to fresh entries, the old values
+are put aside) and the unit keeps its gradient. At step() (VALIDATING) the units queued but not
+started are taken out of the queue (stepped once the step is decided, never speculated), the
+running one is waited for, and the norm (summed from the squares, over every rank's shard),
+the non-finite check and the fp16 overflow decide, on every rank alike (`Engine._validate`,
+the code the step after backward runs too):
+- the step stands at the scale the units were stepped with (clipping does not act, all finite,
+  no overflow): commit, which drops what was kept; the rest of the units are queued (the tail);
+- clipping acts: roll the speculated units back and queue every unit at the clip factor (the
+  tail): the kernel calls the step after backward makes, on the same state, so bit for bit;
+- a non-finite gradient (refused: NonFiniteGradientError) or an fp16 overflow (skipped, the
+  scale lowered): roll every speculated unit back; nothing changed but what the step after
+  backward changes (the skip count, the loss scale); `zero_grad()` and go on.
+A unit whose speculative step failed (on its gradient, or an I/O error) is rolled back and
+stepped again once the step is decided; a unit the store had no room to speculate (BudgetError
+keeping its old state) is too, with one warning. An error while deciding rolls every speculated
+unit back; a rollback that fails leaves the step BROKEN (a checkpoint load goes on). The
+rollbacks are counted in `Engine.stats()["optimizer"]`. Checkpoints see only committed steps:
+a save between a boundary backward and its step() is refused, and a save after it settles the
+tail first.
+
 `OverlappedStep` owns what one such step needs besides the engine: the worker, the step's
-learning rate, each unit's gradient sum of squares as its gradient becomes final (the global
+learning rate and gradient scale, whether it speculates (and the counts of what it speculated
+and rolled back), each unit's gradient sum of squares as its gradient becomes final (the global
 norm's terms), and the tail (units still being stepped after step() returned). `UnitStepper` is
 the worker: units are queued as their gradients become final and stepped one at a time, in
 queue order, on one thread; each queued unit has a future, and the queue can be re-sorted while
@@ -68,29 +94,44 @@ class OverlappedStep:
 
     Args:
         units: the trained units; unit i is `units[i]`.
-        step: `step(i, lr)` steps unit i at learning rate lr, on the worker (or, for a unit
-            whose step failed there, on the thread that waits for it: it must be retry-safe).
+        step: `step(i, lr, grad_scale, speculative)` steps unit i at learning rate lr, on the
+            worker (or, for a unit whose step failed there, on the thread that waits for it: it
+            must be retry-safe); speculative: see [Note: speculative steps] in
+            infinity/optim/_kept.py. Returns False where a speculative step found no room to
+            keep the old state (nothing changed).
         read_ahead: starts reading unit i's optimizer state without waiting (a hint).
         next_use: the units' next-use clock (infinity.zero.next_use).
     """
 
-    def __init__(self, units: Sequence[FetchUnit], step: Callable[[int, float], None],
+    def __init__(self, units: Sequence[FetchUnit],
+                 step: Callable[[int, float, float, bool], bool],
                  read_ahead: Callable[[int], None], next_use: NextUseClock) -> None:
         self._units, self._step, self._next_use = list(units), step, next_use
         self._stepper = UnitStepper(self._run, read_ahead)
         self.lr = 0.0  # of the step being built: taken when its backward started
+        self.grad_scale = 1.0  # of the step being built (speculated, then the validated one)
+        self.speculating = False  # see [Note: speculate, then validate]
+        self._unspeculated: set[int] = set()  # units a speculation found no room for
+        self._warned_no_room = False
         self._squares: list[float | None] = [None] * len(self._units)
         self._tail = False  # step() returned; the units' futures are not settled yet
         self.stepped_in_backward = 0  # units handed to the worker during backward
         self.left_to_forward = 0  # units of a step not stepped yet when step() returned
         self.forward_wait_s = 0.0  # forward waiting for units of the last step's tail
+        self.units_speculated = 0  # units stepped speculatively (then committed or rolled back)
+        self.rollbacks = 0  # speculated steps rolled back (clipping acted, or refused/skipped)
+        self.units_rolled_back = 0
 
     # -- during backward ----------------------------------------------------------------------
 
-    def begin(self, lr: float) -> None:
+    def begin(self, lr: float, *, speculate_scale: float | None = None) -> None:
         """A boundary backward starts: its units are stepped at `lr` (the schedule moves on at
-        step(), before the tail is done)."""
+        step(), before the tail is done); with `speculate_scale`, speculatively with that
+        gradient scale until the step is validated."""
         self.lr = lr
+        self.speculating = speculate_scale is not None
+        self.grad_scale = 1.0 if speculate_scale is None else speculate_scale
+        self._unspeculated = set()
         self._squares = [None] * len(self._units)
 
     def grads_final(self, i: int, square: float, *, hand_over: bool) -> None:
@@ -107,17 +148,39 @@ class OverlappedStep:
 
     # -- at step() ------------------------------------------------------------------------------
 
-    def queue_rest(self, square_of: Callable[[int], float]) -> list[float]:
-        """Backward is over: queue the units it did not hand over (resident ones, units that
-        got no gradient), each one's square taken (`square_of(i)`) before its step frees its
-        gradient. Returns every unit's square, in unit order. The tail is open from here."""
+    def end_speculation(self) -> tuple[list[int], list[int]]:
+        """Backward is over and the step about to be validated: the units queued but not
+        started leave the queue (stepped once the step is decided), the running one is waited
+        for. Returns (the units stepped speculatively, the units whose speculative step failed:
+        both to be committed or rolled back), and stops speculating."""
+        if not self.speculating:
+            return [], []
+        self._stepper.withdraw()
+        futures = self._stepper.take()
+        concurrent.futures.wait(futures.values())
+        self.speculating = False
+        failed = [i for i, f in futures.items() if f.exception() is not None]
+        stepped = [i for i, f in futures.items()
+                   if f.exception() is None and i not in self._unspeculated]
+        self.units_speculated += len(stepped)
+        return stepped, failed
+
+    def squares(self, square_of: Callable[[int], float]) -> list[float]:
+        """Every unit's gradient sum of squares, in unit order: those backward did not hand over
+        (resident ones, units that got no gradient) taken now (`square_of(i)`)."""
         for i in range(len(self._units)):
             if self._squares[i] is None:
                 self._squares[i] = square_of(i)
-            if self._stepper.future(i) is None:
+        return list(self._squares)
+
+    def queue_rest(self, grad_scale: float, done: Sequence[int] = ()) -> None:
+        """The step is decided: queue every unit not queued yet nor in `done` (stepped
+        speculatively and committed), at `grad_scale`. The tail is open from here."""
+        self.grad_scale = grad_scale
+        for i in range(len(self._units)):
+            if self._stepper.future(i) is None and i not in done:
                 self._stepper.submit(i)
         self._tail = True
-        return list(self._squares)
 
     def leave_to_forward(self, forward_order: Callable[[int], Hashable]) -> None:
         """step() returns before the tail is done: the units not started run in
@@ -159,7 +222,7 @@ class OverlappedStep:
         futures = self._stepper.take()
         self._tail = False
         try:
-            for i in range(len(self._units)):
+            for i in sorted(futures):  # (committed speculated units have none)
                 self._settle(i, futures[i])
         except BaseException:
             concurrent.futures.wait(futures.values())
@@ -184,11 +247,19 @@ class OverlappedStep:
             return False
         logger.warning("optimizer step of %s on the worker failed (%s); retrying",
                        self._units[i].key, error)
-        self._step(i, self.lr)
+        self._step(i, self.lr, self.grad_scale, False)
         return True
 
     def _run(self, i: int) -> None:
-        self._step(i, self.lr)
+        speculating = self.speculating
+        if not self._step(i, self.lr, self.grad_scale, speculating) and speculating:
+            if not self._warned_no_room:
+                self._warned_no_room = True
+                logger.warning("no room in the store to keep the state a speculative step of %s "
+                               "overwrites: it (and any other such unit) is stepped after "
+                               "backward, once the step is validated", self._units[i].key)
+            self._unspeculated.add(i)
+            return
         if not self._tail:  # stepped during backward: next used at the far end of the next forward
             self._next_use.stepped(self._units[i].key)
 
@@ -250,6 +321,14 @@ class UnitStepper:
         done.set_result(None)
         self._futures[i] = done
 
+    def withdraw(self) -> None:
+        """Take the units not started out of the queue (and their futures: they may be queued
+        again)."""
+        with self._lock:
+            for i, _ in self._waiting:
+                del self._futures[i]
+            self._waiting.clear()
+
     def take(self) -> dict[int, Future[None]]:
         """The step's futures; the next submit starts a new step."""
         futures, self._futures = self._futures, {}
@@ -264,6 +343,8 @@ class UnitStepper:
 
     def _run_next(self) -> None:
         with self._lock:
+            if not self._waiting:  # withdrawn
+                return
             i, future = self._waiting.pop(0)
             self._running = i
             following = self._waiting[0][0] if self._waiting else None

@@ -81,11 +81,6 @@ def optimizer_overlaps(config: Config, device: torch.device) -> bool:
     """Whether units are stepped during backward: see [Note: optimizer overlapped with
     backward] (infinity/engine/_overlap.py) and `infinity.overlap_optimizer`."""
     asked = config.infinity.overlap_optimizer
-    if config.gradient_clipping > 0 or config.fp16.enabled:
-        if asked is True:
-            raise ConfigError("infinity.overlap_optimizer = true needs gradient_clipping 0 and fp16 off: "
-                              "clipping and the fp16 overflow check need every gradient before any step")
-        return False
     if asked != "auto":
         return asked
     zero = config.zero_optimization
@@ -118,7 +113,9 @@ def _plan(units: list[FetchUnit], config: Config, device: torch.device) -> Memor
         offload_optimizer=zero.offload_optimizer.device, accelerator=device.type != "cpu",
         prefetch_numel=zero.stage3_prefetch_bucket_size if config.infinity.trace_prefetch else 0,
         tile_numel=zero.sub_group_size, host_memory_budget=config.infinity.host_memory_budget,
-        world=config.world_size, stage=zero.stage, state_format=state_format(config))
+        world=config.world_size, stage=zero.stage, state_format=state_format(config),
+        speculates=(config.gradient_clipping > 0 or config.fp16.enabled)
+        and optimizer_overlaps(config, device))
 
 
 def open_store(layout: Layout, config: Config, *, rank: int = 0) -> TensorStore:

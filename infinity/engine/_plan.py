@@ -10,7 +10,11 @@ offload_optimizer "cpu" or "none" (the optimizer runs on the CPU either way), el
 optimizer tiles. NVMe holds parameters and/or optimizer state per the offload devices, with
 slack for alignment. When `host_memory_budget` cannot hold the gradient buffers beside the
 smallest host tier, they go to the store too (at home on NVMe, two of the largest passing
-through the host tier): each micro-batch then reads and writes them.
+through the host tier): each micro-batch then reads and writes them. A speculated step
+(`speculates`: overlapped with clipping or fp16, docs/engine.md "The speculative step") keeps
+the old state beside the new until the step is validated: room for a second copy of the state
+and of the trained values on the state's tier (NVMe: the swap file grows by it; the host: a
+budget may cap it, and units without room are then stepped after validation).
 
 [Note: memory plan of a rank] With `world` data-parallel ranks every figure above is one
 rank's: from stage 1 the Adam state counts only this rank's shard of each unit (1/world of
@@ -113,7 +117,7 @@ class MemoryPlan:
 def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optimizer: str,
                 accelerator: bool, prefetch_numel: int, tile_numel: int,
                 host_memory_budget: int | None, world: int = 1, stage: int = 0,
-                state_format: StateFormat | None = None) -> MemoryPlan:
+                state_format: StateFormat | None = None, speculates: bool = False) -> MemoryPlan:
     """Budgets for the store from the unit sizes and the offload devices; see [Note: memory plan].
     `host_memory_budget` caps the host tier (less what lives outside the store); the tier is
     never larger than the plan needs. With `world` ranks at ZeRO `stage`, the plan of one rank
@@ -191,7 +195,8 @@ def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optim
     if accelerator:
         budgets[Tier.DEVICE] = everything if param_home == Tier.DEVICE else working
     state = state_nbytes(tile_numel)
-    host_state = state if state_tier == Tier.HOST else 4 * tile_nbytes(tile_numel) + largest
+    kept = state + sum(_aligned(share.values_nbytes(u)) for u in trained) if speculates else 0
+    host_state = state + kept if state_tier == Tier.HOST else 4 * tile_nbytes(tile_numel) + largest
     host = host_params + host_state + (2 * largest_grad if grads_on_nvme else 0)
     outside = collectives + (0 if grads_on_nvme else grads)
     if host_memory_budget is not None:
@@ -200,7 +205,8 @@ def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optim
     if fetch_tier == Tier.HOST:  # read-ahead takes only what the smallest working set leaves
         spare = host - host_minimum(tile_numel, grads_on_nvme)
         prefetch_numel = min(prefetch_numel, max(0, spare) // elt)
-    nvme = (everything if param_home == Tier.NVME else 0) + (state if state_tier == Tier.NVME else 0)
+    nvme = (everything if param_home == Tier.NVME else 0) + \
+        (state + kept if state_tier == Tier.NVME else 0)
     if grads_on_nvme:
         nvme += grads
     if nvme:

@@ -7,11 +7,13 @@ Everything a pass fetches is released on every path; a tile (or values entry) is
 dirty once changed, and the store keeps a changed copy until its write-back succeeds. A pass
 (and `flush()`) rewrites any entry of an already-updated tile whose write-back failed.
 
-[Note: where a step writes] A step changes the store in two places only: a tile, in place,
-inside `TileSet.updating` (which records the step it then holds), and the unit's values, through
-`UnitValues` (released dirty once modified). A step that must be undoable (the speculative step
-of issue 22) redirects these two: the new state into fresh entries, the old ones kept until the
-step is validated.
+[Note: where a step writes] A step changes the store in two places only: a tile, inside
+`TileSet.updating` (which records the step it then holds), and the unit's values, through
+`UnitValues` (released dirty once modified). A speculative step (one that may be undone, see
+[Note: speculative steps] in `_kept`) redirects the first: the tile's new state goes to a fresh
+entry (`updating(..., aside=True)`; on NVMe, fresh extents) and the old entry stays as it was
+until `commit(u)` drops it or `roll_back(u)` drops the new one and makes the old one current
+again, with the step it held. The values are kept aside by `_kept.KeptValues`.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class TileSet:
         for t, tile in enumerate(self.tiles):
             self.of_unit[tile.unit].append(t)
         self.steps = [0] * len(self.tiles)  # See [Note: retry-safe steps]
+        self._flipped = [False] * len(self.tiles)  # the tile's current state is its second key
+        self._previous: dict[int, int] = {}  # tile -> step of its old entry, kept until validated
 
     def __len__(self) -> int:
         return len(self.tiles)
@@ -48,7 +52,12 @@ class TileSet:
         return self.tiles[t]
 
     def key(self, t: int) -> str:
-        return f"{self.name}/tile{t}"
+        """The store key of tile t's current state (its newest, while a speculative step of its
+        unit is neither committed nor rolled back)."""
+        return self._key(t, self._flipped[t])
+
+    def _key(self, t: int, flipped: bool) -> str:
+        return f"{self.name}/tile{t}" + (".b" if flipped else "")
 
     def format(self, t: int) -> TileFormat:
         return self.formats[self.tiles[t].unit]
@@ -107,13 +116,42 @@ class TileSet:
         return [t for t in self.of_unit[u] if self.steps[t] < step]
 
     @contextlib.contextmanager
-    def updating(self, t: int, step: int) -> Iterator[torch.Tensor]:
+    def updating(self, t: int, step: int, *, aside: bool = False) -> Iterator[torch.Tensor]:
         """Tile t's entry, to be updated in place to `step` by the block: it holds `step` once
         the block ends, and is released dirty on every path once its bytes were handed out
-        (see [Note: where a step writes])."""
-        with self.store.hold(self.key(t), Tier.HOST, dirty=True) as tile:
-            yield tile
-            self.steps[t] = step
+        (see [Note: where a step writes]). With `aside` the block updates a copy, stored under
+        the tile's other key once the block ends (BudgetError: no room, the tile unchanged);
+        the old entry is kept until `commit` or `roll_back`."""
+        if not aside:
+            with self.store.hold(self.key(t), Tier.HOST, dirty=True) as tile:
+                yield tile
+                self.steps[t] = step
+            return
+        if t in self._previous:
+            raise RuntimeError(f"tile {t} is updated aside twice before a commit or roll_back")
+        with self.store.hold(self.key(t), Tier.HOST) as tile:
+            new = tile.clone()
+        yield new
+        self.store.put(self._key(t, not self._flipped[t]), new, self.tier)
+        self._previous[t] = self.steps[t]
+        self._flipped[t] = not self._flipped[t]
+        self.steps[t] = step
+
+    def commit(self, u: int) -> None:
+        """Unit u's tiles updated aside are final: their old entries are dropped."""
+        for t in self.of_unit[u]:
+            if t in self._previous:
+                self.store.drop(self._key(t, not self._flipped[t]))
+                del self._previous[t]
+
+    def roll_back(self, u: int) -> None:
+        """Unit u's tiles updated aside go back to their old entries and the steps they held
+        (so the same step updates them again)."""
+        for t in self.of_unit[u]:
+            if t in self._previous:
+                self.store.drop(self.key(t))
+                self._flipped[t] = not self._flipped[t]
+                self.steps[t] = self._previous.pop(t)
 
     def rewrite_if_unsaved(self, key: str) -> None:
         """Start the write-back again of an entry whose last one failed (the store kept the

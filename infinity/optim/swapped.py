@@ -11,7 +11,9 @@ A pass streams tiles: read tile i+1 (prefetch), update tile i with the CPU Adam 
 back (asynchronously, on release) while the next one computes, so host memory holds a few tiles
 whatever the model size and a step runs at the speed of the disk. A failed pass is retried by
 calling it again (see [Note: retry-safe steps] in `_tile_set`). The caller decides the step's
-clip factor, loss scale and whether to skip it (the engine, over every unit's gradient).
+clip factor, loss scale and whether to skip it (the engine, over every unit's gradient); a
+caller that steps a unit before it knows steps it speculatively and commits or rolls it back
+later (see [Note: speculative steps] in `_kept`).
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from typing import Any
 
 import torch
 
+from infinity.errors import BudgetError
 from infinity.memory import ThreadPool
 from infinity.optim._decay import DecaySpan, UnitKernels, check_spans
 from infinity.optim._format import StateFormat
 from infinity.optim._grads import GRAD_DTYPES, GradPieces, all_finite, check_grad_pieces
+from infinity.optim._kept import KeptValues
 from infinity.optim._native import check_hyperparameters, check_threads
 from infinity.optim._state import load_states, unit_state
 from infinity.optim._tile_set import TileSet
@@ -107,6 +111,7 @@ class SwappedOptimizer:
                              self.state_format)
         self.tiles.check_budget(tile_numel)
         self.tiles.write_initial(self._values())
+        self._kept = KeptValues(store, self.units, name, self.state_tier)
 
     # -- steps ---------------------------------------------------------------------------------
 
@@ -128,7 +133,7 @@ class SwappedOptimizer:
     @torch.no_grad()
     def step_unit(self, u: int, grad: torch.Tensor | Sequence[torch.Tensor], *,
                   grad_scale: float = 1.0, check_finite: bool = True,
-                  lr: float | None = None) -> None:
+                  lr: float | None = None, speculative: bool = False) -> bool:
         """Update unit u's tiles for the step being built.
 
         `grad`: the unit's gradient, a 1-D contiguous CPU tensor of its numel
@@ -141,7 +146,10 @@ class SwappedOptimizer:
         (e.g. from the gradient norm it computes for clipping). `lr`: this step's learning rate
         (default `self.lr`), for a caller whose schedule moves on while units of a step are
         still being stepped. Retry-safe (see [Note: retry-safe steps] in `_tile_set`); safe for
-        different units from different threads at once.
+        different units from different threads at once. `speculative`: keep what the step
+        overwrites until `commit_unit(u)` or `rollback_unit(u)` (see [Note: speculative steps]
+        in `_kept`). Returns False, with the unit unchanged, when the store has no room for
+        that (step it again once the step is decided); True otherwise.
         """
         self._check_index(u)
         grad_scale = _check_scale("grad_scale", grad_scale)
@@ -152,7 +160,26 @@ class SwappedOptimizer:
         lr = self.lr if lr is None else lr
         check_hyperparameters(lr=lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
                               weight_decay=self.weight_decay)
-        self._stream(u, self._completed + 1, pieces, grad_scale, lr)
+        if not speculative:
+            self._stream(u, self._completed + 1, pieces, grad_scale, lr)
+            return True
+        try:
+            self._stream(u, self._completed + 1, pieces, grad_scale, lr, speculative=True)
+        except BudgetError:
+            self.rollback_unit(u)
+            return False
+        return True
+
+    def commit_unit(self, u: int) -> None:
+        """Unit u's speculative step stands: drop the state it kept (no I/O)."""
+        self._kept.commit(u)
+        self.tiles.commit(u)
+
+    def rollback_unit(self, u: int) -> None:
+        """Undo unit u's speculative step: its tiles, values and step record are as before it
+        (a no-op for a unit with nothing kept)."""
+        self._kept.roll_back(u)
+        self.tiles.roll_back(u)
 
     def set_weight_decay(self, u: int, spans: Sequence[DecaySpan]) -> None:
         """Give elements [start, stop) of what unit u steps their own weight decay (a client's
@@ -218,6 +245,8 @@ class SwappedOptimizer:
         """Consume what iter_state yields (every unit, in order, all at one step), writing tiles
         as they fill; then every tile holds that step. A row may be a tensor or a RowSource
         (`_state`), read one tile at a time (memory holds a tile, not a row)."""
+        for u in range(len(self.units)):  # a speculative step left undecided is dropped
+            self.commit_unit(u)
         step = load_states(self.tiles, self.units, states)
         self._completed = step
         self.tiles.loaded(step)
@@ -226,7 +255,7 @@ class SwappedOptimizer:
     # -- streaming ------------------------------------------------------------------------------
 
     def _stream(self, u: int, target: int, grad: GradPieces, grad_scale: float,
-                lr: float) -> None:
+                lr: float, *, speculative: bool = False) -> None:
         """Bring every tile of unit u to step `target`. See [Note: retry-safe steps]."""
         todo = self.tiles.pending(u, target)
         for t in self.tiles.of_unit[u]:
@@ -241,6 +270,8 @@ class SwappedOptimizer:
         try:
             if todo:  # the unit's values are read with its first tile
                 self.store.prefetch([self.units[u].values_key] + (keys[:1] if streamed else []))
+                if speculative:
+                    self._kept.keep(u, values.get(u))
                 fmt = self.tiles.formats[u]
                 hyper = dict(step=target, lr=lr, beta1=self.betas[0], beta2=self.betas[1],
                              eps=self.eps, adamw=self.adamw_mode, grad_scale=grad_scale,
@@ -251,7 +282,7 @@ class SwappedOptimizer:
                 if streamed and i + 1 < len(keys):
                     self.store.prefetch(keys[i + 1:i + 2])
                 tile = self.tiles[t]
-                with self.tiles.updating(t, target) as entry:
+                with self.tiles.updating(t, target, aside=speculative) as entry:
                     self.tiles.format(t).step(kernels, entry, values.get(u)[tile.start:tile.stop],
                                               grad, tile.start, self._index(u, tile.start))
                     values.modified(u)

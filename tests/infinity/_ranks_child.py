@@ -10,7 +10,8 @@ error's type and message (and the rank carries on with the next case). `die_at_s
 exits at once (os._exit) after that step's forward, as a killed rank would; `stall_at_step`:
 rank 1 sleeps `stall_s` there instead (a stuck rank), then exits. `zero_init`: build the model
 under infinity.zero.Init. `overflow_at_step`: rank 1's gradient of layer 0's bias is multiplied
-by inf there.
+by inf there. `patient_worker`: the optimizer worker's queue is not cut short when backward
+ends, so every unit handed over is stepped speculatively (with clipping or fp16).
 
 Checkpoints: `load` (a directory, or one per rank) restores before training, which then runs
 from the loaded step to `steps` (the parameters right after loading are recorded as "loaded");
@@ -32,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's infinity
 
 import infinity  # noqa: E402
+from infinity.engine._overlap import UnitStepper  # noqa: E402
 
 IN, HIDDEN, OUT = 7, 11, 5
 MICRO = 3
@@ -111,10 +113,15 @@ def main() -> int:
         config = case["config"]
         if isinstance(config, list):  # one config per rank (a mismatch)
             case = {**case, "config": config[rank]}
+        withdraw = UnitStepper.withdraw
+        if case.get("patient_worker"):
+            UnitStepper.withdraw = lambda self: None
         try:
             results[case["name"]] = run_case(case, rank, world)
         except (infinity.ConfigError, infinity.CheckpointError, OSError) as exc:
             results[case["name"]] = {"error": [c.__name__ for c in type(exc).__mro__], "message": str(exc)}
+        finally:
+            UnitStepper.withdraw = withdraw
     torch.save(results, os.path.join(spec["out"], f"rank{rank}.pt"))
     return 0
 

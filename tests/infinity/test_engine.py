@@ -406,8 +406,11 @@ def test_the_worker_reads_the_next_units_state_while_it_steps_one(tmp_path):
     assert engine.units_stepped_in_backward == 6
     engine.close()
     assert_parity(model, reference, losses, train_reference(reference, data))
-    # Backward makes units 2, 1, 0 final in that order; 1 and 0 wait behind the running one.
-    assert sorted(set(asked)) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    # Backward makes units 2, 1, 0 final in that order and the worker runs one while the others
+    # wait behind it: in each step, two of them were read ahead while another was stepped
+    # (which two depends on when the held worker starts relative to the tail's reordering).
+    for step in (0, 1):
+        assert len({u for u, done in asked if done == step}) >= 2, asked
 
 
 def test_a_unit_backward_let_go_is_kept_in_ram_for_its_step_and_its_gradient_freed_after(tmp_path):
@@ -473,12 +476,6 @@ def test_overlap_optimizer_steps_the_same_during_or_after_backward(tmp_path):
     assert_parity(after, reference, after_losses, train_reference(reference, data))
     for asked in ("auto", True):
         assert_identical(*runs[asked], (after_losses, dict(after.named_parameters())))
-
-
-def test_overlap_optimizer_true_with_clipping_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match="overlap_optimizer = true needs gradient_clipping 0"):
-        infinity.initialize(mlp(), config(tmp_path, gradient_clipping=1.0,
-                                          infinity={"overlap_optimizer": True}))
 
 
 def _hold_the_worker(engine, fail=()):

@@ -80,33 +80,35 @@ def test_prefetch_window_shrinks_to_what_the_host_budget_leaves():
     assert free.prefetch_numel >= 36 << 20  # no budget: about the whole model (all it could read ahead)
     tight = plan_memory(units, host_memory_budget=48 << 20, **kwargs)
     assert tight.grads_tier is Tier.NVME and tight.budgets[Tier.HOST] <= 48 << 20
-    # 48 MiB less the smallest working set (2 units of params, 3 tiles + the values being
-    # updated, 2 gradients passing through) leaves a window of a few units, not 200 MB of them.
-    assert 0 < tight.prefetch_numel * 4 <= (48 << 20) - 5 * (4 << 20) - 3 * (3 << 20)
+    # 48 MiB less the smallest working set (2 units of params, 3 tiles of 8 B an element, the
+    # moments of fp32 units, + the values being updated, 2 gradients passing through) leaves a
+    # window of a few units, not 200 MB of them.
+    assert 0 < tight.prefetch_numel * 4 <= (48 << 20) - 5 * (4 << 20) - 3 * (2 << 20)
 
 
 def test_sub_group_size_is_an_upper_bound_the_plan_shrinks_to_fit(caplog):
     """At the default sub_group_size (1e9) a tile is a whole unit: three tiles of a big
-    embedding exceed a modest budget. The plan picks the largest smaller tiles that fit (and
+    embedding (8 B an element: fp32 units' tiles hold the moments) exceed a modest budget. The plan picks the largest smaller tiles that fit (and
     says so) before it moves the gradients to NVMe; with tiles small enough it keeps them."""
-    units = [_unit(i, 1 << 24) for i in range(4)]  # 64 MiB units: whole-unit tiles of 192 MiB
+    units = [_unit(i, 1 << 24) for i in range(4)]  # 64 MiB units: whole-unit tiles of 128 MiB
     kwargs = {"offload_param": "nvme", "offload_optimizer": "nvme", "accelerator": False,
               "prefetch_numel": 0}
     with caplog.at_level("INFO", logger="infinity.engine._plan"):
-        plan = plan_memory(units, host_memory_budget=1 << 30, tile_numel=1_000_000_000, **kwargs)
-    assert plan.budgets[Tier.HOST] + plan.outside_store_nbytes <= 1 << 30
+        plan = plan_memory(units, host_memory_budget=640 << 20, tile_numel=1_000_000_000,
+                           **kwargs)
+    assert plan.budgets[Tier.HOST] + plan.outside_store_nbytes <= 640 << 20
     assert plan.grads_tier is None  # 256 MiB of gradients stay in RAM: the tiles made room
     assert 1 << 18 <= plan.tile_numel < 1 << 24 and plan.tile_numel % 4096 == 0
     chose = f"optimizer tiles of {plan.tile_numel} elements (sub_group_size 1000000000"
     assert chose in caplog.text
-    one_more = plan_memory(units, host_memory_budget=1 << 30, tile_numel=plan.tile_numel + 4096,
-                           **kwargs)
+    one_more = plan_memory(units, host_memory_budget=640 << 20,
+                           tile_numel=plan.tile_numel + 4096, **kwargs)
     assert one_more.tile_numel == plan.tile_numel  # the largest that fits was picked
-    small = plan_memory(units, host_memory_budget=1 << 30, tile_numel=1 << 20, **kwargs)
+    small = plan_memory(units, host_memory_budget=640 << 20, tile_numel=1 << 20, **kwargs)
     assert small.tile_numel == 1 << 20  # an asked size that fits is kept
-    # 400 MiB cannot hold the 256 MiB of gradients beside two units and the smallest tiles
-    tight = plan_memory(units, host_memory_budget=400 << 20, tile_numel=1_000_000_000, **kwargs)
-    assert tight.grads_tier is Tier.NVME and tight.budgets[Tier.HOST] <= 400 << 20
+    # 380 MiB cannot hold the 256 MiB of gradients beside two units and the smallest tiles
+    tight = plan_memory(units, host_memory_budget=380 << 20, tile_numel=1_000_000_000, **kwargs)
+    assert tight.grads_tier is Tier.NVME and tight.budgets[Tier.HOST] <= 380 << 20
 
 
 def test_below_the_smallest_plan_the_error_names_the_budget_that_works():
@@ -144,3 +146,20 @@ def test_the_plan_of_a_rank_counts_its_shards(stage):
     grads = n * unit_nbytes // (4 if stage >= 2 else 1)
     collectives = {0: 0, 1: 2, 2: 3, 3: 3}[stage] * unit_nbytes
     assert rank.outside_store_nbytes == grads + collectives
+
+
+def test_a_speculated_step_gets_room_for_the_old_state_beside_the_new():
+    """Overlapped with clipping or fp16 the old state is kept until the step is validated: NVMe
+    (state there) or the host tier (state in RAM, within the budget) gets room for a second
+    copy of the state (8 B/element, fp32 units) and of the trained values (4 B/element)."""
+    units = [_unit(i, 1 << 20) for i in range(8)]  # 8 units of 1M fp32 elements
+    kwargs = {"offload_param": "nvme", "accelerator": False, "prefetch_numel": 0,
+              "tile_numel": 1 << 18, "host_memory_budget": None}
+    for offload, tier in (("nvme", Tier.NVME), ("cpu", Tier.HOST)):
+        plain = plan_memory(units, offload_optimizer=offload, **kwargs)
+        speculated = plan_memory(units, offload_optimizer=offload, speculates=True, **kwargs)
+        extra = speculated.budgets[tier] - plain.budgets[tier]
+        assert 8 * (12 << 20) <= extra <= 8 * (12 << 20) * 9 // 8 + (4 << 20), offload
+    capped = plan_memory(units, offload_optimizer="cpu", speculates=True,
+                         **{**kwargs, "host_memory_budget": 200 << 20})
+    assert capped.budgets[Tier.HOST] <= 200 << 20  # the budget still caps it

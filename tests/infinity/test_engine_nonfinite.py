@@ -83,13 +83,14 @@ def test_the_lr_schedule_does_not_advance_on_a_skipped_fp16_step(tmp_path):
 def test_a_non_finite_gradient_fails_the_step_and_updates_nothing(tmp_path, offload, clipping):
     """fp32 (no loss scale to lower), a NaN in one unit's gradient only: stepped after
     backward, the step raises naming the unit and no parameter (nor the step count) changes,
-    whichever unit holds it (here the last one stepped); stepped during backward (NVMe, no
-    clipping), the units stepped before it keep their update and the error says so."""
+    whichever unit holds it (here the last one stepped); stepped during backward with
+    clipping, the same (the units speculated before it are rolled back); without clipping (NVMe)
+    the units stepped before it keep their update and the error says so."""
     model = mlp()
     engine = infinity.initialize(model, config(tmp_path, offload, offload, gradient_clipping=clipping))
     # "auto" overlaps where anything is on NVMe, or on an accelerator
-    overlapped = clipping == 0.0 and (offload == "nvme" or engine.device.type != "cpu")
-    assert engine.overlap == overlapped
+    assert engine.overlap == (offload == "nvme" or engine.device.type != "cpu")
+    overlapped = engine.overlap and clipping == 0.0  # not speculated: half a step is applied
     bad = model[0] if overlapped else model[4]  # final last in backward / stepped last after it
     (x,), _ = mlp_batches(1)[0]
     before = {n: v.clone() for n, v in engine.named_parameters()}

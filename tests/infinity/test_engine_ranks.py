@@ -132,10 +132,15 @@ PARITY = {  # name -> config(nvme path)
     "stage3": lambda nvme: _config(3),
     "stage3-clip": lambda nvme: _config(3, clip=CLIP),
     "stage3-nvme-gas2": lambda nvme: _config(3, nvme=nvme, gas=2),
+    # overlapped with clipping: speculated, then rolled back and redone (clipping acts)
+    "stage2-nvme-clip-gas2": lambda nvme: _config(2, nvme=nvme, clip=CLIP, gas=2),
+    "stage3-nvme-clip": lambda nvme: _config(3, nvme=nvme, clip=CLIP),
 }
 
 
 NORM_TWINS = ["stage2-nvme", "stage3-nvme-gas2"]  # overlapped (gradients reduce-scattered)
+SPECULATED_TWINS = ["stage2-nvme-clip-gas2", "stage3-nvme-clip"]
+STEPPED_AFTER = {"infinity": {"collective_timeout": 60, "overlap_optimizer": False}}
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +149,8 @@ def ranks_run(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("ranks")
     nvme = tmp_path / "nvme"
     nvme.mkdir()
-    cases = [{"name": name, "config": make(nvme), "steps": STEPS} for name, make in PARITY.items()]
+    cases = [{"name": name, "config": make(nvme), "steps": STEPS, "patient_worker": True}
+             for name, make in PARITY.items()]
     cases += [
         {"name": "mismatch", "steps": 1,
          "config": [_config(1), _config(1, clip=CLIP)]},
@@ -156,7 +162,10 @@ def ranks_run(tmp_path_factory):
     ]
     # The overlapped cases stepped after backward (with clipping that never acts).
     cases += [{"name": f"{name}-after", "steps": STEPS,
-               "config": PARITY[name](nvme) | {"gradient_clipping": 1e3}} for name in NORM_TWINS]
+               "config": PARITY[name](nvme) | {"gradient_clipping": 1e3} | STEPPED_AFTER}
+              for name in NORM_TWINS]
+    cases += [{"name": f"{name}-after", "steps": STEPS,
+               "config": PARITY[name](nvme) | STEPPED_AFTER} for name in SPECULATED_TWINS]
     (code, output), results = _torchrun(tmp_path, cases, timeout_s=240)
     assert code == 0, f"torchrun exited {code}:\n{output[-3000:]}"
     return results, nvme
@@ -194,8 +203,7 @@ def test_ranks_match_one_process_on_the_concatenated_batch(ranks_run, name):
     assert (per_rank[0]["optimizer"]["gathered_ahead"] > 0) is (stage == 3)
     # "auto" overlaps where anything is on NVMe, or on an accelerator
     on_nvme = "offload_optimizer" in config["zero_optimization"]
-    overlapped = config["gradient_clipping"] == 0 and (
-        on_nvme or per_rank[0]["optimizer"]["device"] != "cpu")
+    overlapped = on_nvme or per_rank[0]["optimizer"]["device"] != "cpu"
     assert per_rank[0]["optimizer"]["overlap"] is overlapped
     if overlapped and config["zero_optimization"]["stage"] == 3:  # (below 3 every unit is resident)
         # units were stepped on the worker during backward
@@ -279,6 +287,25 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(ranks_run):
         assert r["optimizer"]["loss_scale"] == 2.0 ** 8 / 2
     for key, value in first["params"].items():
         assert torch.equal(value, second["params"][key]), key
+
+
+@pytest.mark.parametrize("name", SPECULATED_TWINS)
+def test_speculated_steps_on_two_ranks_equal_the_step_after_backward(ranks_run, name):
+    """Clipping acts at every step: each rank's speculated units are rolled back and redone
+    with the clip factor of the norm over every rank's shard, bit for bit the step after
+    backward on each rank."""
+    results, _ = ranks_run
+    for r in results:
+        assert "error" not in r[name] and "error" not in r[f"{name}-after"]
+        assert r[name]["optimizer"]["overlap"] and not r[f"{name}-after"]["optimizer"]["overlap"]
+        assert r[name]["losses"] == r[f"{name}-after"]["losses"]
+        for key, value in r[f"{name}-after"]["params"].items():
+            assert torch.equal(r[name]["params"][key], value), key
+        optimizer = r[name]["optimizer"]
+        assert optimizer["units_rolled_back"] == optimizer["units_speculated"]
+        # stage 3: two units a step are handed over in backward (below it every unit is
+        # resident: stepped after validation, nothing speculated)
+        assert optimizer["units_speculated"] == (2 * STEPS if "stage3" in name else 0)
 
 
 @pytest.mark.parametrize("name", NORM_TWINS)

@@ -89,22 +89,24 @@ def _norms(engine, batches):
 @pytest.mark.parametrize("make, batches", [(mlp, mlp_batches), (llama, llama_batches)])
 def test_the_overlapped_step_reports_the_norm_of_the_step_after_backward(tmp_path, make, batches,
                                                                           gas):
-    """Overlapped, each unit's sum of squares is taken as its gradient becomes final; stepped
-    after backward with clipping (here never acting), the norm comes first. Both report the
-    same norm, to the bit, and torch's within 1e-5; stepped after backward without clipping or
-    fp16 the norm is not taken (a pass over every gradient)."""
+    """Overlapped (speculated too, with clipping), each unit's sum of squares is taken as its
+    gradient becomes final; stepped after backward with clipping (here never acting), the norm
+    comes first. All report the same norm, to the bit, and torch's within 1e-5; stepped after
+    backward without clipping or fp16 the norm is not taken (a pass over every gradient)."""
     data = batches(4)
     after = {"host_memory_budget": "1GB", "overlap_optimizer": False}
-    runs = {"overlapped": {}, "clipping": {"gradient_clipping": 1e3}, "plain": {"infinity": after}}
+    runs = {"overlapped": {}, "speculated": {"gradient_clipping": 1e3},
+            "clipping": {"gradient_clipping": 1e3, "infinity": after}, "plain": {"infinity": after}}
     norms = {}
     for name, extra in runs.items():
         cfg = config(tmp_path, "nvme", "nvme", gradient_accumulation_steps=gas, **extra)
         engine = infinity.initialize(make(), cfg)
-        assert engine.overlap is (name == "overlapped")
+        assert engine.overlap is (name in ("overlapped", "speculated"))
         norms[name] = _norms(engine, data)
         engine.close()
     assert len(norms["overlapped"]) == 4 // gas and all(n > 0 for n in norms["overlapped"])
-    assert norms["overlapped"] == norms["clipping"] and norms["plain"] == [None] * (4 // gas)
+    assert norms["overlapped"] == norms["speculated"] == norms["clipping"]
+    assert norms["plain"] == [None] * (4 // gas)
     model = make()  # plain PyTorch: the norm of the accumulated gradients before each update
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     reference = []

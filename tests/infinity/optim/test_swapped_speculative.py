@@ -1,0 +1,108 @@
+"""Speculative steps (issue 22; [Note: speculative steps] in infinity/optim/_kept.py): a unit
+stepped speculatively and committed equals the plain step bit for bit; rolled back, it is as
+before the step (tiles, values, step record) and a redo with another gradient scale equals that
+step taken plainly; without room to keep the old state nothing changes and step_unit says so."""
+
+import pytest
+import torch
+
+from infinity.optim import CPUAdam, SwappedOptimizer, UnitSpec
+from infinity.store import TensorStore, Tier
+
+MiB = 1 << 20
+TILE = 1000
+NUMELS = [2500, 7, 1000]
+HYPER = dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-7, weight_decay=0.1)
+
+
+def _grads(specs, step):
+    g = torch.Generator().manual_seed(200 + step)
+    return [torch.randn(s.numel, generator=g).to(s.dtype) for s in specs]
+
+
+def _state(opt):
+    return [(u, {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()})
+            for u, s in opt.iter_state()]
+
+
+def _equal_states(a, b):
+    return all(ua == ub and sa.keys() == sb.keys() and
+               all(torch.equal(sa[k], sb[k]) if isinstance(sa[k], torch.Tensor) else sa[k] == sb[k]
+                   for k in sa)
+               for (ua, sa), (ub, sb) in zip(a, b, strict=True))
+
+
+def _keys(store):
+    return set(store._copies.entries)
+
+
+@pytest.mark.parametrize("tier", [Tier.NVME, Tier.HOST])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_commit_keeps_and_rollback_undoes_a_speculative_step(tmp_path, put_units, values_of,
+                                                             tier, dtype):
+    with TensorStore({"host": 4 * MiB, "nvme": 8 * MiB}, nvme_path=tmp_path,
+                     aio_options={"block_size": 64 << 10}) as store:
+        masters, specs = put_units(store, [dtype] * len(NUMELS), NUMELS)
+        opt_ref = CPUAdam(masters, **HYPER)
+        opt = SwappedOptimizer(specs, store, tile_numel=TILE, state_tier=tier, **HYPER)
+        keys = _keys(store)
+        for step, scale in enumerate([1.0, 0.25, 1.0]):  # 0.25: "clipping acts" at step 1
+            grads = _grads(specs, step)
+            before = _state(opt)
+            for u in range(len(specs)):
+                assert opt.step_unit(u, grads[u], speculative=True)
+            assert len(_keys(store)) > len(keys)  # the old state is kept beside the new
+            if scale != 1.0:
+                for u in range(len(specs)):
+                    opt.rollback_unit(u)
+                assert _equal_states(_state(opt), before)
+                for u, spec in enumerate(specs):  # the values too, not only the fp32 master
+                    assert torch.equal(values_of(store, spec.values_key), before[u][1]["master"]
+                                       .to(dtype))
+                for u in range(len(specs)):
+                    opt.step_unit(u, grads[u], grad_scale=scale)
+            else:
+                for u in range(len(specs)):
+                    opt.commit_unit(u)
+            opt.finish_step()
+            assert len(_keys(store)) == len(keys)  # nothing kept once decided
+            for m, g in zip(masters, grads):
+                m.grad = g.float() * scale
+            opt_ref.step()
+        for (u, state), master, spec in zip(opt.iter_state(), masters, specs):
+            assert state["step"] == 3
+            assert torch.equal(state["master"], master), u
+            assert torch.equal(state["exp_avg"], opt_ref.state[master]["exp_avg"]), u
+            assert torch.equal(state["exp_avg_sq"], opt_ref.state[master]["exp_avg_sq"]), u
+            assert torch.equal(values_of(store, spec.values_key), master.to(dtype)), u
+
+
+def test_no_room_to_keep_the_old_state_changes_nothing(tmp_path):
+    """Everything in RAM (no NVMe to spill to) with a host budget that holds the state, the
+    values and their kept copy, and new versions of 2 of the 4 tiles: the third fails after
+    the values of the first two changed; step_unit returns False with the unit as it was."""
+    numel, block = 4 * TILE, 8192  # a tile (8000 bytes) takes a 4 KiB-aligned block
+    with TensorStore({"host": 4 * block + 2 * 2 * block + 2 * block + 4096}) as store:
+        store.put("unit0", torch.randn(numel), "host")
+        specs = [UnitSpec(numel, torch.float32, "unit0")]
+        opt = SwappedOptimizer(specs, store, tile_numel=TILE, state_tier=Tier.HOST, **HYPER)
+        keys, before = _keys(store), _state(opt)
+        grad = _grads(specs, 0)[0]
+        assert not opt.step_unit(0, grad, speculative=True)
+        assert _keys(store) == keys and _equal_states(_state(opt), before)
+        assert opt.step_unit(0, grad)  # stepped plainly, once the step is decided
+        opt.finish_step()
+
+
+def test_a_unit_spec_offset_is_rolled_back_in_its_slice_only(tmp_path, values_of):
+    """A rank owning a slice of a unit (ZeRO stages 1-2): the rollback restores that slice."""
+    with TensorStore({"host": 4 * MiB, "nvme": 8 * MiB}, nvme_path=tmp_path,
+                     aio_options={"block_size": 64 << 10}) as store:
+        whole = torch.randn(3000)
+        store.put("unit", whole, "nvme")
+        opt = SwappedOptimizer([UnitSpec(1000, torch.float32, "unit", 1500)], store,
+                               tile_numel=TILE, **HYPER)
+        assert opt.step_unit(0, torch.ones(1000), speculative=True)
+        assert not torch.equal(values_of(store, "unit"), whole)
+        opt.rollback_unit(0)
+        assert torch.equal(values_of(store, "unit"), whole)

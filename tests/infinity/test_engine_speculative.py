@@ -1,0 +1,210 @@
+"""The speculative overlapped step (issue 22; [Note: speculate, then validate] in
+infinity/engine/_overlap.py): with gradient clipping or fp16 the units are still stepped during
+backward, then committed or rolled back. Overlapped, the engine equals the stepped-after-backward
+engine bit for bit (clipping that acts and that does not, a NaN, an fp16 overflow, accumulation,
+state on NVMe and in RAM), and plain PyTorch within 1e-5; a refused step changes nothing."""
+
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import infinity
+from infinity.engine import StepPhase
+from infinity.engine._overlap import UnitStepper
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_engine import (  # noqa: E402
+    assert_parity,
+    config,
+    loss_of,
+    mlp,
+    mlp_batches,
+    train_reference,
+)
+
+OFFLOADS = [("nvme", "nvme"), ("cpu", "cpu")]
+FP16 = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
+
+
+@pytest.fixture
+def patient_worker(monkeypatch):
+    """Validation takes no unit out of the worker's queue: every unit handed over in backward
+    is stepped speculatively, however far behind the worker is (deterministic counts)."""
+    monkeypatch.setattr(UnitStepper, "withdraw", lambda self: None)
+
+
+def _engine(tmp_path, offload, overlap, **extra):
+    extra.setdefault("infinity", {})
+    extra["infinity"] = {"host_memory_budget": "1GB", **extra["infinity"],
+                         "overlap_optimizer": overlap}
+    path = tmp_path / ("overlapped" if overlap else "after")
+    path.mkdir(exist_ok=True)
+    engine = infinity.initialize(mlp(), config(path, *offload, **extra))
+    assert engine.overlap is overlap
+    return engine
+
+
+def _train(engine, batches, *, nan_at=(), half=False):
+    """Train on `batches`; the boundary micro-batches at `nan_at` get a NaN in the middle
+    Linear's weight gradient, their step is refused (checked: nothing changed) and dropped
+    with zero_grad(). Returns (losses, parameters)."""
+    losses = []
+    for k, ((x,), _) in enumerate(batches):
+        handle = None
+        if k in nan_at:
+            handle = engine.module[2].weight.register_hook(lambda g: g * float("nan"))
+        loss = loss_of(engine(x.half() if half else x).float())
+        engine.backward(loss)
+        losses.append(loss.item())
+        if k not in nan_at:
+            engine.step()
+            continue
+        assert engine.is_gradient_accumulation_boundary()
+        handle.remove()
+        counters = engine.counters
+        with pytest.raises(infinity.NonFiniteGradientError, match="non-finite gradient values"):
+            engine.step()
+        assert engine.phase is StepPhase.IDLE and engine.counters == counters
+        engine.zero_grad()
+        assert engine.phase is StepPhase.IDLE
+    return losses, dict(engine.named_parameters())
+
+
+def _identical(a, b):
+    (losses_a, values_a), (losses_b, values_b) = a, b
+    assert losses_a == losses_b
+    assert values_a.keys() == values_b.keys()
+    for name in values_a:
+        assert torch.equal(values_a[name], values_b[name]), name
+
+
+@pytest.mark.parametrize("offload", OFFLOADS)
+@pytest.mark.parametrize("clip", [0.05, 1e3])
+@pytest.mark.parametrize("gas", [1, 2])
+def test_speculated_steps_equal_the_step_after_backward(tmp_path, patient_worker, offload, clip,
+                                                        gas):
+    batches = mlp_batches(4 * gas)
+    runs, stats = {}, None
+    for overlap in (False, True):
+        engine = _engine(tmp_path, offload, overlap, gradient_clipping=clip,
+                         gradient_accumulation_steps=gas)
+        runs[overlap] = _train(engine, batches)
+        stats = engine.stats()["optimizer"]
+        engine.close()
+    _identical(runs[True], runs[False])
+    assert stats["units_speculated"] == stats["units_stepped_in_backward"] == 4 * 3
+    if clip == 0.05:  # the norm is always above it: every step rolled back and redone
+        assert stats["rollbacks"] == 4 and stats["units_rolled_back"] == 4 * 3
+    else:
+        assert stats["rollbacks"] == stats["units_rolled_back"] == 0
+    reference = mlp()
+    ref_losses = train_reference(reference, batches, gas=gas, clip=clip)
+    model = mlp()
+    model.load_state_dict(runs[True][1])
+    assert_parity(model, reference, runs[True][0], ref_losses)
+
+
+def test_a_worker_behind_backward_speculates_what_it_started(tmp_path):
+    """Without holding the worker: units not started when backward ends are taken out of its
+    queue and stepped once the step is validated; the result is the same."""
+    batches = mlp_batches(4)
+    runs = {}
+    for overlap in (False, True):
+        with _engine(tmp_path, ("nvme", "nvme"), overlap, gradient_clipping=0.05) as engine:
+            runs[overlap] = _train(engine, batches)
+            stats = engine.stats()["optimizer"]
+    _identical(runs[True], runs[False])
+    assert stats["units_rolled_back"] == stats["units_speculated"] <= 4 * 3
+
+
+@pytest.mark.parametrize("offload", OFFLOADS)
+@pytest.mark.parametrize("gas", [1, 2])
+def test_a_nan_in_one_unit_rolls_the_step_back_and_training_goes_on(tmp_path, patient_worker,
+                                                                     offload, gas):
+    batches = mlp_batches(4 * gas)
+    nan_at = {2 * gas - 1}  # the second step's boundary micro-batch
+    runs = {}
+    for overlap in (False, True):
+        with _engine(tmp_path, offload, overlap, gradient_clipping=1e3,
+                     gradient_accumulation_steps=gas) as engine:
+            runs[overlap] = _train(engine, batches, nan_at=nan_at)
+            stats, counters = engine.stats()["optimizer"], engine.counters
+    _identical(runs[True], runs[False])
+    # the first and last Linear were speculated (the middle one's step failed on the NaN)
+    assert counters.global_steps == 3 and stats["rollbacks"] == 1
+    assert stats["units_rolled_back"] == 2
+
+
+@pytest.mark.parametrize("offload", OFFLOADS)
+def test_an_fp16_overflow_rolls_the_step_back_and_skips_it(tmp_path, patient_worker, offload):
+    batches = mlp_batches(4)
+    runs = {}
+    for overlap in (False, True):
+        with _engine(tmp_path, offload, overlap, fp16=FP16, gradient_clipping=0.05) as engine:
+            losses, scales = [], []
+            for k, ((x,), _) in enumerate(batches):
+                handle = None
+                if k == 1:  # an overflow in the middle Linear's weight gradient only
+                    handle = engine.module[2].weight.register_hook(lambda g: g * float("inf"))
+                loss = loss_of(engine(x.half()).float())
+                engine.backward(loss)
+                engine.step()
+                if handle is not None:
+                    handle.remove()
+                losses.append(loss.item())
+                scales.append(engine.stats()["loss_scale"])
+            runs[overlap] = losses, dict(engine.named_parameters())
+            stats, counters = engine.stats()["optimizer"], engine.counters
+    _identical(runs[True], runs[False])
+    assert counters.skipped_steps == 1 and counters.global_steps == 4
+    assert scales == [2.0**8, 2.0**7, 2.0**7, 2.0**7]
+    # every step rolled back: three where clipping acts, one overflow (two units speculated)
+    assert stats["rollbacks"] == 4 and stats["units_speculated"] == 3 * 3 + 2
+
+
+def test_a_unit_with_no_room_to_speculate_is_stepped_after_validation(tmp_path, patient_worker,
+                                                                      caplog):
+    """The optimizer finds no room to keep a unit's old state (step_unit returns False): the
+    unit waits for validation, the others are speculated; the result is the same."""
+    batches = mlp_batches(3)
+    runs = {}
+    for overlap in (False, True):
+        with _engine(tmp_path, ("cpu", "cpu"), overlap, gradient_clipping=1e3) as engine:
+            def no_room_for_unit_1(u, grad, *, speculative=False, step_unit=engine.optimizer
+                                   .step_unit, **kw):
+                if speculative and u == 1:
+                    return False
+                return step_unit(u, grad, speculative=speculative, **kw)
+
+            engine.optimizer.step_unit = no_room_for_unit_1
+            with caplog.at_level(logging.WARNING, logger="infinity.engine._overlap"):
+                runs[overlap] = _train(engine, batches)
+            stats = engine.stats()["optimizer"]
+    _identical(runs[True], runs[False])
+    assert stats["units_speculated"] == 3 * 2 and stats["rollbacks"] == 0
+    assert "no room in the store to keep the state a speculative step" in caplog.text
+
+
+def test_overlap_optimizer_true_with_clipping_and_fp16_overlaps(tmp_path):
+    for extra in ({"gradient_clipping": 1.0}, {"fp16": FP16}):
+        with _engine(tmp_path, ("none", "none"), True, **extra) as engine:
+            assert engine.overlap
+
+
+def test_a_checkpoint_is_refused_while_units_are_speculated(tmp_path):
+    """Between a boundary backward and its step() the units hold a speculated state: a save
+    there is refused; after step() it holds the committed step."""
+    with _engine(tmp_path, ("nvme", "nvme"), True, gradient_clipping=0.05) as engine:
+        (x,), _ = mlp_batches(1)[0]
+        engine.backward(loss_of(engine(x)))
+        with pytest.raises(RuntimeError, match="save_checkpoint\\(\\) between a boundary"):
+            engine.save_checkpoint(tmp_path / "ckpt")
+        engine.step()
+        engine.save_checkpoint(tmp_path / "ckpt")
+        saved = dict(engine.named_parameters())
+    with _engine(tmp_path, ("nvme", "nvme"), False, gradient_clipping=0.05) as resumed:
+        resumed.load_checkpoint(tmp_path / "ckpt")
+        assert all(torch.equal(v, saved[n]) for n, v in resumed.named_parameters())
