@@ -7,7 +7,9 @@ skipped, saying why).
 
 import collections
 import errno
+import json
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -144,21 +146,106 @@ def readable_packages():
     shutil.rmtree(root)
 
 
-@pytest.fixture
-def run_unprivileged(readable_packages):
-    """Run Python code in a child that drops root (root ignores file permissions).
+# Imported by the unprivileged server before it drops root: nobody may read root's Python
+# installation, so what the snippets use must be loaded already (the union of their needs).
+_UNPRIVILEGED_PRELOAD = ("aio", "infinity", "infinity.store", "infinity.checkpoint",
+                         "infinity.cli.nvme_bench", "infinity.cli.train", "torch", "zarr",
+                         "tokenizers", "transformers.models.llama.modeling_llama",
+                         "transformers.tokenization_utils_tokenizers")
 
-    The code runs after `import aio, infinity` and the modules in `preload`, since nobody may
-    not read root's Python installation; our packages come from `readable_packages`.
+# Reads one request a line: {"code", "stdout", "stderr"}; runs the code in a fork of itself
+# (the imports done once), which drops root and writes its output to those files; answers the
+# fork's exit status, as a child process's return code.
+_UNPRIVILEGED_SERVER = r"""
+import importlib, json, os, sys, traceback
+for name in json.loads(sys.argv[1]):
+    importlib.import_module(name)
+print("ready", flush=True)
+for line in sys.stdin:
+    request = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+            os.dup2(os.open(path, os.O_WRONLY), fd)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        status = 0
+        try:
+            if os.geteuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            exec(compile(request["code"], "<unprivileged>", "exec"), {"__name__": "__main__"})
+        except SystemExit as exc:
+            if isinstance(exc.code, int) or exc.code is None:
+                status = exc.code or 0
+            else:
+                print(exc.code, file=sys.stderr)
+                status = 1
+        except BaseException:
+            traceback.print_exc()
+            status = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    _, wait_status = os.waitpid(pid, 0)
+    print(os.waitstatus_to_exitcode(wait_status), flush=True)
+"""
+
+
+@pytest.fixture(scope="session")
+def _unprivileged_server(readable_packages):
+    """One child that imports our packages (from `readable_packages`) and torch, transformers
+    once, and forks a fresh copy of itself for each snippet run_unprivileged runs."""
+    server = subprocess.Popen([sys.executable, "-c", _UNPRIVILEGED_SERVER,
+                               json.dumps(_UNPRIVILEGED_PRELOAD)], cwd=readable_packages,
+                              env={**os.environ, "PYTHONPATH": str(readable_packages)},
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert _answer(server, 300) == "ready"
+        yield server
+    finally:
+        server.stdin.close()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        server.stdout.close()
+
+
+def _answer(server: subprocess.Popen, timeout: float) -> str:
+    if not select.select([server.stdout], [], [], timeout)[0]:
+        server.kill()
+        raise subprocess.TimeoutExpired("unprivileged server", timeout)
+    line = server.stdout.readline()
+    assert line, f"the unprivileged server exited ({server.wait()})"
+    return line.strip()
+
+
+@pytest.fixture
+def run_unprivileged(_unprivileged_server, readable_packages):
+    """Run Python code as a user that is not root (root ignores file permissions): in a fork of
+    a child that dropped root there (nothing done if the tests do not run as root).
+
+    The code runs after `import os, sys` and the modules in _UNPRIVILEGED_PRELOAD (user nobody
+    may not read root's Python installation); our packages come from `readable_packages`.
+    `preload` names modules the code needs beyond the others: each must be in the list.
     """
+    server = _unprivileged_server
+
     def run(code: str, preload: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-        prologue = (
-            f"import os, sys, {', '.join(('aio', 'infinity', 'infinity.store', *preload))}\n"
-            "if os.geteuid() == 0:\n    os.setgid(65534); os.setuid(65534)\n"
-        )
-        return subprocess.run([sys.executable, "-c", prologue + code], capture_output=True,
-                              text=True, timeout=300, cwd=readable_packages,
-                              env={**os.environ, "PYTHONPATH": str(readable_packages)})
+        assert set(preload) <= set(_UNPRIVILEGED_PRELOAD), "add it to _UNPRIVILEGED_PRELOAD"
+        output = tempfile.mkdtemp(prefix="unprivileged-", dir=readable_packages)
+        paths = {name: os.path.join(output, name) for name in ("stdout", "stderr")}
+        for path in paths.values():
+            open(path, "w").close()
+        prologue = f"import os, sys, {', '.join(_UNPRIVILEGED_PRELOAD)}\n"
+        server.stdin.write(json.dumps({"code": prologue + code, **paths}) + "\n")
+        server.stdin.flush()
+        returncode = int(_answer(server, 300))
+        out, err = (open(path).read() for path in paths.values())
+        shutil.rmtree(output)
+        return subprocess.CompletedProcess(["<unprivileged>"], returncode, out, err)
 
     return run
 

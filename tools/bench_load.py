@@ -5,8 +5,8 @@ Example (from the repository root; the default is TinyLlama's shape, a 2.1 GB bf
     python -m tools.bench_load --path /tmp --window 256M --host-budget 800M
 
 The checkpoint is written tensor by tensor with safetensors (random bf16 values, one shard per
-layer) into a fresh directory under --path, removed at the end. Two child processes then report
-their peak RSS (VmHWM): one only imports and builds the model on meta (the baseline), one loads
+layer) into a fresh directory under --path, removed at the end. A child process then reports its
+peak RSS (VmHWM) after it imports and builds the model on meta (the baseline) and after it loads
 it into NVMe (parameters and optimizer state offloaded, bf16). The growth over the baseline is
 the window plus the store's host tier (docs/scale.md). One run each; the disk and page cache are
 shared with whatever else runs.
@@ -37,17 +37,14 @@ config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": what == "load
                                 "offload_param": {"device": "nvme", "nvme_path": nvme},
                                 "offload_optimizer": {"device": "nvme", "nvme_path": nvme}},
           "infinity": {"host_memory_budget": int(budget)}}
+build_on_meta(directory, torch.float32)  # the baseline: everything imported, the model on meta
+meta_peak = infinity.memory.peak_rss_bytes()
 start = time.perf_counter()
-out = {}
-if what == "meta":
-    build_on_meta(directory, torch.float32)
-else:
-    placed = infinity.models.load(directory, config, window=int(window)).infinity_placed
-    out = {"stored": sum(u.nbytes for u in placed.layout.units),
-           "host_tier": placed.store.budgets[infinity.store.Tier.HOST]}
-out["seconds"] = time.perf_counter() - start
-out["peak"] = infinity.memory.peak_rss_bytes()
-print(json.dumps(out))
+placed = infinity.models.load(directory, config, window=int(window)).infinity_placed
+print(json.dumps({"stored": sum(u.nbytes for u in placed.layout.units),
+                  "host_tier": placed.store.budgets[infinity.store.Tier.HOST],
+                  "seconds": time.perf_counter() - start, "meta_peak": meta_peak,
+                  "peak": infinity.memory.peak_rss_bytes()}))
 """
 
 
@@ -86,8 +83,9 @@ def write_checkpoint(directory: str, shape: dict[str, int], seed: int = 0) -> in
 
 def run_child(directory: str, nvme: str, what: str, *, window: int, host_budget: int,
               sub_group_size: int = 1 << 22) -> dict:
-    """Peak RSS (and, loading, stored bytes and host tier) of a child that builds the model on
-    meta (`what` "meta") or loads it ("load": fp32 parameters, "load-bf16": bf16)."""
+    """A child that builds the model on meta, then loads it ("load": fp32 parameters,
+    "load-bf16": bf16): its peak RSS after building ("meta_peak") and after loading ("peak"),
+    the stored bytes, the host tier and the load's seconds."""
     argv = [directory, nvme, what, str(window), str(host_budget), str(sub_group_size)]
     out = subprocess.run([sys.executable, "-c", _CHILD, *argv], capture_output=True, text=True,
                          timeout=1800,
@@ -118,17 +116,15 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint, nvme = os.path.join(scratch, "ckpt"), os.path.join(scratch, "nvme")
         os.makedirs(nvme)
         nbytes = write_checkpoint(checkpoint, shape)
-        base = run_child(checkpoint, nvme, "meta", window=args.window, host_budget=args.host_budget,
-                         sub_group_size=args.sub_group_size)
         run = run_child(checkpoint, nvme, "load-bf16", window=args.window,
                         host_budget=args.host_budget, sub_group_size=args.sub_group_size)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     mib = 1 << 20
-    growth = run["peak"] - base["peak"]
+    growth = run["peak"] - run["meta_peak"]
     print(f"checkpoint {nbytes / mib:.0f} MiB bf16, window {args.window / mib:.0f} MiB, host tier "
           f"{run['host_tier'] / mib:.0f} MiB")
-    print(f"peak RSS: {base['peak'] / mib:.0f} MiB building on meta, "
+    print(f"peak RSS: {run['meta_peak'] / mib:.0f} MiB building on meta, "
           f"{run['peak'] / mib:.0f} MiB loading "
           f"(+{growth / mib:.0f} MiB = host tier + {(growth - run['host_tier']) / mib:.0f} MiB)")
     print(f"load {run['seconds']:.1f} s ({nbytes / run['seconds'] / 1e6:.0f} MB/s of checkpoint, "

@@ -2,6 +2,8 @@
 uninterrupted one (fp32 and bf16, optimizer state in RAM or on NVMe, fp16 loss scaling, LR
 schedule); client_state comes back; a checkpoint without moments needs an explicit choice."""
 
+import inspect
+import json
 
 import pytest
 import torch
@@ -256,28 +258,30 @@ def test_a_deepspeed_checkpoint_converted_to_infinity_resumes_with_weights_and_m
         torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-7)
 
 
+LOAD_CONFIG = {"train_micro_batch_size_per_gpu": 1,
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+               "zero_optimization": {"stage": 3, "offload_param": {"device": "none"},
+                                     "offload_optimizer": {"device": "none"}}}
+
+
+def one_unit_of_96_mib() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Embedding(24 * 1024, 1024), torch.nn.Linear(1024, 16))
+
+
 LOAD_CHILD = r"""
-import sys
+import json, sys
 import torch
 import infinity
-MiB = 1 << 20
 def kib(field):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Embedding(24 * 1024, 1024), torch.nn.Linear(1024, 16))  # one 96 MiB unit
-engine = infinity.initialize(model, {
-    "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-    "zero_optimization": {"stage": 3, "offload_param": {"device": "none"},
-                          "offload_optimizer": {"device": "none"}}})
-if sys.argv[1] == "save":
-    engine.save_checkpoint(sys.argv[2])
-else:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak RSS (VmHWM) to what the engine holds before the load
-    base = kib("VmRSS")
-    engine.load_checkpoint(sys.argv[2])
-    print("GROWN", (kib("VmHWM") - base) * 1024)
+exec(sys.argv[1])  # one_unit_of_96_mib
+engine = infinity.initialize(one_unit_of_96_mib(), json.loads(sys.argv[2]))
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # reset the peak RSS (VmHWM) to what the engine holds before the load
+base = kib("VmRSS")
+engine.load_checkpoint(sys.argv[3])
+print("GROWN", (kib("VmHWM") - base) * 1024)
 engine.close()
 """
 
@@ -287,13 +291,13 @@ def test_a_load_holds_chunks_not_rows_or_copies_of_each_tensor(tmp_path):
     optimizer's tiles, one tile's segment at a time): peak growth is the reader's chunks in
     flight and the allocator's slack, less than one fp32 row of the 96 MiB unit. Measured on
     the development machine: 51-59 MiB; with load_state taking the unit's 3 fp32 rows whole
-    (the session before): 337 MiB; reading each tensor whole and then copying it: 432 MiB."""
-    def child(*args):
-        out = python_child(["-c", LOAD_CHILD, *args], timeout=300)
-        assert out.returncode == 0, out.stderr
-        return out.stdout
-
-    child("save", str(tmp_path / "run"))
-    grown = int(child("load", str(tmp_path / "run")).split("GROWN")[1])
+    (the session before): 337 MiB; reading each tensor whole and then copying it: 432 MiB.
+    The checkpoint is saved here; only the load, whose peak is measured, has a fresh child."""
+    with infinity.initialize(one_unit_of_96_mib(), LOAD_CONFIG) as engine:
+        engine.save_checkpoint(tmp_path / "run")
+    out = python_child(["-c", LOAD_CHILD, inspect.getsource(one_unit_of_96_mib),
+                        json.dumps(LOAD_CONFIG), str(tmp_path / "run")], timeout=300)
+    assert out.returncode == 0, out.stderr
+    grown = int(out.stdout.split("GROWN")[1])
     unit = 24 * 1024 * 1024 * 4
     assert grown <= unit, f"load grew {grown / (1 << 20):.0f} MiB"

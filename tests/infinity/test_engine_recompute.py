@@ -161,39 +161,43 @@ def test_a_config_without_the_section_leaves_the_settings_alone(tmp_path):
 
 
 _CHILD = r"""
-import json, os, sys
+import gc, json, os, sys
 import torch
 import infinity
-sys.path[:0] = [sys.argv[2], os.path.dirname(sys.argv[2])]  # this test module and tests/ (children)
+sys.path[:0] = [sys.argv[1], os.path.dirname(sys.argv[1])]  # this test module and tests/ (children)
 from test_engine_recompute import Stack, engine_config
 def status(field):
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) * 1024 for l in f if l.startswith(field + ":"))
-torch.manual_seed(0)
-model = Stack(width=128, hidden=1024, depth=12, dropout=0.0)
-model.recompute = {} if sys.argv[1] == "recompute" else None
-engine = infinity.initialize(model, engine_config(None, "none"))
-x = torch.randn(4096, 8)
-before = {"rss": status("VmRSS"), "hwm": status("VmHWM")}
-engine.backward(engine(x).square().mean())
-engine.step()
-print(json.dumps({**before, "peak": status("VmHWM")}))
+peaks = {}
+for mode in ("recompute", "plain"):  # the plain run second: anything the first left only lowers it
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS now
+    torch.manual_seed(0)
+    model = Stack(width=128, hidden=1024, depth=12, dropout=0.0)
+    model.recompute = {} if mode == "recompute" else None
+    engine = infinity.initialize(model, engine_config(None, "none"))
+    x = torch.randn(4096, 8)
+    before = {"rss": status("VmRSS"), "hwm": status("VmHWM")}
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    peaks[mode] = {**before, "peak": status("VmHWM")}
+    engine.close()
+    del model, engine, x
+print(json.dumps(peaks))
 """
-
-
-def _child_peak(mode: str) -> dict:
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # freed tensors go back to the OS at once
-    done = python_child(["-c", _CHILD, mode, os.path.dirname(__file__)], env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_recompute_lowers_the_peak_memory_of_a_step():
     """Twelve blocks whose activations (4096 rows x 1024 hidden, fp32: 16 MiB per tensor, about
     34 MiB kept per block) dominate the 13 MiB of parameters: peak RSS growth during one step,
-    each figure from a fresh child process."""
-    plain = _child_peak("plain")
-    again = _child_peak("recompute")
+    in one child process, its peak reset (/proc/self/clear_refs) before each run."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # freed tensors go back to the OS at once
+    done = python_child(["-c", _CHILD, os.path.dirname(__file__)], env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    peaks = json.loads(done.stdout.strip().splitlines()[-1])
+    plain, again = peaks["plain"], peaks["recompute"]
     plain_growth, again_growth = plain["peak"] - plain["rss"], again["peak"] - again["rss"]
     assert plain["peak"] > plain["hwm"], "the step, not initialize, sets the plain run's peak"
     assert plain_growth > 300 << 20, plain

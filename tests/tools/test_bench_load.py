@@ -1,4 +1,5 @@
-"""tools.bench_load: a tiny run prints the checkpoint, the peak RSS of both children and the speed."""
+"""tools.bench_load: a tiny run prints the checkpoint, the peak RSS before and after loading and
+the speed."""
 
 
 from tools import bench_load

@@ -5,14 +5,11 @@ continue bit-identically, bad input gives one line and exit 2 with nothing left 
 import json
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 import transformers
-from children import ROOT, child_env
 from safetensors.torch import load_file
 
 from infinity.checkpoint import CheckpointWriter
@@ -96,28 +93,6 @@ def test_lora_on_a_model_directory_repeats_exactly_with_the_same_seed(tmp_path, 
         assert code == 0, err
         losses[name] = [json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     assert losses["a"] == losses["b"] and losses["a"] != losses["c"]
-
-
-def interrupted_run(*args):
-    """Run infinity-train in a child, send it SIGINT once its first step is shown; (exit code,
-    stdout, stderr)."""
-    child = subprocess.Popen([sys.executable, "-m", "infinity.cli.train", *args], cwd=ROOT,
-                             env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        seen = b""
-        while b"loss" not in seen:  # however long start-up takes on a busy machine
-            chunk = child.stderr.read1(4096)
-            if not chunk:
-                break
-            seen += chunk
-        assert b"loss" in seen, seen
-        child.send_signal(signal.SIGINT)
-        out, err = child.communicate(timeout=240)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-    return child.returncode, out, err
 
 
 def test_a_second_ctrl_c_aborts_at_once_with_exit_130(capsys, monkeypatch):
@@ -247,23 +222,36 @@ def test_save_every_and_resume_equals_one_run(tmp_path, capsys):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
-def test_sigint_finishes_the_step_saves_exports_and_resume_continues(tmp_path, capsys):
-    """One child serves both claims: Ctrl-C finishes the step, saves a checkpoint, exports the
-    model and exits 0; --resume then continues from that checkpoint."""
+def test_sigint_finishes_the_step_saves_exports_and_resume_continues(tmp_path, capsys,
+                                                                      monkeypatch):
+    """Ctrl-C (SIGINT raised in this process during step 2's backward) finishes the step, saves
+    a checkpoint, exports the model and exits 0; --resume then continues from that checkpoint.
+    (A signal from another process: the SIGTERM test in test_train_runs.py.)"""
+    from infinity.engine._engine import Engine
+
+    backward, calls = Engine.backward, []
+
+    def backward_interrupted_in_step_2(engine, loss):
+        calls.append(engine.global_steps)
+        if engine.global_steps == 1 and calls.count(1) == 1:
+            signal.raise_signal(signal.SIGINT)
+        return backward(engine, loss)
+
+    monkeypatch.setattr(Engine, "backward", backward_interrupted_in_step_2)
     out_dir = tmp_path / "run"
-    code, out, err = interrupted_run("--steps", "2000", "--batch-size", "2", "--seq-len", "32",
-                                     "--output", str(out_dir))
+    code, out, err = run_main(capsys, "--steps", "2000", "--batch-size", "2", "--seq-len", "32",
+                              "--output", str(out_dir))
     assert code == 0, err
-    assert b"stopped early by Ctrl-C" in out
-    stopped = len(losses(out_dir))
-    assert f"last checkpoint {out_dir / 'checkpoints' / f'step{stopped}'} (continue".encode() in out
-    assert 1 <= stopped < 2000
-    assert (out_dir / "checkpoints" / "latest").read_text().strip() == f"step{stopped}"
+    assert "stopped early by Ctrl-C" in out
+    assert list(losses(out_dir)) == [1, 2]  # the step in progress was finished, no other begun
+    assert f"last checkpoint {out_dir / 'checkpoints' / 'step2'} (continue" in out
+    assert (out_dir / "checkpoints" / "latest").read_text().strip() == "step2"
     assert (out_dir / "model.safetensors.index.json").exists()
-    code, out, err = run_main(capsys, "--steps", str(stopped + 2), "--batch-size", "2", "--seq-len", "32",
+    monkeypatch.setattr(Engine, "backward", backward)
+    code, out, err = run_main(capsys, "--steps", "4", "--batch-size", "2", "--seq-len", "32",
                               "--output", str(out_dir), "--resume")
     assert code == 0, err
-    assert list(losses(out_dir)) == list(range(1, stopped + 3))
+    assert list(losses(out_dir)) == [1, 2, 3, 4]
 
 
 def test_checkpoint_options_bad_input(tmp_path, capsys):

@@ -6,11 +6,7 @@ adapter of the built-in model)."""
 import json
 import logging
 import math
-import os
-import pathlib
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,7 +17,6 @@ from infinity.train import data as train_data
 from infinity.train import report
 
 SMALL = ("--batch-size", "2", "--seq-len", "32")
-ROOT = str(pathlib.Path(__file__).resolve().parents[3])
 
 
 def run_main(capsys, *args):
@@ -216,16 +211,21 @@ def test_resume_takes_the_cached_tokens_and_names_a_changed_seq_len(tmp_path, ca
                                         "was made with --seq-len 32, this run has 16"), err
 
 
-def test_verbose_prints_the_config_line_once(tmp_path, tiny_hf_model):
+def test_verbose_prints_the_config_line_once(tmp_path, tiny_hf_model, capsys):
     """models.load reads the config twice on its way into initialize, which reads it again:
-    the config's line is printed once (it was three times)."""
-    done = subprocess.run([sys.executable, "-m", "infinity.cli.train", "--model",
-                           str(tiny_hf_model), "--steps", "1", *SMALL, "-v", "--nvme-path",
-                           str(tmp_path)],
-                          capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": ROOT})
-    assert done.returncode == 0, done.stderr
-    assert sum("config: filled" in line for line in done.stderr.splitlines()) == 1, done.stderr
+    the config's line is printed once (it was three times). The root logger starts as in a
+    fresh process (no handler), so -v's logging set-up is the one that prints."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    root.handlers.clear()
+    try:
+        code, _, err = run_main(capsys, "--model", tiny_hf_model, "--steps", "1", *SMALL, "-v",
+                                "--nvme-path", tmp_path)
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    assert code == 0, err
+    assert sum("config: filled" in line for line in err.splitlines()) == 1, err
 
 
 def test_an_adapter_of_the_built_in_model_comes_with_its_base(tmp_path, capsys):
