@@ -17,7 +17,12 @@ import tempfile
 import time
 
 import pytest
-import torch
+
+# What importing infinity before torch does ([Note: threads that wait] in infinity/__init__.py):
+# torch's OpenMP threads sleep when they wait instead of spinning on the cores the optimizer
+# worker, the I/O threads and the children of the tests need. test_threads.py sets its own.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch  # noqa: E402
 from children import ROOT, child_env
 
 # test parameter name (or "cuda" for tests marked requires_cuda) -> what it selects
