@@ -1,8 +1,9 @@
-"""No lost runs, through the installed infinity-train command in child processes: SIGTERM is
-Ctrl-C (finish the step, save, export, exit 0); one run per --output (a second is refused
-naming the first's PID, a dead one's lock is taken over); what a SIGKILLed run left is cleaned
-up by the next; an export killed midway leaves no model that looks complete, and --resume
-finishes it; --nvme-path inside --output is refused."""
+"""No lost runs: SIGTERM is Ctrl-C (finish the step, save, export, exit 0); one run per
+--output (a second is refused naming the first's PID, a dead one's lock is taken over); what a
+SIGKILLed run left is cleaned up by the next; an export killed midway leaves no model that
+looks complete, and --resume finishes it; --nvme-path inside --output is refused. The runs that
+are signalled, killed or hold a lock are the installed infinity-train command in child
+processes; the runs that meet what they left run in the test's process (`main`)."""
 
 import json
 import os
@@ -15,6 +16,8 @@ import textwrap
 
 import pytest
 from safetensors.torch import load_file
+
+from infinity.cli import train
 
 ROOT = str(pathlib.Path(__file__).resolve().parents[3])
 SMALL = ("--batch-size", "2", "--seq-len", "32")
@@ -33,6 +36,14 @@ def start(*args: str) -> subprocess.Popen:
 
 def run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run([*command(), *args], env=ENV, capture_output=True, timeout=timeout)
+
+
+def main(capsys, *args: str) -> subprocess.CompletedProcess:
+    """infinity-train in the test's process: (exit code, stdout, stderr) as a child's."""
+    capsys.readouterr()
+    code = train.main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out.encode(), err.encode())
 
 
 def first_step(child: subprocess.Popen) -> bytes:
@@ -80,17 +91,17 @@ def test_sigterm_finishes_the_step_saves_and_exports(tmp_path):
     assert os.listdir(tmp_path / "nvme") == []
 
 
-def test_a_second_run_on_the_same_output_is_refused_naming_the_first(tmp_path):
+def test_a_second_run_on_the_same_output_is_refused_naming_the_first(tmp_path, capsys):
     out = tmp_path / "run"
     first = start("--steps", "5000", *SMALL, "--output", str(out))
     try:
         first_step(first)
-        second = run("--steps", "1", *SMALL, "--output", str(out))
+        second = main(capsys, "--steps", "1", *SMALL, "--output", str(out))
         assert second.returncode == 2
         assert one_error_line(second.stderr) == (
             f"infinity-train: error: --output {out}: in use by another infinity-train run (PID "
             f"{first.pid}); wait for it or choose another --output")
-        resumed = run("--steps", "6000", *SMALL, "--output", str(out), "--resume")
+        resumed = main(capsys, "--steps", "6000", *SMALL, "--output", str(out), "--resume")
         assert resumed.returncode == 2 and f"(PID {first.pid})" in one_error_line(resumed.stderr)
         first.send_signal(signal.SIGTERM)
     finally:
@@ -99,7 +110,7 @@ def test_a_second_run_on_the_same_output_is_refused_naming_the_first(tmp_path):
     assert (out / "model.safetensors.index.json").exists()
 
 
-def test_what_a_killed_run_left_is_cleaned_up_by_the_next(tmp_path):
+def test_what_a_killed_run_left_is_cleaned_up_by_the_next(tmp_path, capsys):
     out, nvme = tmp_path / "run", tmp_path / "nvme"
     child = start("--steps", "5000", *SMALL, "--output", str(out), "--nvme-path", str(nvme))
     first_step(child)
@@ -109,19 +120,19 @@ def test_what_a_killed_run_left_is_cleaned_up_by_the_next(tmp_path):
     assert left == [".run.lock", f".run.partial-{child.pid}", "nvme"], left
     assert [p.name.startswith(f"infinity-train-{child.pid}-") for p in nvme.iterdir()] == [True]
     assert (tmp_path / ".run.lock").read_text().strip() == str(child.pid)  # a dead PID's lock
-    later = run("--steps", "1", *SMALL, "--output", str(out), "--nvme-path", str(nvme))
+    later = main(capsys, "--steps", "1", *SMALL, "--output", str(out), "--nvme-path", str(nvme))
     assert later.returncode == 0, later.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["nvme", "run"]
     assert os.listdir(nvme) == []
 
 
-def test_a_live_runs_scratch_directory_is_not_taken_for_a_dead_ones(tmp_path):
+def test_a_live_runs_scratch_directory_is_not_taken_for_a_dead_ones(tmp_path, capsys):
     nvme = tmp_path / "nvme"
     first = start("--steps", "5000", *SMALL, "--nvme-path", str(nvme))
     try:
         first_step(first)
         mine = os.listdir(nvme)
-        assert run("--steps", "1", *SMALL, "--nvme-path", str(nvme)).returncode == 0
+        assert main(capsys, "--steps", "1", *SMALL, "--nvme-path", str(nvme)).returncode == 0
         assert os.listdir(nvme) == mine  # still there, still in use
         first.send_signal(signal.SIGTERM)
     finally:
@@ -149,9 +160,9 @@ KILLED_IN_EXPORT = textwrap.dedent("""
 """)
 
 
-def test_an_export_killed_midway_is_finished_by_resume(tmp_path):
+def test_an_export_killed_midway_is_finished_by_resume(tmp_path, capsys):
     args = ("--steps", "2", *SMALL, "--save-every", "1", "--max-shard-size", "1M")
-    whole = run(*args, "--output", str(tmp_path / "whole"))
+    whole = main(capsys, *args, "--output", str(tmp_path / "whole"))
     assert whole.returncode == 0, whole.stderr
     out = tmp_path / "run"
     killed = subprocess.run([sys.executable, "-c", KILLED_IN_EXPORT, *args, "--output", str(out)],
@@ -159,9 +170,9 @@ def test_an_export_killed_midway_is_finished_by_resume(tmp_path):
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert (out / "checkpoints" / "latest").read_text().strip() == "step2"  # training was done
     assert not list(out.glob("model*"))  # no shard nor index where a loader would look
-    again = run(*args, "--output", str(tmp_path / "run"))
+    again = main(capsys, *args, "--output", str(tmp_path / "run"))
     assert again.returncode == 2 and "add --resume" in one_error_line(again.stderr)
-    resumed = run(*args, "--output", str(out), "--resume")
+    resumed = main(capsys, *args, "--output", str(out), "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert b"training was done at step 2: only the export ran" in resumed.stdout
     assert not (out / ".export.partial").exists()
@@ -170,15 +181,15 @@ def test_an_export_killed_midway_is_finished_by_resume(tmp_path):
     for shard in shards:
         a, b = load_file(out / shard), load_file(tmp_path / "whole" / shard)
         assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
-    done = run(*args, "--output", str(out), "--resume")  # exported: nothing is left to do
+    done = main(capsys, *args, "--output", str(out), "--resume")  # exported: nothing left
     assert done.returncode == 2 and "--steps 2 leaves nothing to do" in one_error_line(done.stderr)
 
 
 @pytest.mark.parametrize("where", ["{out}", "{out}/swap"])
-def test_nvme_path_inside_output_is_refused_at_start(tmp_path, where):
+def test_nvme_path_inside_output_is_refused_at_start(tmp_path, capsys, where):
     out = tmp_path / "run"
     nvme = where.format(out=out)
-    done = run("--steps", "1", "--output", str(out), "--nvme-path", nvme)
+    done = main(capsys, "--steps", "1", "--output", str(out), "--nvme-path", nvme)
     assert done.returncode == 2
     assert one_error_line(done.stderr) == (
         f"infinity-train: error: --nvme-path {nvme}: inside --output {out}; put the NVMe files "
