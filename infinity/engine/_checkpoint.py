@@ -1,4 +1,5 @@
-"""Engine.save_checkpoint / load_checkpoint over the Infinity checkpoint format (infinity.checkpoint).
+"""Engine.save_checkpoint / load_checkpoint over the Infinity checkpoint format
+(infinity.checkpoint).
 
 What a checkpoint of an engine holds, by parameter name (so it does not depend on how the
 parameters were grouped into units, and any rank count can read its share):
@@ -93,7 +94,8 @@ def save_checkpoint(engine: Engine, directory: str | Path, tag: str | None = Non
         raise
     done = sink.commit()
     _agree(engine, sink.error, "checkpoint committed",  # only rank 0 writes
-           lambda rank, message: f"rank {rank} could not write checkpoint {tag!r} under {directory}: {message}")
+           lambda rank, message: (f"rank {rank} could not write checkpoint {tag!r} under "
+                                  f"{directory}: {message}"))
     if ranks.rank != 0:
         done.set_result(Path(directory) / tag)
     return done
@@ -146,7 +148,8 @@ class _RankZeroSink:
         except BaseException as exc:
             if not self.keep_going or not isinstance(exc, Exception):
                 raise
-            logger.error("checkpoint write failed on rank 0 (the ranks finish the save, then all raise): %s", exc)
+            logger.error("checkpoint write failed on rank 0 (the ranks finish the save, then all "
+                         "raise): %s", exc)
             self.error = exc
 
 
@@ -181,14 +184,17 @@ def load_checkpoint(engine: Engine, directory: str | Path, tag: str | None = Non
     except Exception as exc:
         error = exc
     _agree(engine, error, "checkpoint loaded",
-           lambda rank, message: f"rank {rank} could not load the checkpoint from {directory}: {message}")
+           lambda rank, message: (f"rank {rank} could not load the checkpoint from {directory}: "
+                                  f"{message}"))
     return client_state
 
 
-def _agree(engine: Engine, error: BaseException | None, what: str, failure: Callable[[int, str], str]) -> None:
+def _agree(engine: Engine, error: BaseException | None, what: str,
+           failure: Callable[[int, str], str]) -> None:
     """Every rank learns whether every rank succeeded at `what`: this rank's own error is raised
     as it is, else a CheckpointError (`failure(rank, message)`) for the first rank that failed."""
-    failures = engine.ranks.all_gather_object(None if error is None else f"{type(error).__name__}: {error}", what)
+    failures = engine.ranks.all_gather_object(
+        None if error is None else f"{type(error).__name__}: {error}", what)
     if error is not None:
         raise error
     failed = [(rank, message) for rank, message in enumerate(failures) if message is not None]
@@ -223,8 +229,8 @@ def _load(engine: Engine, directory: str | Path, tag: str | None, load_optimizer
         if isinstance(reader.metadata.get(key), int)}
     step = int(saved.get("optimizer_step") or 0)
     if not has_moments:
-        logger.warning("checkpoint %s: no optimizer moments; Adam starts from zero moments at step 0",
-                       reader.path)
+        logger.warning("checkpoint %s: no optimizer moments; Adam starts from zero moments at "
+                       "step 0", reader.path)
         step = 0
     engine.optimizer.load_state(_optimizer_states(engine, reader, names, step, has_moments))
     _restore_counters(engine, saved)
@@ -314,9 +320,11 @@ def _metadata(engine: Engine, client_state: dict[str, Any] | None) -> dict[str, 
     generation = getattr(engine.module, "generation_config", None)
     return {
         "engine": {**dataclasses.asdict(engine.counters),
-                   "world_size": engine.ranks.world, "zero_stage": engine.config.zero_optimization.stage,
+                   "world_size": engine.ranks.world,
+                   "zero_stage": engine.config.zero_optimization.stage,
                    "optimizer_step": engine.optimizer.completed_steps, "lr": engine.optimizer.lr,
-                   "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None},
+                   "loss_scaler": (engine.scaler.state_dict() if engine.scaler is not None
+                                   else None)},
         "config": json.loads(json.dumps(dataclasses.asdict(engine.config), default=str))
         if dataclasses.is_dataclass(engine.config) else str(engine.config),
         "client_state": client_state or {},

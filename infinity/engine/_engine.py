@@ -97,12 +97,13 @@ class Engine:
             build_lr_schedule(config.scheduler, optimizer_lr=adam.lr)  # its errors come first
         self.ranks = Ranks.from_environment(timeout_s=config.infinity.collective_timeout)
         if self.ranks.world != config.world_size:
-            raise ConfigError(f"the config was loaded for world_size {config.world_size} but this job has "
-                              f"{self.ranks.world} ranks: load it with load_config(..., world_size="
-                              f"{self.ranks.world}) or use infinity.initialize")
+            raise ConfigError(f"the config was loaded for world_size {config.world_size} but this "
+                              f"job has {self.ranks.world} ranks: load it with load_config(..., "
+                              f"world_size={self.ranks.world}) or use infinity.initialize")
         self.partition = Partition(self.ranks, zero.stage)
         self.precision, self.device = choose_model_precision(config)
-        placed = take_placed(model, config, self.precision, self.device,  # see [Note: placed models]
+        # see [Note: placed models]
+        placed = take_placed(model, config, self.precision, self.device,
                              sharded_params=self.partition.params)
         deferred = placed is None and is_deferred(model)  # built under zero.Init
         if placed is None:
@@ -116,10 +117,12 @@ class Engine:
         threshold = _mmap_threshold(config, self.plan)
         if threshold is not None:
             set_mmap_threshold(threshold)
-        self.overlap = optimizer_overlaps(config, self.device)  # its errors before anything is opened
+        # its errors before anything is opened
+        self.overlap = optimizer_overlaps(config, self.device)
         self.ranks.check_same(_fingerprint(config, self.units), "the config or the model's layout")
         self.timeline = Timeline(time.perf_counter())
-        self.store = open_store(layout, config, rank=self.ranks.rank) if placed is None else placed.store
+        self.store = (open_store(layout, config, rank=self.ranks.rank) if placed is None
+                      else placed.store)
         self.coordinator: ParamCoordinator | None = None
         self._hooks: ModelHooks | None = None
         self._stepper: OverlappedStep | None = None  # the overlapped step, when overlapping
@@ -127,8 +130,8 @@ class Engine:
         try:
             partition = self.partition if self.ranks.world > 1 else None
             if deferred:  # see [Note: deferred parameters]
-                create_units(model, self.units, self.store, home=self.plan.param_home, device=self.device,
-                             partition=partition)
+                create_units(model, self.units, self.store, home=self.plan.param_home,
+                             device=self.device, partition=partition)
             elif placed is None:
                 place_units(self.units, self.store, home=self.plan.param_home, device=self.device,
                             partition=partition)
@@ -136,7 +139,8 @@ class Engine:
                 u.grad = self.ranked.make_grad(u, self.store, self.plan.grads_tier)
             self.coordinator = ParamCoordinator(
                 self.units, self.store, fetch_tier=self.plan.fetch_tier, device=self.device,
-                prefetch_numel=self.plan.prefetch_numel, max_live_numel=zero.stage3_max_live_parameters,
+                prefetch_numel=self.plan.prefetch_numel,
+                max_live_numel=zero.stage3_max_live_parameters,
                 max_reuse_numel=zero.stage3_max_reuse_distance, on_grads_final=self._grads_final,
                 gather=self.ranks if self.partition.params else None, ready=self._unit_ready)
             self._hooks = ModelHooks(model, self.units, uses, self.coordinator)
@@ -204,11 +208,13 @@ class Engine:
         the config left to it ("auto"): the first dimension of the first tensor argument."""
         self._check_open()
         if self.config.batch_pending:
-            first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.dim()), None)
+            first = next((a for a in (*args, *kwargs.values())
+                          if isinstance(a, torch.Tensor) and a.dim()), None)
             if first is not None:
                 self.config = self.config.with_micro_batch(int(first.shape[0]))
                 logger.info("batch sizes from the first batch: micro %d, train %d",
-                            self.config.train_micro_batch_size_per_gpu, self.config.train_batch_size)
+                            self.config.train_micro_batch_size_per_gpu,
+                            self.config.train_batch_size)
         with self.timeline.region("forward", "compute"):
             return self.module(*args, **kwargs)
 
@@ -526,7 +532,8 @@ class Engine:
     def _log_and_schedule(self) -> None:
         if self.global_steps % self.config.steps_per_print == 0:
             p = self.coordinator.stats
-            logger.info("step %d: lr %.3g, grad norm %s, prefetch hits %d, on demand %d, stall %.2f s",
+            logger.info("step %d: lr %.3g, grad norm %s, prefetch hits %d, on demand %d, "
+                        "stall %.2f s",
                         self.global_steps, self.optimizer.lr,
                         "n/a" if self.last_grad_norm is None else f"{self.last_grad_norm:.4g}",
                         p.prefetch_hits, p.on_demand, p.stall_s)
@@ -582,7 +589,8 @@ class Engine:
     def get_lr(self) -> list[float]:
         return [float(self.optimizer.lr)]
 
-    def named_parameters(self, select: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_parameters(self, select: Callable[[str], bool] | None = None
+                         ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (name, a copy of its current values in the stored dtype) for the parameters
         `select` accepts (all without it), one unit at a time: at most one unit's values are
         held here, and a unit with no selected parameter is not read."""

@@ -28,4 +28,5 @@ class ParamSpec:
 
 def parameter_specs(engine: Engine) -> list[ParamSpec]:
     """Every parameter in the order `Engine.named_parameters` yields them; no I/O."""
-    return [ParamSpec(s.name, s.shape, u.dtype, u.requires_grad) for u in engine.units for s in u.slots]
+    return [ParamSpec(s.name, s.shape, u.dtype, u.requires_grad)
+            for u in engine.units for s in u.slots]

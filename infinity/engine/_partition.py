@@ -70,7 +70,8 @@ class RankedUnits:
             return grad[shard.start:shard.stop]
         return grad
 
-    def make_grad(self, unit: FetchUnit, store: TensorStore, grads_tier: Tier | None) -> GradBuffer | None:
+    def make_grad(self, unit: FetchUnit, store: TensorStore,
+                  grads_tier: Tier | None) -> GradBuffer | None:
         """The unit's gradient buffer (None: the coordinator makes a RAM one when needed)."""
         scatter = self.ranks if self.partition.grads else None
         numel = self.ranks.shard(unit.numel).numel if scatter is not None else unit.numel
@@ -165,5 +166,6 @@ class RankedUnits:
         if not self.partition.state:
             return 0, unit.numel, unit.numel
         shard = self.ranks.shard(unit.numel)
-        return shard.start, shard.real_numel, shard.numel if self.partition.params else shard.real_numel
+        return (shard.start, shard.real_numel,
+                shard.numel if self.partition.params else shard.real_numel)
 

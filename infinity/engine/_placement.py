@@ -53,9 +53,11 @@ class Placed:
 def choose_model_precision(config: Config) -> tuple[Precision, torch.device]:
     """The precision plan and compute device for `config` on this machine."""
     accelerator = torch.cuda.is_available()
-    device = torch.device("cuda", torch.cuda.current_device()) if accelerator else torch.device("cpu")
+    device = (torch.device("cuda", torch.cuda.current_device()) if accelerator
+              else torch.device("cpu"))
     precision = choose_precision(
-        fp16=config.fp16.enabled, bf16=config.bf16.enabled, compute_dtype=config.infinity.compute_dtype,
+        fp16=config.fp16.enabled, bf16=config.bf16.enabled,
+        compute_dtype=config.infinity.compute_dtype,
         accelerator=accelerator, bf16_units=cpu_has_bf16_units())
     return precision, device
 
@@ -84,7 +86,8 @@ def optimizer_overlaps(config: Config, device: torch.device) -> bool:
     if asked != "auto":
         return asked
     zero = config.zero_optimization
-    uses_nvme = (zero.stage == 3 and zero.offload_param.device == "nvme") or zero.offload_optimizer.device == "nvme"
+    uses_nvme = ((zero.stage == 3 and zero.offload_param.device == "nvme")
+                 or zero.offload_optimizer.device == "nvme")
     return device.type != "cpu" or uses_nvme
 
 
@@ -125,8 +128,8 @@ def open_store(layout: Layout, config: Config, *, rank: int = 0) -> TensorStore:
     nvme_path = zero.offload_param.nvme_path if layout.plan.param_home == Tier.NVME else None
     nvme_path = nvme_path or zero.offload_optimizer.nvme_path
     aio_options = {**config.aio.handle_options(), "backend": config.infinity.aio_backend}
-    return TensorStore(layout.plan.budgets, nvme_path=nvme_path, device=layout.device, aio_options=aio_options,
-                       rank=rank)
+    return TensorStore(layout.plan.budgets, nvme_path=nvme_path, device=layout.device,
+                       aio_options=aio_options, rank=rank)
 
 
 def take_placed(model: torch.nn.Module, config: Config, precision: Precision,
@@ -142,9 +145,9 @@ def take_placed(model: torch.nn.Module, config: Config, precision: Precision,
     if placed is None:
         return None
     if sharded_params:
-        raise ConfigError(f"zero_optimization.stage 3 with {config.world_size} ranks cannot adopt a model from "
-                          "infinity.models.load (its store holds whole units, stage 3 keeps one shard per "
-                          "rank): use stage 0-2, or one rank")
+        raise ConfigError(f"zero_optimization.stage 3 with {config.world_size} ranks cannot adopt "
+                          "a model from infinity.models.load (its store holds whole units, stage 3 "
+                          "keeps one shard per rank): use stage 0-2, or one rank")
     layout = placed.layout
     zero = config.zero_optimization
     persistence = zero.stage3_param_persistence_threshold if zero.stage == 3 else 1 << 62
@@ -155,9 +158,11 @@ def take_placed(model: torch.nn.Module, config: Config, precision: Precision,
              "parameter home": (plan.param_home, layout.plan.param_home),
              "optimizer state tier": (plan.state_tier, layout.plan.state_tier),
              "gradient home": (plan.grads_tier, layout.plan.grads_tier)}
-    differ = [f"{what} {now} (loaded with {then})" for what, (now, then) in found.items() if now != then]
+    differ = [f"{what} {now} (loaded with {then})"
+              for what, (now, then) in found.items() if now != then]
     if differ:
-        raise ConfigError("this model was loaded into the store under another config; initialize it "
-                          "with the config given to infinity.models.load. Differs: " + "; ".join(differ))
+        raise ConfigError("this model was loaded into the store under another config; initialize "
+                          "it with the config given to infinity.models.load. Differs: "
+                          + "; ".join(differ))
     del model.infinity_placed
     return placed

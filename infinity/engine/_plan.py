@@ -2,8 +2,9 @@
 checked at initialize (never mid-step).
 
 [Note: memory plan] Host RAM holds, beside the store's host tier, one gradient per trained
-unit (compute dtype: autograd's tensors held, or a flat buffer; infinity/zero/grads.py). The host tier holds the parameters whose home is the host, else a
-working set of parameters (resident units, three of the largest unit, the prefetch bucket),
+unit (compute dtype: autograd's tensors held, or a flat buffer; infinity/zero/grads.py). The
+host tier holds the parameters whose home is the host, else a working set of parameters
+(resident units, three of the largest unit, the prefetch bucket),
 plus the Adam state (8 B/element, 12 with the fp32 master of a low-precision unit; fewer in a
 compressed `infinity.optimizer_state`: `StateFormat.bytes_per_element`) for
 offload_optimizer "cpu" or "none" (the optimizer runs on the CPU either way), else a few
@@ -88,7 +89,8 @@ class _Share:
         largest = max(u.numel * u.compute_dtype.itemsize for u in units)
         nbytes = 0
         if stage == 3:
-            nbytes += sum(u.numel * u.compute_dtype.itemsize for u in units if u.persistent) + 2 * largest
+            nbytes += (sum(u.numel * u.compute_dtype.itemsize for u in units if u.persistent)
+                       + 2 * largest)
         if stage >= 2:
             nbytes += largest
         if stage in (1, 2):

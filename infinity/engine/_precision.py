@@ -28,7 +28,8 @@ def cpu_has_bf16_units(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """True when the CPU advertises AVX512-BF16 or AMX-BF16 (False where it cannot be read)."""
     try:
         with open(cpuinfo) as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+            flags = next((line.split(":", 1)[1].split() for line in f
+                          if line.startswith("flags")), [])
     except OSError:
         return False
     return any(flag in flags for flag in _BF16_CPU_FLAGS)
@@ -56,5 +57,6 @@ def choose_precision(*, fp16: bool, bf16: bool, compute_dtype: str, accelerator:
     logger.info("bf16 parameters compute in %s (%s)", "fp32" if upcast else "bf16",
                 "infinity.compute_dtype" if compute_dtype != "auto" else
                 "accelerator" if accelerator else
-                "CPU has bf16 units" if bf16_units else "CPU has no bf16 units: bf16 matmul is slow here")
+                "CPU has bf16 units" if bf16_units else
+                "CPU has no bf16 units: bf16 matmul is slow here")
     return Precision(torch.float32, torch.bfloat16) if upcast else Precision(torch.bfloat16, None)

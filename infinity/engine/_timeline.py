@@ -55,7 +55,8 @@ class Timeline:
             events.append({"name": r.name, "cat": r.lane, "ph": "X", "pid": 2, "tid": tid,
                            "ts": (r.start - self.t0) * 1e6, "dur": (r.end - r.start) * 1e6})
         for lane, tid in lanes.items():
-            events.append({"name": "thread_name", "ph": "M", "pid": 2, "tid": tid, "args": {"name": lane}})
+            events.append({"name": "thread_name", "ph": "M", "pid": 2, "tid": tid,
+                           "args": {"name": lane}})
         events.append({"name": "process_name", "ph": "M", "pid": 2, "args": {"name": "engine"}})
         tmp = f"{os.fspath(path)}.tmp"
         with open(tmp, "w") as f:

@@ -209,7 +209,8 @@ class AdamKernel:
             raise ValueError(f"step must be an int >= 1 (the step being taken), got {step!r}")
         check_hyperparameters(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
         if not math.isfinite(grad_scale):
-            raise ValueError(f"grad_scale must be finite, got {grad_scale}; skip the step on overflow")
+            raise ValueError(f"grad_scale must be finite, got {grad_scale}; "
+                             "skip the step on overflow")
         threads = check_threads(pool.threads if threads is None and pool is not None else threads)
         resolve_isa(isa)
         self._pool = pool
@@ -224,7 +225,8 @@ class AdamKernel:
                  exp_avg_sq: torch.Tensor, out_lowp: torch.Tensor | None = None) -> None:
         """Update param, exp_avg, exp_avg_sq (and out_lowp) in place from grad."""
         _check(lib.inf_adam_step(
-            self._params, ffi.cast("float *", param.data_ptr()), ffi.cast("void *", grad.data_ptr()),
+            self._params, ffi.cast("float *", param.data_ptr()),
+            ffi.cast("void *", grad.data_ptr()),
             GRAD_DTYPES[grad.dtype], ffi.cast("float *", exp_avg.data_ptr()),
             ffi.cast("float *", exp_avg_sq.data_ptr()),
             ffi.NULL if out_lowp is None else ffi.cast("void *", out_lowp.data_ptr()),

@@ -31,7 +31,8 @@ def run(function: Callable[..., Any], *args: Any, use_reentrant: bool = False) -
     """
     settings = _settings.settings()
     device = accelerator_of(args)
-    offload = HostOffload(device, pin=True) if settings.cpu_checkpointing and device is not None else None
+    offload = (HostOffload(device, pin=True) if settings.cpu_checkpointing and device is not None
+               else None)
     sync = settings.synchronize_checkpoint_boundary and device is not None and device.type == "cuda"
     timed = _with_boundaries(function, sync=sync, profile=settings.profile)
     return run_with(timed, args, use_reentrant=use_reentrant, offload=offload)
@@ -51,7 +52,8 @@ def run_with(function: Callable[..., Any], args: tuple, *, use_reentrant: bool,
                                            use_reentrant=True)
 
 
-def _with_boundaries(function: Callable[..., Any], *, sync: bool, profile: bool) -> Callable[..., Any]:
+def _with_boundaries(function: Callable[..., Any], *, sync: bool,
+                     profile: bool) -> Callable[..., Any]:
     """`function`, synchronising the accelerator around it and timing it as configured; its
     first run is the forward, later ones are recomputes."""
     if not sync and not profile:

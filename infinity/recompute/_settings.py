@@ -33,7 +33,8 @@ _settings: ActivationCheckpointingConfig | None = None
 _timings = Timings()
 
 
-def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activations: bool | None = None,
+def configure(mpu_: Any = None, deepspeed_config: Any = None,
+              partition_activations: bool | None = None,
               contiguous_checkpointing: bool | None = None, num_checkpoints: int | None = None,
               checkpoint_in_cpu: bool | None = None, synchronize: bool | None = None,
               profile: bool | None = None) -> ActivationCheckpointingConfig:
@@ -95,7 +96,8 @@ def _section(deepspeed_config: Any) -> ActivationCheckpointingConfig:
     if isinstance(deepspeed_config, (Config, dict, str, os.PathLike)):
         return load_config(deepspeed_config).activation_checkpointing
     raise TypeError(f"configure(deepspeed_config=...) takes a DeepSpeed config (dict, JSON path, "
-                    f"Config) or an ActivationCheckpointingConfig, got {type(deepspeed_config).__name__}")
+                    f"Config) or an ActivationCheckpointingConfig, got "
+                    f"{type(deepspeed_config).__name__}")
 
 
 def _log_without_effect(settings: ActivationCheckpointingConfig, mpu_: Any) -> None:
