@@ -398,7 +398,8 @@ def tiny_hf_model(tmp_path_factory):
     byte_tokenizer().save_pretrained(directory)
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2,
                                       max_position_embeddings=64, tie_word_embeddings=False,
                                       bos_token_id=256, eos_token_id=257)
     transformers.LlamaForCausalLM(config).save_pretrained(directory)

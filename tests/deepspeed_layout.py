@@ -155,15 +155,19 @@ def _write_swap_files(directory, rank, sub_groups, ds_ids, flat):
         ident = f"{ds_ids[names[0]]}_{ds_ids[names[-1]]}"
         for kind, prefix in (("fp32", ""), ("exp_avg", "exp_avg-"), ("exp_avg_sq", "exp_avg_sq-")):
             data = flat[kind][i]
-            _padded(data, math.ceil(data.numel() / 256) * 256).numpy().tofile(folder / f"{prefix}{ident}.tensor.swp")
-        (folder / f"{ident}_gradient_0_8.tensor.swp").write_bytes(b"g" * 32)  # DeepSpeed skips these
+            _padded(data, math.ceil(data.numel() / 256) * 256).numpy().tofile(
+                folder / f"{prefix}{ident}.tensor.swp")
+        # DeepSpeed skips these
+        (folder / f"{ident}_gradient_0_8.tensor.swp").write_bytes(b"g" * 32)
 
 
 def _write_stage3(directory, params, frozen, module, common, n, sub_group_numel, prefix,
                   scaler, stage, nvme_offload):
     sub_groups: list[list[str]] = [[]]
     for name, weight in params.items():  # DeepSpeed cuts sub-groups by sub_group_size
-        if sub_groups[-1] and sum(params[k].numel() for k in sub_groups[-1]) + weight.numel() > sub_group_numel:
+        if (sub_groups[-1]
+                and sum(params[k].numel() for k in sub_groups[-1]) + weight.numel()
+                > sub_group_numel):
             sub_groups.append([])
         sub_groups[-1].append(name)
     ds_ids = {name: 3 + 2 * i for i, name in enumerate(params)}  # grow in parameter order
@@ -177,12 +181,15 @@ def _write_stage3(directory, params, frozen, module, common, n, sub_group_numel,
         placeholders = {k: (torch.empty(0, dtype=v.dtype) if k in params or k in frozen or
                             k in common["shared_params"] else v) for k, v in module.items()}
         model_states = {**common, "module": placeholders,
-                        "param_shapes": [OrderedDict((k, params[k].shape) for k in g) for g in sub_groups],
+                        "param_shapes": [OrderedDict((k, params[k].shape) for k in g)
+                                         for g in sub_groups],
                         "frozen_param_shapes": OrderedDict((k, v.shape) for k, v in frozen.items()),
-                        "frozen_param_fragments": OrderedDict((k, share(v, rank)) for k, v in frozen.items())}
+                        "frozen_param_fragments": OrderedDict((k, share(v, rank))
+                                                              for k, v in frozen.items())}
         torch.save(model_states, directory / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
         flat = {kind: [torch.cat([share(source(params[k]), rank) for k in g]) for g in sub_groups]
-                for kind, source in (("fp32", lambda w: w), ("exp_avg", lambda w: moments(w)["exp_avg"]),
+                for kind, source in (("fp32", lambda w: w),
+                                     ("exp_avg", lambda w: moments(w)["exp_avg"]),
                                      ("exp_avg_sq", lambda w: moments(w)["exp_avg_sq"]))}
         moment_ids = {"exp_avg": "exp_avg-", "exp_avg_sq": "exp_avg_sq-"}
         if nvme_offload:  # swapped out: empty placeholders keeping their ds_id, data in swap files
@@ -202,7 +209,8 @@ def _write_stage3(directory, params, frozen, module, common, n, sub_group_numel,
 def _write_stage12(directory, params, frozen, module, common, n, stage, groups, prefix, scaler, ds):
     model_states = {**common, "module": module,
                     "param_shapes": [OrderedDict((k, params[k].shape) for k in g) for g in groups],
-                    "frozen_param_shapes": OrderedDict((k, v.shape) for k, v in frozen.items()) if stage == 2 else None,
+                    "frozen_param_shapes": (OrderedDict((k, v.shape) for k, v in frozen.items())
+                                            if stage == 2 else None),
                     "frozen_param_fragments": OrderedDict(frozen) if stage == 2 else None}
     torch.save(model_states, directory / "mp_rank_00_model_states.pt")
     flats, paddings = {}, []
@@ -212,11 +220,13 @@ def _write_stage12(directory, params, frozen, module, common, n, stage, groups, 
         for g in groups:
             numel = sum(params[k].numel() for k in g)
             aligned = math.ceil(numel / (2 * n)) * 2 * n  # nccl_start_alignment_factor * world size
-            flats[kind].append(_padded(torch.cat([source(params[k]).reshape(-1) for k in g]), aligned))
+            flats[kind].append(_padded(torch.cat([source(params[k]).reshape(-1) for k in g]),
+                                       aligned))
             if kind == "fp32":
                 paddings.append(aligned - numel)
     for rank in range(n):
-        parts = {kind: [f[rank * (f.numel() // n):(rank + 1) * (f.numel() // n)].clone() for f in fs]
+        parts = {kind: [f[rank * (f.numel() // n):(rank + 1) * (f.numel() // n)].clone()
+                        for f in fs]
                  for kind, fs in flats.items()}
         group_paddings = [pad if rank == n - 1 else 0 for pad in paddings]
         slice_mappings = []

@@ -70,7 +70,8 @@ def _owner(key: str, layers: dict[str, set[str]]) -> str | None:
 
 
 def _module_key(path: pathlib.Path, root: pathlib.Path) -> str:
-    """infinity/store/moves.py -> "infinity.store.moves"; infinity/__init__.py -> "infinity.__init__"."""
+    """infinity/store/moves.py -> "infinity.store.moves";
+    infinity/__init__.py -> "infinity.__init__"."""
     return ".".join(path.relative_to(root).with_suffix("").parts)
 
 
@@ -247,7 +248,8 @@ SYNTHETIC_CLEAN = {
     "infinity/memory/arena.py": "from ..errors import BudgetError\nfrom ._backing import x\n",
     "infinity/memory/_backing.py": "from infinity.memory import _move\n",
     "infinity/memory/_move.py": "",
-    "infinity/store/__init__.py": "from infinity import errors\nfrom infinity.memory import arena\n",
+    "infinity/store/__init__.py": "from infinity import errors\n"
+                                  "from infinity.memory import arena\n",
     "infinity/storage/__init__.py": "import importlib\nimportlib.import_module('infinity.store')\n",
     "tools/__init__.py": "import infinity.store\nimport aio\n",
 }
@@ -275,7 +277,8 @@ SYNTHETIC_CLEAN = {
     ("infinity/store/up.py", "from ..memory import _move\n", "private module of infinity.memory"),
     ("infinity/store/up.py", "import aio._native\n", "private module of aio"),
 ], ids=["upward", "relative-upward", "relative-from-package", "importlib", "import_module-relative",
-        "dunder-import", "import_module-keyword", "prefix-without-dot", "aio-knows-no-infinity", "front-door",
+        "dunder-import", "import_module-keyword", "prefix-without-dot", "aio-knows-no-infinity",
+        "front-door",
         "unlisted-package", "unlisted-module", "missing-module", "private-module",
         "private-module-relative", "private-module-of-aio"])
 def test_layering_checker_catches(tmp_path, rel, text, complaint):
@@ -308,7 +311,8 @@ def _readme_lines() -> list[str]:
     """The command lines of the README's first bash block (a line may chain commands with &&)."""
     readme = (ROOT / "README.md").read_text()
     block = readme.split("```bash", 1)[1].split("```", 1)[0]
-    return [line for line in block.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return [line for line in block.splitlines()
+            if line.strip() and not line.lstrip().startswith("#")]
 
 
 def _ci_runs_in_order(ci: str, wanted: list[list[str]]) -> str | None:
@@ -316,22 +320,26 @@ def _ci_runs_in_order(ci: str, wanted: list[list[str]]) -> str | None:
     commands = _shell_commands(ci)
     errexit = next((i for i, c in enumerate(commands)
                     if c[0] == "set" and ("errexit" in c or any(
-                        o.startswith("-") and not o.startswith("--") and "e" in o for o in c[1:]))), None)
+                        o.startswith("-") and not o.startswith("--") and "e" in o
+                        for o in c[1:]))), None)
     if errexit is None:
         return ".ci/run does not `set -e`, so a failing command would not fail CI"
     at = errexit
     for command in wanted:
         found = next((i for i in range(at + 1, len(commands)) if commands[i] == command), None)
         if found is None:
-            return f".ci/run does not run the README command {shlex.join(command)!r} after `set -e` (in order)"
+            return (f".ci/run does not run the README command {shlex.join(command)!r} "
+                    "after `set -e` (in order)")
         at = found
     return None
 
 
 def test_ci_runs_the_readme_commands():
     lines = _readme_lines()
-    assert len(lines) == 2, "the README must start with exactly two command lines: setup (and the default run), test"
-    problem = _ci_runs_in_order((ROOT / ".ci" / "run").read_text(), _shell_commands("\n".join(lines)))
+    assert len(lines) == 2, ("the README must start with exactly two command lines: "
+                             "setup (and the default run), test")
+    problem = _ci_runs_in_order((ROOT / ".ci" / "run").read_text(),
+                                _shell_commands("\n".join(lines)))
     assert problem is None, problem
 
 

@@ -23,7 +23,8 @@ def test_round_trip(tmp_path, native):
             assert torch.equal(out, t)
             # many at once on one loop
             outs = [np.empty(1000, np.float32) for _ in range(8)]
-            await asyncio.gather(*(aio_asyncio.read(tmp_path / "x", o, 4096 + 4000 * i, handle=handle)
+            await asyncio.gather(*(aio_asyncio.read(tmp_path / "x", o, 4096 + 4000 * i,
+                                                    handle=handle)
                                    for i, o in enumerate(outs)))
             for i, o in enumerate(outs):
                 np.testing.assert_array_equal(o, t[1000 * i: 1000 * (i + 1)].numpy())

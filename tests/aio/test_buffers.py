@@ -1,4 +1,5 @@
-"""aligned_empty's huge-page backing: see [Note: physically contiguous buffers] in aio/buffers.py."""
+"""aligned_empty's huge-page backing: see [Note: physically contiguous buffers] in
+aio/buffers.py."""
 
 import gc
 import pathlib

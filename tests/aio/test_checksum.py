@@ -59,7 +59,8 @@ def implementation(request) -> str:
     return request.param
 
 
-@pytest.mark.parametrize(("data", "expected"), VECTORS, ids=lambda v: f"{v:#x}" if isinstance(v, int) else None)
+@pytest.mark.parametrize(("data", "expected"), VECTORS,
+                         ids=lambda v: f"{v:#x}" if isinstance(v, int) else None)
 def test_known_vectors(data, expected, implementation):
     assert reference_crc32c(data) == expected
     assert aio.crc32c(data, implementation=implementation) == expected
@@ -103,7 +104,8 @@ def test_buffer_types_checksum_their_bytes():
     assert aio.crc32c(t.numpy()) == expected
     assert aio.crc32c(bytearray(t.numpy().tobytes())) == expected
     assert aio.crc32c(memoryview(t.numpy().tobytes())) == expected
-    assert aio.crc32c(t.to(torch.bfloat16)) == reference_crc32c(t.to(torch.bfloat16).view(torch.int16).numpy().tobytes())
+    assert aio.crc32c(t.to(torch.bfloat16)) == reference_crc32c(
+        t.to(torch.bfloat16).view(torch.int16).numpy().tobytes())
 
 
 def test_bad_input_is_refused_clearly():

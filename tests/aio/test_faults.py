@@ -9,7 +9,8 @@ import aio
 
 
 def _faulty(backend, *faults, block_size=64 << 10):
-    return aio.Handle(block_size=block_size, queue_depth=4, threads=1, backend=backend, faults=faults)
+    return aio.Handle(block_size=block_size, queue_depth=4, threads=1, backend=backend,
+                      faults=faults)
 
 
 def test_eio_on_write_names_the_failed_piece(backend, tmp_path):

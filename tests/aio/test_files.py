@@ -25,7 +25,8 @@ def _refuse_direct_io(monkeypatch) -> None:
     monkeypatch.setattr(_files, "_warned_devices", set())
 
 
-def test_direct_io_refused_falls_back_to_buffered_with_one_warning(tmp_path, monkeypatch, caplog, backend):
+def test_direct_io_refused_falls_back_to_buffered_with_one_warning(tmp_path, monkeypatch, caplog,
+                                                                   backend):
     _refuse_direct_io(monkeypatch)
     caplog.set_level(logging.WARNING, logger="aio._files")
     with aio.Handle(backend=backend) as h:

@@ -48,7 +48,8 @@ def test_random_integrity_concurrent(handle, tmp_path):
     requests = []
     for i in range(1500):
         dtype = rng.choice(DTYPES)
-        numel = rng.choice([1, 3, 511, 1024, 4097, rng.randrange(1, 40_000), rng.randrange(1, 300_000)])
+        numel = rng.choice([1, 3, 511, 1024, 4097,
+                            rng.randrange(1, 40_000), rng.randrange(1, 300_000)])
         t = _random_tensor(rng, numel, dtype)
         f = rng.choice(files)
         # aligned or deliberately unaligned offsets; regions never overlap

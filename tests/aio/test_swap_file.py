@@ -150,7 +150,8 @@ def test_messages_name_the_directory_and_say_unlinked(tmp_path):
 
 
 def test_close_frees_the_space_even_while_the_handle_stays_open(small_tmpfs):
-    """The handle's own descriptors to the file would keep its blocks: close() has it forget them."""
+    """The handle's own descriptors to the file would keep its blocks: close() has it forget
+    them."""
     mnt = small_tmpfs("16m")
     if mnt is None:
         pytest.skip("cannot mount a size-limited tmpfs here (needs root)")

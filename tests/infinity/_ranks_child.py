@@ -1,5 +1,6 @@
-"""One data-parallel rank of tests/infinity/test_engine_ranks.py, started with torchrun's environment
-(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); the engine starts the process group itself.
+"""One data-parallel rank of tests/infinity/test_engine_ranks.py, started with torchrun's
+environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); the engine starts the process group
+itself.
 
     python tests/infinity/_ranks_child.py SPEC.json
 
@@ -41,7 +42,8 @@ MICRO = 3
 
 def make_model(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT))
+    return torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(),
+                               torch.nn.Linear(HIDDEN, OUT))
 
 
 def global_batch(step: int, micro: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,7 +104,8 @@ def run_case(case: dict, rank: int, world: int) -> dict:
         grads = [u.grad.numel for u in engine.units if u.requires_grad]
     finally:
         engine.close()
-    return {"losses": losses, "params": params, "optimizer": stats, "owned": owned, "grads": grads, **record}
+    return {"losses": losses, "params": params, "optimizer": stats, "owned": owned,
+            "grads": grads, **record}
 
 
 def main() -> int:
@@ -119,7 +122,8 @@ def main() -> int:
         try:
             results[case["name"]] = run_case(case, rank, world)
         except (infinity.ConfigError, infinity.CheckpointError, OSError) as exc:
-            results[case["name"]] = {"error": [c.__name__ for c in type(exc).__mro__], "message": str(exc)}
+            results[case["name"]] = {"error": [c.__name__ for c in type(exc).__mro__],
+                                     "message": str(exc)}
         finally:
             UnitStepper.withdraw = withdraw
     torch.save(results, os.path.join(spec["out"], f"rank{rank}.pt"))

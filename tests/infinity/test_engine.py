@@ -27,7 +27,8 @@ def mlp() -> torch.nn.Module:
 
 def llama() -> torch.nn.Module:
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+    cfg = transformers.LlamaConfig(vocab_size=48, hidden_size=16, intermediate_size=32,
+                                   num_hidden_layers=2,
                                    num_attention_heads=2, num_key_value_heads=1,
                                    max_position_embeddings=32, tie_word_embeddings=True)
     model = transformers.LlamaForCausalLM(cfg)
@@ -141,12 +142,14 @@ def test_training_matches_pytorch(tmp_path, make, batches, param, optimizer):
     assert_parity(model, reference, losses, train_reference(reference, data))
 
 
-@pytest.mark.parametrize("make, batches", [(mlp, mlp_batches), (llama, llama_batches)], ids=["mlp", "llama"])
+@pytest.mark.parametrize("make, batches", [(mlp, mlp_batches), (llama, llama_batches)],
+                         ids=["mlp", "llama"])
 def test_accumulation_and_clipping_match_pytorch(tmp_path, make, batches):
     model = make()
     reference = copy.deepcopy(model)
     data = batches(12)
-    engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme", gradient_accumulation_steps=3,
+    engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme",
+                                               gradient_accumulation_steps=3,
                                                gradient_clipping=0.05))
     losses = train_engine(engine, data)
     assert engine.global_steps == 4 and engine.micro_steps == 12
@@ -160,7 +163,8 @@ def test_gradients_go_to_nvme_when_the_host_budget_cannot_hold_them(tmp_path):
     reference = copy.deepcopy(model)
     data = llama_batches(6)
     # About 80 KB of gradients in RAM plus a 220 KB host tier would not fit in 240 KB.
-    engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme", gradient_accumulation_steps=2,
+    engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme",
+                                               gradient_accumulation_steps=2,
                                                infinity={"host_memory_budget": 240_000}))
     assert engine.plan.grads_tier is not None and engine.plan.outside_store_nbytes == 0
     assert engine.plan.budgets[Tier.HOST] <= 240_000
@@ -171,7 +175,8 @@ def test_gradients_go_to_nvme_when_the_host_budget_cannot_hold_them(tmp_path):
 
 
 def test_stage_0_and_persistent_parameters_match_pytorch(tmp_path):
-    for param, zero in (("none", {"stage": 0}), ("cpu", {"stage3_param_persistence_threshold": 40})):
+    for param, zero in (("none", {"stage": 0}),
+                        ("cpu", {"stage3_param_persistence_threshold": 40})):
         model = mlp()
         reference = copy.deepcopy(model)
         data = mlp_batches(5)
@@ -196,7 +201,8 @@ def test_prefetch_leaves_no_on_demand_fetch_after_the_first_step(tmp_path):
     assert stats["on_demand"] == after_first["on_demand"]
     assert stats["on_demand_nvme"] == after_first["on_demand_nvme"]
     assert stats["prefetch_hits"] > after_first["prefetch_hits"] and stats["divergences"] == 0
-    assert engine.coordinator.traces((True, True)) == 1 and engine.coordinator.traces((False, False)) == 1
+    assert (engine.coordinator.traces((True, True)) == 1
+            and engine.coordinator.traces((False, False)) == 1)
     engine.close()
 
 
@@ -301,7 +307,8 @@ def test_bad_input_is_refused_with_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="stage3_prefetch_bucket_size"):
         infinity.initialize(mlp(), {"zero_optimization": {"stage3_prefetch_bucket_sise": 1}})
     with pytest.raises(BudgetError, match="host_memory_budget"):
-        infinity.initialize(mlp(), {**config(tmp_path, "cpu", "cpu"), "infinity": {"host_memory_budget": 4096}})
+        infinity.initialize(mlp(), {**config(tmp_path, "cpu", "cpu"),
+                                    "infinity": {"host_memory_budget": 4096}})
     engine = infinity.initialize(mlp(), config(tmp_path))
     (x,), _ = mlp_batches(1)[0]
     with pytest.raises(ValueError, match="scalar loss"):
@@ -317,7 +324,8 @@ def test_bf16_tracks_the_fp32_reference(tmp_path, optimizer, steps, compute):
     model = llama()
     reference = copy.deepcopy(model)
     data = llama_batches(2) * (steps // 2)  # two batches again and again: the loss falls
-    engine = infinity.initialize(model, config(tmp_path, "nvme", optimizer, lr=3e-3, bf16={"enabled": True},
+    engine = infinity.initialize(model, config(tmp_path, "nvme", optimizer, lr=3e-3,
+                                               bf16={"enabled": True},
                                                infinity={"host_memory_budget": "1GB",
                                                          "compute_dtype": compute}))
     assert {u.dtype for u in engine.units} == {torch.bfloat16}
@@ -453,7 +461,8 @@ def test_a_unit_backward_let_go_is_kept_in_ram_for_its_step_and_its_gradient_fre
         key = log[n][1]
         last_hint = next(d for kind, k, d in reversed(log[:n]) if kind == "hint" and k == key)
         assert last_hint < 100, (key, last_hint)  # needed soon (the trace says: next forward)
-    after = [next((d for kind, k, d in log[n + 1:] if kind == "hint" and k == log[n][1]), None) for n in steps]
+    after = [next((d for kind, k, d in log[n + 1:] if kind == "hint" and k == log[n][1]), None)
+             for n in steps]
     assert math.inf in after  # stepped during backward: needed last
 
 
@@ -520,9 +529,11 @@ def test_the_steps_tail_runs_into_the_next_forward(tmp_path):
     stats = engine.stats()
     regions = engine.timeline.regions
     engine.close()
-    assert stats["optimizer"]["units_left_to_forward"] > 0 and stats["prefetch"]["after_optimizer"] > 0
+    assert (stats["optimizer"]["units_left_to_forward"] > 0
+            and stats["prefetch"]["after_optimizer"] > 0)
     forwards = [r.start for r in regions if r.name == "forward"]
-    assert any(r.end > forwards[1] for r in regions if r.lane == "optimizer" and r.start < forwards[1])
+    assert any(r.end > forwards[1] for r in regions
+               if r.lane == "optimizer" and r.start < forwards[1])
     opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WD)
     ref_losses = []
     for lr, (args, kwargs) in zip(lrs, data):
@@ -542,7 +553,8 @@ def test_the_tail_with_gradient_accumulation_matches_pytorch(tmp_path):
     """The first micro-batch of the next step waits for the tail before its gradients are
     taken (they accumulate into autograd's tensors, HeldGrad, only after the step let them go)."""
     model, reference, data = mlp(), mlp(), mlp_batches(6)
-    engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme", gradient_accumulation_steps=2))
+    engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme",
+                                               gradient_accumulation_steps=2))
     _hold_the_worker(engine)
     losses = train_engine(engine, data)
     assert engine.global_steps == 3 and engine.stats()["optimizer"]["units_left_to_forward"] > 0

@@ -24,16 +24,19 @@ def mlp(seed):
 def config(swap, optimizer, **extra):
     return {"train_micro_batch_size_per_gpu": 2,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
-            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-2}},
+            "scheduler": {"type": "WarmupLR",
+                          "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-2}},
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                                   "sub_group_size": 64, "offload_param": {"device": "none"},
-                                  "offload_optimizer": {"device": optimizer, "nvme_path": str(swap)}},
+                                  "offload_optimizer": {"device": optimizer,
+                                                        "nvme_path": str(swap)}},
             "infinity": {"host_memory_budget": "1GB"}, **extra}
 
 
 def train(engine, steps):
     for _ in range(steps):
-        x = torch.randn(2, 8).to(engine.precision.compute)  # drawn from the RNG the checkpoint restores
+        # drawn from the RNG the checkpoint restores
+        x = torch.randn(2, 8).to(engine.precision.compute)
         loss = engine(x).square().mean()
         engine.backward(loss)
         engine.step()
@@ -77,9 +80,11 @@ def test_the_checkpoint_holds_weights_masters_and_moments_by_name(tmp_path):
     engine.close()
     reader = CheckpointReader(tmp_path / "run")
     assert reader.tag == "mine"
-    assert reader.dtype("0.weight") == torch.bfloat16 and reader.dtype("master/0.weight") == torch.float32
+    assert (reader.dtype("0.weight") == torch.bfloat16
+            and reader.dtype("master/0.weight") == torch.float32)
     assert reader.shape("exp_avg_sq/3.bias") == (4,)
-    assert reader.metadata["engine"]["global_steps"] == 2 and reader.metadata["engine"]["optimizer_step"] == 2
+    assert (reader.metadata["engine"]["global_steps"] == 2
+            and reader.metadata["engine"]["optimizer_step"] == 2)
     reader.verify()
 
 
@@ -107,7 +112,8 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_parameter(tmp_path)
     with CheckpointWriter(tmp_path / "other", "w") as writer:
         writer.add("0.weight", torch.zeros(3, 3))
     engine = infinity.initialize(mlp(0), config(swap, "none"))
-    with pytest.raises(CheckpointError, match=r"'0.weight' has shape \(3, 3\), the model's is \(32, 8\)"):
+    with pytest.raises(CheckpointError,
+                       match=r"'0.weight' has shape \(3, 3\), the model's is \(32, 8\)"):
         engine.load_checkpoint(tmp_path / "other")
     engine.close()
 
@@ -124,7 +130,8 @@ def test_an_fp32_checkpoint_resumes_in_a_bf16_run_with_fp32_masters(tmp_path):
     bf16.load_checkpoint(tmp_path / "run")
     assert {n: t.dtype for n, t in bf16.named_parameters()} == {n: torch.bfloat16 for n in fp32}
     assert all(torch.equal(t, fp32[n].bfloat16()) for n, t in bf16.named_parameters())
-    state = dict(bf16.optimizer.iter_state())  # the master keeps the fp32 values, not their rounding
+    # the master keeps the fp32 values, not their rounding
+    state = dict(bf16.optimizer.iter_state())
     flat = torch.cat([fp32[s.name].reshape(-1) for s in bf16.ranked.trained[0].slots])
     assert torch.equal(state[0]["master"].reshape(-1)[:flat.numel()], flat)
     train(bf16, 1)
@@ -168,7 +175,8 @@ def test_a_transformers_model_saved_by_the_engine_converts_to_hf_alone(tmp_path)
     from_pretrained gives the logits of the trained model."""
     from infinity.cli.convert import main
 
-    cfg = transformers.LlamaConfig(vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+    cfg = transformers.LlamaConfig(vocab_size=48, hidden_size=16, intermediate_size=32,
+                                   num_hidden_layers=2,
                                    num_attention_heads=2, num_key_value_heads=1,
                                    max_position_embeddings=32, tie_word_embeddings=True)
     torch.manual_seed(0)
@@ -205,7 +213,8 @@ def test_frozen_and_resident_parameters_resume_too(tmp_path):
     engine.save_checkpoint(tmp_path / "run")
     train(engine, 2)
     expected = dict(engine.named_parameters())
-    assert any(u.persistent for u in engine.units) and any(not u.requires_grad for u in engine.units)
+    assert (any(u.persistent for u in engine.units)
+            and any(not u.requires_grad for u in engine.units))
     engine.close()
     resumed = build(4)
     resumed.load_checkpoint(tmp_path / "run")

@@ -33,7 +33,8 @@ def _example(name: str, tmp_path) -> dict:
     (tmp_path / "nvme").mkdir()
     config = json.loads(text)
     schedule = config.get("scheduler", {})
-    if schedule.get("type") == "WarmupDecayLR" and schedule["params"].get("total_num_steps") == "auto":
+    if (schedule.get("type") == "WarmupDecayLR"
+            and schedule["params"].get("total_num_steps") == "auto"):
         schedule["params"]["total_num_steps"] = STEPS
     return config
 
@@ -46,12 +47,14 @@ def test_every_example_trains(name, tmp_path, train_lm):
     micro = engine.config.train_micro_batch_size_per_gpu or 2  # "auto": the first batch decides
     g = torch.Generator().manual_seed(1)
     micro_steps = STEPS * engine.config.gradient_accumulation_steps
-    losses = train_lm(engine, [torch.randint(0, 64, (micro, 8), generator=g) for _ in range(micro_steps)])
+    losses = train_lm(engine, [torch.randint(0, 64, (micro, 8), generator=g)
+                               for _ in range(micro_steps)])
     assert engine.global_steps == STEPS
     assert engine.skipped_steps == 0  # every step applied: no fp16 overflow at these values
     if engine.config.fp16.enabled:  # so the dynamic scale stayed (a window of 1000 steps)
         assert engine.stats()["loss_scale"] == 2.0 ** engine.config.fp16.initial_scale_power
     engine.close()
     assert all(torch.isfinite(torch.tensor(losses))), losses
-    changed = [n for n, p in model.named_parameters() if not torch.equal(p.detach().float(), before[n].float())]
+    changed = [n for n, p in model.named_parameters()
+               if not torch.equal(p.detach().float(), before[n].float())]
     assert changed, "no parameter changed"

@@ -77,7 +77,8 @@ def test_prefetch_window_shrinks_to_what_the_host_budget_leaves():
     kwargs = {"offload_param": "nvme", "offload_optimizer": "nvme", "accelerator": False,
               "prefetch_numel": 50_000_000, "tile_numel": 1 << 18}
     free = plan_memory(units, host_memory_budget=None, **kwargs)
-    assert free.prefetch_numel >= 36 << 20  # no budget: about the whole model (all it could read ahead)
+    # no budget: about the whole model (all it could read ahead)
+    assert free.prefetch_numel >= 36 << 20
     tight = plan_memory(units, host_memory_budget=48 << 20, **kwargs)
     assert tight.grads_tier is Tier.NVME and tight.budgets[Tier.HOST] <= 48 << 20
     # 48 MiB less the smallest working set (2 units of params, 3 tiles of 8 B an element, the
@@ -88,8 +89,9 @@ def test_prefetch_window_shrinks_to_what_the_host_budget_leaves():
 
 def test_sub_group_size_is_an_upper_bound_the_plan_shrinks_to_fit(caplog):
     """At the default sub_group_size (1e9) a tile is a whole unit: three tiles of a big
-    embedding (8 B an element: fp32 units' tiles hold the moments) exceed a modest budget. The plan picks the largest smaller tiles that fit (and
-    says so) before it moves the gradients to NVMe; with tiles small enough it keeps them."""
+    embedding (8 B an element: fp32 units' tiles hold the moments) exceed a modest budget. The
+    plan picks the largest smaller tiles that fit (and says so) before it moves the gradients to
+    NVMe; with tiles small enough it keeps them."""
     units = [_unit(i, 1 << 24) for i in range(4)]  # 64 MiB units: whole-unit tiles of 128 MiB
     kwargs = {"offload_param": "nvme", "offload_optimizer": "nvme", "accelerator": False,
               "prefetch_numel": 0}
@@ -139,7 +141,8 @@ def test_the_plan_of_a_rank_counts_its_shards(stage):
     unit_nbytes, n = 4 << 20, len(units)
     params = n * unit_nbytes // (4 if stage == 3 else 1)
     state = 2 * n * unit_nbytes // (4 if stage >= 1 else 1)
-    slack = n * (64 << 10)  # the tiles' slack: state in RAM is one tile per unit, whatever tile_numel
+    # the tiles' slack: state in RAM is one tile per unit, whatever tile_numel
+    slack = n * (64 << 10)
     assert (one.tile_numel, rank.tile_numel) == (1 << 20, (1 << 20) // (4 if stage >= 1 else 1))
     assert one.budgets[Tier.HOST] == n * unit_nbytes + 2 * n * unit_nbytes + slack
     assert rank.budgets[Tier.HOST] == params + state + slack

@@ -87,7 +87,8 @@ def test_a_non_finite_gradient_fails_the_step_and_updates_nothing(tmp_path, offl
     clipping, the same (the units speculated before it are rolled back); without clipping (NVMe)
     the units stepped before it keep their update and the error says so."""
     model = mlp()
-    engine = infinity.initialize(model, config(tmp_path, offload, offload, gradient_clipping=clipping))
+    engine = infinity.initialize(model, config(tmp_path, offload, offload,
+                                               gradient_clipping=clipping))
     # "auto" overlaps where anything is on NVMe, or on an accelerator
     assert engine.overlap == (offload == "nvme" or engine.device.type != "cpu")
     overlapped = engine.overlap and clipping == 0.0  # not speculated: half a step is applied
@@ -95,8 +96,9 @@ def test_a_non_finite_gradient_fails_the_step_and_updates_nothing(tmp_path, offl
     (x,), _ = mlp_batches(1)[0]
     before = {n: v.clone() for n, v in engine.named_parameters()}
     unit = "param/0" if overlapped else "param/4"
-    match = rf"gradient of {unit} has non-finite values.*keep their update" if overlapped else \
-        rf"non-finite gradient values \(inf/nan\) in {unit}: the step was not taken, no parameter changed"
+    match = (rf"gradient of {unit} has non-finite values.*keep their update" if overlapped else
+             rf"non-finite gradient values \(inf/nan\) in {unit}: the step was not taken, "
+             r"no parameter changed")
     _nan_step(engine, bad.weight, x, match)
     after = dict(engine.named_parameters())
     changed = {n for n in before if not torch.equal(before[n], after[n])}
@@ -117,7 +119,8 @@ def test_a_nan_found_by_the_worker_in_a_stored_gradient_stops_training(tmp_path)
     """Gradients on NVMe are checked where the worker steps them, after step() returned (the
     tail): the next forward raises, and training is refused until a checkpoint load."""
     model = llama()
-    engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme", infinity={"host_memory_budget": 240_000}))
+    engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme",
+                                               infinity={"host_memory_budget": 240_000}))
     assert engine.overlap and engine.plan.grads_tier is not None
     model.get_input_embeddings().weight.register_hook(lambda g: g * float("nan"))  # final last
     (args, kwargs), = llama_batches(1)
@@ -140,7 +143,8 @@ class _Branchy(torch.nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.a, self.b = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
-        self.scale, self.shift = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.zeros(4))
+        self.scale, self.shift = (torch.nn.Parameter(torch.ones(4)),
+                                  torch.nn.Parameter(torch.zeros(4)))
         self.use_b = True
 
     def forward(self, x):

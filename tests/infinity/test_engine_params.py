@@ -1,5 +1,5 @@
-"""Engine.named_parameters(select) / parameter_specs: stream parameters out one unit at a time, reading
-only the units that hold a selected name."""
+"""Engine.named_parameters(select) / parameter_specs: stream parameters out one unit at a time,
+reading only the units that hold a selected name."""
 
 import torch
 
@@ -25,7 +25,8 @@ def test_specs_and_values_match_the_model(tmp_path):
     engine = initialize(model(), nvme_config(tmp_path))
     specs = parameter_specs(engine)
     assert [s.name for s in specs] == list(want)
-    assert all(s.shape == want[s.name].shape and s.dtype == torch.float32 and s.requires_grad for s in specs)
+    assert all(s.shape == want[s.name].shape and s.dtype == torch.float32 and s.requires_grad
+               for s in specs)
     assert sum(s.nbytes for s in specs) == sum(t.numel() * 4 for t in want.values())
     got = dict(engine.named_parameters())
     assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
@@ -40,7 +41,8 @@ def test_selection_reads_only_the_units_it_needs(tmp_path, monkeypatch):
     engine.synchronize()  # the step's optimizer work is done: only the selection reads below
     fetched = []
     fetch = engine.store.fetch
-    monkeypatch.setattr(engine.store, "fetch", lambda key, *a, **k: fetched.append(key) or fetch(key, *a, **k))
+    monkeypatch.setattr(engine.store, "fetch",
+                        lambda key, *a, **k: fetched.append(key) or fetch(key, *a, **k))
     got = list(engine.named_parameters(lambda name: name.startswith("2.")))
     assert [n for n, _ in got] == ["2.weight", "2.bias"]
     assert fetched == ["param/2"]

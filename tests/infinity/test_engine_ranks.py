@@ -64,10 +64,12 @@ def _results(out, world=WORLD):
 
 
 def _torchrun(tmp_path, cases, timeout_s, world=WORLD):
-    """Run the child on `world` ranks with torchrun; returns (its exit code and output, per-rank results)."""
+    """Run the child on `world` ranks with torchrun; returns (its exit code and output, per-rank
+    results)."""
     spec, out = _spec(tmp_path, cases)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
-               "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(CHILD), str(spec)]
+               "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+               str(CHILD), str(spec)]
     env = child_env(OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))  # TMPDIR: torchrun's log dirs
     run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=timeout_s)
@@ -256,7 +258,8 @@ def test_a_loaded_model_is_refused_at_stage_3_on_several_ranks():
     placed = Placed(layout=None, store=None)
     model.infinity_placed = placed
     config = load_config(_config(3), world_size=WORLD)
-    with pytest.raises(infinity.ConfigError, match="stage 3 with 2 ranks cannot adopt a model from infinity.models.load"):
+    with pytest.raises(infinity.ConfigError,
+                       match="stage 3 with 2 ranks cannot adopt a model from infinity.models.load"):
         take_placed(model, config, None, None, sharded_params=True)
     assert model.infinity_placed is placed
 

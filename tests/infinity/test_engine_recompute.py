@@ -27,7 +27,8 @@ def _fresh_settings():
 class Stack(torch.nn.Module):
     """Residual blocks (Linear, GELU, Dropout, Linear), each recomputed when asked."""
 
-    def __init__(self, width: int = 12, hidden: int = 48, depth: int = 4, *, dropout: float = 0.1) -> None:
+    def __init__(self, width: int = 12, hidden: int = 48, depth: int = 4, *,
+                 dropout: float = 0.1) -> None:
         super().__init__()
         self.inp = torch.nn.Linear(8, width)
         self.blocks = torch.nn.ModuleList(
@@ -54,7 +55,8 @@ def engine_config(tmp_path, device: str, **extra) -> dict:
     return {"train_micro_batch_size_per_gpu": 2,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                  "stage3_prefetch_bucket_size": 2000, "stage3_max_reuse_distance": 0,
+                                  "stage3_prefetch_bucket_size": 2000,
+                                  "stage3_max_reuse_distance": 0,
                                   "sub_group_size": 1 << 20, "offload_param": offload,
                                   "offload_optimizer": offload},
             "infinity": {"host_memory_budget": "256MB"}, **extra}
@@ -128,8 +130,10 @@ def test_recompute_is_on_the_trace_prefetched_and_training_matches_no_recompute(
         assert torch.equal(checkpointed[name], p), name
     assert_parity(model, reference, losses, train_plain(reference, data))
 
-    recomputed = [a - b for a, b in zip(step_deltas(per_step, "acquires"), step_deltas(plain_stats, "acquires"))]
-    assert recomputed == [len(model.blocks) * 2] * len(data), "each block's two Linears fetched again"
+    recomputed = [a - b for a, b in zip(step_deltas(per_step, "acquires"),
+                                        step_deltas(plain_stats, "acquires"))]
+    assert recomputed == [len(model.blocks) * 2] * len(data), (
+        "each block's two Linears fetched again")
     assert step_deltas(per_step, "on_demand_nvme")[1:] == [0] * (len(data) - 1)
     assert all(hits >= len(model.blocks) * 2 for hits in step_deltas(per_step, "prefetch_hits")[1:])
     assert step_deltas(per_step, "divergences") == [0] * len(data)
@@ -143,7 +147,8 @@ def test_the_config_section_configures_recompute(tmp_path, caplog):
     data = batches(4)
     section = {"cpu_checkpointing": True, "profile": True, "partition_activations": True}
     with caplog.at_level(logging.INFO, logger="infinity"):
-        engine = infinity.initialize(model, engine_config(tmp_path, "cpu", activation_checkpointing=section))
+        engine = infinity.initialize(model, engine_config(tmp_path, "cpu",
+                                                          activation_checkpointing=section))
     assert recompute.settings().cpu_checkpointing and recompute.settings().profile
     assert "partition_activations (no model-parallel ranks" in caplog.text
     losses = train_with(engine, data)
@@ -193,7 +198,8 @@ def test_recompute_lowers_the_peak_memory_of_a_step():
     """Twelve blocks whose activations (4096 rows x 1024 hidden, fp32: 16 MiB per tensor, about
     34 MiB kept per block) dominate the 13 MiB of parameters: peak RSS growth during one step,
     in one child process, its peak reset (/proc/self/clear_refs) before each run."""
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # freed tensors go back to the OS at once
+    # freed tensors go back to the OS at once
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     done = python_child(["-c", _CHILD, os.path.dirname(__file__)], env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     peaks = json.loads(done.stdout.strip().splitlines()[-1])

@@ -30,7 +30,8 @@ def min_budget(tmp_path_factory):
 
 def _train(train_lm, tmp_path, budget, *, overlap, steps=3):
     model, _ = default_model()
-    ids = torch.randint(0, 256, (8, 128), generator=torch.Generator().manual_seed(0))  # the CLI's shape
+    # the CLI's shape
+    ids = torch.randint(0, 256, (8, 128), generator=torch.Generator().manual_seed(0))
     config = _config(tmp_path, budget)
     config["infinity"]["overlap_optimizer"] = overlap
     with infinity.initialize(model, config) as engine:
@@ -40,14 +41,16 @@ def _train(train_lm, tmp_path, budget, *, overlap, steps=3):
 
 
 @pytest.mark.parametrize("above", [0, 572_064, 1_272_064])  # 2.73 MB (the minimum), 3.3 MB, 4.0 MB
-def test_the_plans_smallest_budgets_train_with_the_optimizer_overlapped(tmp_path, min_budget, above, train_lm):
+def test_the_plans_smallest_budgets_train_with_the_optimizer_overlapped(tmp_path, min_budget,
+                                                                        above, train_lm):
     """3.3 MB failed before issue 7's fix: BudgetError for 'grad/param/lm_head' at step 1."""
     losses, stepped, _ = _train(train_lm, tmp_path, min_budget + above, overlap=True)
     assert stepped > 0  # units were stepped on the worker during backward
     assert all(map(lambda x: x == x, losses)) and losses[-1] < losses[0]
 
 
-def test_at_the_minimum_budget_the_overlapped_step_equals_the_step_after_backward(tmp_path, min_budget, train_lm):
+def test_at_the_minimum_budget_the_overlapped_step_equals_the_step_after_backward(
+        tmp_path, min_budget, train_lm):
     overlapped = _train(train_lm, tmp_path, min_budget, overlap=True, steps=2)
     after = _train(train_lm, tmp_path, min_budget, overlap=False, steps=2)
     assert overlapped[0] == after[0]
@@ -59,7 +62,8 @@ def test_a_budget_below_the_minimum_fails_at_initialize_naming_both(tmp_path, mi
     """Refused by the plan, before anything is moved or written."""
     model, _ = default_model()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    with pytest.raises(BudgetError, match=f"host_memory_budget {min_budget - 1} bytes .* at least {min_budget} bytes"):
+    with pytest.raises(BudgetError, match=f"host_memory_budget {min_budget - 1} bytes "
+                                          f".* at least {min_budget} bytes"):
         infinity.initialize(model, _config(tmp_path, min_budget - 1))
     assert list(tmp_path.iterdir()) == []  # no swap file was ever made there
     for name, p in model.named_parameters():

@@ -31,7 +31,8 @@ def config(tmp_path, *, param="nvme", bf16=False) -> dict:
     nvme = tmp_path / "swap"
     nvme.mkdir(exist_ok=True)
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "sub_group_size": 1024,
-            "offload_param": {"device": param, **({"nvme_path": str(nvme)} if param == "nvme" else {})},
+            "offload_param": {"device": param,
+                              **({"nvme_path": str(nvme)} if param == "nvme" else {})},
             "offload_optimizer": {"device": "cpu"}}
     return {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": bf16},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
@@ -59,7 +60,8 @@ def test_logits_equal_the_original(tmp_path, shard, tie):
     assert ("model.safetensors.index.json" in names) == (shard is not None)
     cfg = config(tmp_path)
     model = infinity.models.load(directory, cfg, window=WINDOW)
-    assert all(p.numel() == 0 for p in model.parameters())  # nothing but placeholders before initialize
+    # nothing but placeholders before initialize
+    assert all(p.numel() == 0 for p in model.parameters())
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tie
     ids = batches(1)[0]
     with infinity.initialize(model, cfg) as engine, torch.no_grad():
@@ -181,7 +183,8 @@ def break_missing_shard(d):
 
 def break_index_names_absent_tensor(d):
     index = _index(d)
-    index["weight_map"]["model.layers.0.mlp.up_proj.bias"] = index["weight_map"]["model.norm.weight"]
+    index["weight_map"]["model.layers.0.mlp.up_proj.bias"] = (
+        index["weight_map"]["model.norm.weight"])
     _write_index(d, index)
     return _shard_of(d, "model.norm.weight"), "model.layers.0.mlp.up_proj.bias", "not in this shard"
 
@@ -206,16 +209,19 @@ def break_shape_against_config(d):
     cfg["intermediate_size"] = 48
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
-    return _shard_of(d, "model.layers.0.mlp.down_proj.weight"), "model.layers.0.mlp.down_proj.weight", \
-        r"shape \(32, 64\), the model built from .*config.json has \(32, 48\)"
+    return (_shard_of(d, "model.layers.0.mlp.down_proj.weight"),
+            "model.layers.0.mlp.down_proj.weight",
+            r"shape \(32, 64\), the model built from .*config.json has \(32, 48\)")
 
 
 def break_unknown_tensor(d):
-    safetensors_torch.save_file({"model.extra.weight": torch.zeros(3)}, os.path.join(d, "extra.safetensors"))
+    safetensors_torch.save_file({"model.extra.weight": torch.zeros(3)},
+                                os.path.join(d, "extra.safetensors"))
     index = _index(d)
     index["weight_map"]["model.extra.weight"] = "extra.safetensors"
     _write_index(d, index)
-    return os.path.join(d, "extra.safetensors"), "model.extra.weight", "not a parameter of the model"
+    return (os.path.join(d, "extra.safetensors"), "model.extra.weight",
+            "not a parameter of the model")
 
 
 def break_missing_parameter(d):
@@ -249,12 +255,13 @@ def break_no_weights(d):
     return d, None, "no model.safetensors"
 
 
-BREAKAGES = [break_missing_shard, break_index_names_absent_tensor, break_truncated_shard, break_header_length,
-             break_shape_against_config, break_buffer_shape, break_unknown_tensor, break_missing_parameter, break_no_config,
-             break_no_weights]
+BREAKAGES = [break_missing_shard, break_index_names_absent_tensor, break_truncated_shard,
+             break_header_length, break_shape_against_config, break_buffer_shape,
+             break_unknown_tensor, break_missing_parameter, break_no_config, break_no_weights]
 
 
-@pytest.mark.parametrize("breakage", BREAKAGES, ids=[b.__name__.removeprefix("break_") for b in BREAKAGES])
+@pytest.mark.parametrize("breakage", BREAKAGES,
+                         ids=[b.__name__.removeprefix("break_") for b in BREAKAGES])
 def test_broken_directory_is_named(tmp_path, breakage):
     directory = saved(tmp_path, tiny_llama())
     path, tensor, message = breakage(directory)
@@ -328,7 +335,8 @@ def test_prepare_wraps_freezes_and_adds_parameters_with_their_values(tmp_path):
     with infinity.initialize(model, cfg) as engine:
         trained = [s.name for u in engine.units if u.requires_grad for s in u.slots]
         optimized = [getattr(u, "values_key", None) or u.key for u in engine.optimizer.units]
-        assert trained == ["scale"] and optimized == [u.key for u in engine.units if u.requires_grad]
+        assert trained == ["scale"] and optimized == [u.key for u in engine.units
+                                                      if u.requires_grad]
         with torch.no_grad():
             got = engine(ids)
     with torch.no_grad():
@@ -338,7 +346,8 @@ def test_prepare_wraps_freezes_and_adds_parameters_with_their_values(tmp_path):
 def test_prepare_adding_a_parameter_without_values_is_refused(tmp_path):
     directory = saved(tmp_path, tiny_llama())
     with pytest.raises(ValueError, match="prepare added parameter 'scale' on the meta device"):
-        infinity.models.load(directory, config(tmp_path), prepare=lambda m: Scaled(m, torch.empty(64, device="meta")))
+        infinity.models.load(directory, config(tmp_path),
+                             prepare=lambda m: Scaled(m, torch.empty(64, device="meta")))
 
 
 @pytest.mark.requires_cuda

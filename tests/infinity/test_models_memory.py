@@ -28,9 +28,11 @@ def test_peak_rss_of_a_load_is_the_window_not_the_model(tmp_path):
     assert loaded["stored"] == 2 * checkpoint_nbytes  # bf16 shards became fp32 parameters
     growth = loaded["peak"] - loaded["meta_peak"]
     bound = WINDOW + loaded["host_tier"] + ALLOWANCE
-    print(f"checkpoint {checkpoint_nbytes / MiB:.0f} MiB (bf16) -> {loaded['stored'] / MiB:.0f} MiB fp32 in the "
-          f"store; peak RSS {loaded['meta_peak'] / MiB:.0f} MiB building on meta, {loaded['peak'] / MiB:.0f} MiB "
-          f"loading with a {WINDOW / MiB:.0f} MiB window and a {loaded['host_tier'] / MiB:.0f} MiB host tier "
+    print(f"checkpoint {checkpoint_nbytes / MiB:.0f} MiB (bf16) -> "
+          f"{loaded['stored'] / MiB:.0f} MiB fp32 in the store; peak RSS "
+          f"{loaded['meta_peak'] / MiB:.0f} MiB building on meta, {loaded['peak'] / MiB:.0f} MiB "
+          f"loading with a {WINDOW / MiB:.0f} MiB window and a "
+          f"{loaded['host_tier'] / MiB:.0f} MiB host tier "
           f"(+{growth / MiB:.1f} MiB, bound {bound / MiB:.0f} MiB)")
     assert bound < loaded["stored"]  # the test can tell a streamed load from a materialised one
     assert growth < bound

@@ -21,11 +21,14 @@ def tiny_config(**overrides):
 
 
 def test_shards_read_back_equal_and_hold_at_most_the_limit(tmp_path):
-    tensors = {"a": torch.arange(10, dtype=torch.float32), "b": torch.randn(3, 5).to(torch.bfloat16),
-               "c": torch.ones(7, dtype=torch.int64), "d": torch.randn(2, 2, 2, dtype=torch.float16)}
+    tensors = {"a": torch.arange(10, dtype=torch.float32),
+               "b": torch.randn(3, 5).to(torch.bfloat16),
+               "c": torch.ones(7, dtype=torch.int64),
+               "d": torch.randn(2, 2, 2, dtype=torch.float16)}
     specs = [(n, t.shape, t.dtype) for n, t in tensors.items()]
     files = write_shards(tmp_path, specs, iter(tensors.items()), max_shard_bytes=60)
-    assert [[s[0] for s in shard] for shard in plan_shards(specs, 60)] == [["a"], ["b"], ["c"], ["d"]]
+    assert [[s[0] for s in shard] for shard in plan_shards(specs, 60)] == [["a"], ["b"], ["c"],
+                                                                           ["d"]]
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert index["metadata"]["total_size"] == 40 + 30 + 56 + 16
     assert [f.name for f in files][-1] == "model.safetensors.index.json" and len(files) == 5
@@ -38,7 +41,8 @@ def test_shards_read_back_equal_and_hold_at_most_the_limit(tmp_path):
 def test_a_tensor_unlike_the_plan_is_refused(tmp_path):
     specs = [("a", torch.Size([4]), torch.float32)]
     with pytest.raises(RuntimeError, match="got tensor 'a' .*float64 where the plan has 'a'"):
-        write_shards(tmp_path, specs, iter([("a", torch.zeros(4, dtype=torch.float64))]), max_shard_bytes=1 << 20)
+        write_shards(tmp_path, specs, iter([("a", torch.zeros(4, dtype=torch.float64))]),
+                     max_shard_bytes=1 << 20)
 
 
 def test_each_tensor_is_released_before_the_next_is_asked_for(tmp_path):
@@ -60,25 +64,31 @@ def test_random_model_loads_everywhere_and_is_seeded(tmp_path):
     count = write_random_model(tmp_path / "m", tiny_config(), seed=3, max_shard_bytes=8192)
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m", local_files_only=True)
     assert count == sum(p.numel() for p in model.parameters())
-    assert model.dtype == torch.bfloat16 and len(list((tmp_path / "m").glob("model-*.safetensors"))) > 1
+    assert (model.dtype == torch.bfloat16
+            and len(list((tmp_path / "m").glob("model-*.safetensors"))) > 1)
     assert torch.equal(model.model.norm.weight, torch.ones(32, dtype=torch.bfloat16))
     q = model.model.layers[0].self_attn.q_proj.weight.float()
     assert 0.015 < q.std() < 0.025 and abs(q.mean()) < 0.005
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "m", local_files_only=True)
-    assert tokenizer.encode("hé") == byte_tokenizer().encode("hé") and len(tokenizer.encode("hé")) == 3
+    assert (tokenizer.encode("hé") == byte_tokenizer().encode("hé")
+            and len(tokenizer.encode("hé")) == 3)
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (256, 257)
     write_random_model(tmp_path / "again", tiny_config(), seed=3)
     write_random_model(tmp_path / "other", tiny_config(), seed=4)
-    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again", local_files_only=True)
-    other = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "other", local_files_only=True)
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters(), strict=True))
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again",
+                                                              local_files_only=True)
+    other = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "other",
+                                                              local_files_only=True)
+    assert all(torch.equal(a, b)
+               for a, b in zip(model.parameters(), again.parameters(), strict=True))
     assert not torch.equal(model.lm_head.weight, other.lm_head.weight)
 
 
 def test_tied_model_writes_the_weight_once(tmp_path):
     write_random_model(tmp_path / "m", tiny_config(tie_word_embeddings=True), dtype=torch.float32)
     index = json.loads((tmp_path / "m" / "model.safetensors.index.json").read_text())
-    assert "model.embed_tokens.weight" in index["weight_map"] and "lm_head.weight" not in index["weight_map"]
+    assert ("model.embed_tokens.weight" in index["weight_map"]
+            and "lm_head.weight" not in index["weight_map"])
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m", local_files_only=True)
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
 

@@ -8,7 +8,8 @@ from infinity.engine._precision import Precision, choose_precision, cpu_has_bf16
 
 
 def choose(**kw):
-    args = {"fp16": False, "bf16": False, "compute_dtype": "auto", "accelerator": False, "bf16_units": False}
+    args = {"fp16": False, "bf16": False, "compute_dtype": "auto", "accelerator": False,
+            "bf16_units": False}
     return choose_precision(**{**args, **kw})
 
 
@@ -18,7 +19,8 @@ def test_bf16_computes_in_fp32_on_a_cpu_without_bf16_units(caplog):
     assert "no bf16 units" in caplog.text
     assert choose(bf16=True, bf16_units=True) == Precision(torch.bfloat16, None)
     assert choose(bf16=True, accelerator=True) == Precision(torch.bfloat16, None)
-    assert choose(bf16=True, bf16_units=True, compute_dtype="fp32") == Precision(torch.float32, torch.bfloat16)
+    assert choose(bf16=True, bf16_units=True, compute_dtype="fp32") == Precision(torch.float32,
+                                                                                 torch.bfloat16)
     assert choose(bf16=True, compute_dtype="bf16") == Precision(torch.bfloat16, None)
 
 

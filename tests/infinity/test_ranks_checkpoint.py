@@ -1,8 +1,8 @@
 """Checkpoints of data-parallel ranks (gloo, 2 processes): a run saved on 2 ranks resumes on 2
-ranks bit for bit (each rank's RNG state included), and on 1 rank (the checkpoint holds whole tensors; each rank takes its part
-on load) exactly as saved and then as one process trains on the concatenated batch; a save that
-fails on rank 0 fails on every rank. See [Note: checkpoints of several ranks] in
-infinity/engine/_checkpoint.py.
+ranks bit for bit (each rank's RNG state included), and on 1 rank (the checkpoint holds whole
+tensors; each rank takes its part on load) exactly as saved and then as one process trains on
+the concatenated batch; a save that fails on rank 0 fails on every rank. See [Note: checkpoints
+of several ranks] in infinity/engine/_checkpoint.py.
 """
 
 import sys
@@ -40,11 +40,13 @@ def runs(tmp_path_factory):
                 "load": str(tmp / f"ckpt{s}")} for s in STAGES]
     resumed.append({"name": "load-fails-on-rank-1", "config": _stage_config(3, nvme),
                     "steps": STEPS, "load": [str(tmp / "ckpt3"), str(tmp / "no-checkpoint-here")]})
-    alone = [{"name": f"stage{s}", "steps": STEPS, "load": str(tmp / f"ckpt{s}"), "data_world": WORLD,
+    alone = [{"name": f"stage{s}", "steps": STEPS, "load": str(tmp / f"ckpt{s}"),
+              "data_world": WORLD,
               "config": _stage_config(s, nvme, train_micro_batch_size_per_gpu=WORLD * MICRO)}
              for s in STAGES]
     results = []
-    for name, cases, world in (("first", first, WORLD), ("resumed", resumed, WORLD), ("alone", alone, 1)):
+    for name, cases, world in (("first", first, WORLD), ("resumed", resumed, WORLD),
+                               ("alone", alone, 1)):
         (tmp / name).mkdir()
         (code, output), per_rank = _torchrun(tmp / name, cases, timeout_s=240, world=world)
         assert code == 0, f"torchrun ({name}) exited {code}:\n{output[-3000:]}"
@@ -99,4 +101,5 @@ def test_a_save_rank_0_cannot_write_fails_on_every_rank(runs):
     first, _, _ = runs
     zero, one = (first[rank]["unwritable"] for rank in range(WORLD))
     assert "OSError" in zero["error"], zero
-    assert "CheckpointError" in one["error"] and "rank 0 could not write checkpoint" in one["message"], one
+    assert ("CheckpointError" in one["error"]
+            and "rank 0 could not write checkpoint" in one["message"]), one

@@ -102,12 +102,14 @@ def test_configure_takes_deepspeeds_signature_and_logs_what_has_no_effect(caplog
     with caplog.at_level(logging.INFO, logger="infinity.recompute"):
         got = recompute.configure(object(), deepspeed_config={"activation_checkpointing": {
             "partition_activations": True, "contiguous_memory_optimization": True,
-            "number_checkpoints": 4, "cpu_checkpointing": False}}, checkpoint_in_cpu=True, profile=True)
+            "number_checkpoints": 4, "cpu_checkpointing": False}}, checkpoint_in_cpu=True,
+            profile=True)
     assert recompute.is_configured() and got == recompute.settings()
     assert got.cpu_checkpointing and got.profile and got.partition_activations
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1
-    for name in ("mpu_", "partition_activations", "contiguous_memory_optimization", "number_checkpoints"):
+    for name in ("mpu_", "partition_activations", "contiguous_memory_optimization",
+                 "number_checkpoints"):
         assert name in lines[0]
     if not torch.cuda.is_available():
         assert "cpu_checkpointing (compute is on the CPU" in lines[0]
@@ -137,14 +139,16 @@ def test_cpu_checkpointing_on_cpu_tensors_changes_nothing(monkeypatch):
 
 @pytest.mark.parametrize("profile", [False, True])
 def test_profile_times_forward_runs_and_recomputes(profile, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: pytest.fail("no accelerator to synchronise"))
+    monkeypatch.setattr(torch.cuda, "synchronize",
+                        lambda: pytest.fail("no accelerator to synchronise"))
     recompute.configure(None, profile=profile, synchronize=True)
     m = block()
     for _ in range(2):
         recompute.run(m, torch.randn(5, 6, requires_grad=True)).sum().backward()
     t = recompute.timings()
     if profile:
-        assert (t["calls"], t["recomputes"]) == (2, 2) and t["forward_s"] > 0 and t["recompute_s"] > 0
+        assert ((t["calls"], t["recomputes"]) == (2, 2) and t["forward_s"] > 0
+                and t["recompute_s"] > 0)
     else:
         assert t == {"calls": 0, "forward_s": 0.0, "recomputes": 0, "recompute_s": 0.0}
 

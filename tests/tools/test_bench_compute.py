@@ -1,4 +1,5 @@
-"""bench_compute: the compute floor extrapolated from the timed decoder layers of a two-layer pass."""
+"""bench_compute: the compute floor extrapolated from the timed decoder layers of a two-layer
+pass."""
 
 import json
 

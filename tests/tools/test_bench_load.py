@@ -6,7 +6,8 @@ from tools import bench_load
 
 
 def test_tiny_run_prints_peaks_and_speed(tmp_path, capsys):
-    argv = ["--path", str(tmp_path), "--layers", "1", "--hidden", "64", "--intermediate", "128", "--vocab", "256",
+    argv = ["--path", str(tmp_path), "--layers", "1", "--hidden", "64", "--intermediate", "128",
+            "--vocab", "256",
             "--window", "1M", "--host-budget", "64M", "--sub-group-size", "4096"]
     assert bench_load.main(argv) == 0
     out = capsys.readouterr().out

@@ -15,14 +15,16 @@ def children_import_this_checkout(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", child_env()["PYTHONPATH"])
 
 
-TINY = ["--layers", "1", "--d-model", "32", "--vocab", "64", "--seq", "8", "--sub-group-size", "2048"]
+TINY = ["--layers", "1", "--d-model", "32", "--vocab", "64", "--seq", "8",
+        "--sub-group-size", "2048"]
 
 
 @pytest.mark.parametrize("config", ["nvme", "torch", "torch-default"])
 def test_a_child_reports_its_figures(tmp_path, config):
     args = bench_step.parse_args(["--path", str(tmp_path), *TINY, "--steps", "2", "--warmup", "1"])
     result = bench_step.run_child(args, config, str(tmp_path))
-    assert result["step_s"] > 0 and result["cpu_s"] > 0 and result["peak_rss"] > 0 and result["params"] > 0
+    assert (result["step_s"] > 0 and result["cpu_s"] > 0 and result["peak_rss"] > 0
+            and result["params"] > 0)
     if config == "nvme":
         assert result["bytes_per_step"] > 0 and result["raw_gbps"] > 0
         assert result["on_demand_nvme_after_step_1"] == 0  # the trace prefetches every unit
@@ -32,7 +34,8 @@ def test_a_child_reports_its_figures(tmp_path, config):
 
 def test_main_runs_each_config_in_a_child(tmp_path):
     out = tmp_path / "out.json"
-    assert bench_step.main(["--path", str(tmp_path), *TINY, "--steps", "2", "--warmup", "1", "--configs", "none",
+    assert bench_step.main(["--path", str(tmp_path), *TINY, "--steps", "2", "--warmup", "1",
+                            "--configs", "none",
                             "--json", str(out)]) == 0
     assert json.loads(out.read_text())["results"]["none"]["step_s"] > 0
     assert not list(tmp_path.glob("infinity-bench-step-*"))  # its directory is removed
@@ -40,10 +43,12 @@ def test_main_runs_each_config_in_a_child(tmp_path):
 
 def test_pair_runs_the_engine_and_pytorch_in_turn_in_one_child(tmp_path):
     out = tmp_path / "out.json"
-    assert bench_step.main(["--path", str(tmp_path), *TINY, "--steps", "4", "--warmup", "1", "--configs", "pair",
+    assert bench_step.main(["--path", str(tmp_path), *TINY, "--steps", "4", "--warmup", "1",
+                            "--configs", "pair",
                             "--json", str(out)]) == 0
     pair = json.loads(out.read_text())["results"]["none over torch, interleaved"]
-    assert pair["ratio"] > 0 and pair["cpu_ratio"] > 0 and pair["none_step_s"] > 0 and pair["torch_step_s"] > 0
+    assert (pair["ratio"] > 0 and pair["cpu_ratio"] > 0 and pair["none_step_s"] > 0
+            and pair["torch_step_s"] > 0)
 
 
 def test_floor_is_the_slower_of_compute_and_io():
@@ -51,7 +56,8 @@ def test_floor_is_the_slower_of_compute_and_io():
         return [{"config": config, "step_s": step_s, "cpu_s": step_s, "peak_rss": 1e9, **extra}]
     nvme = run("nvme", 3.0, bytes_per_step=8e9, raw_gbps=4.0, on_demand_nvme_after_step_1=0,
                compactions_per_step=2.0, compaction_s_per_step=0.01)
-    results = bench_step.report({"nvme": nvme, "none": run("none", 1.5), "torch": run("torch", 1.0)})
+    results = bench_step.report({"nvme": nvme, "none": run("none", 1.5),
+                                 "torch": run("torch", 1.0)})
     assert results["nvme"]["compactions_per_step"] == 2.0
     assert results["nvme over floor (none compute)"] == {"floor_s": 2.0, "io_s": 2.0, "ratio": 1.5}
     assert results["nvme over floor (torch compute)"]["floor_s"] == 2.0
@@ -82,6 +88,7 @@ def test_ratios_pair_the_children_of_each_round():
 
 def test_children_get_the_openmp_wait_policy_asked_for(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_WAIT_POLICY", "active")
-    assert bench_step.child_env(bench_step.parse_args(["--path", str(tmp_path)]))["OMP_WAIT_POLICY"] == "passive"
+    assert bench_step.child_env(
+        bench_step.parse_args(["--path", str(tmp_path)]))["OMP_WAIT_POLICY"] == "passive"
     inherit = bench_step.parse_args(["--path", str(tmp_path), "--omp-wait-policy", "inherit"])
     assert bench_step.child_env(inherit)["OMP_WAIT_POLICY"] == "active"

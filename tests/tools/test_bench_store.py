@@ -9,7 +9,8 @@ from tools import bench_store
 
 def test_optimizer_mode_with_checksums_in_turns(tmp_path):
     out = tmp_path / "out.json"
-    assert bench_store.main(["--path", str(tmp_path), "--mode", "optimizer", "--params", "64K", "--tile", "16K",
+    assert bench_store.main(["--path", str(tmp_path), "--mode", "optimizer", "--params", "64K",
+                             "--tile", "16K",
                              "--checksum", "ab", "--repeat", "2", "--json", str(out)]) == 0
     results = json.loads(out.read_text())
     assert results["optimizer step (checksum on)"]["step_s"] > 0
@@ -19,7 +20,8 @@ def test_optimizer_mode_with_checksums_in_turns(tmp_path):
 
 def test_stream_mode(tmp_path):
     out = tmp_path / "out.json"
-    assert bench_store.main(["--path", str(tmp_path), "--tensors", "9", "--tensor-size", "256K", "--window", "1",
+    assert bench_store.main(["--path", str(tmp_path), "--tensors", "9", "--tensor-size", "256K",
+                             "--window", "1",
                              "--repeat", "2", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["read stream"]["store_gbps"] > 0
 

@@ -28,7 +28,8 @@ def test_bench_adam_prints_each_row_against_the_memory_bound(capsys):
     assert re.search(rf"memory bound = {NUMBER} GB/s", out), out
     ours = rf"\| infinity CPU Adam, fp32 grads, bf16 out \| {NUMBER} \| {NUMBER} \| {PERCENT} \|"
     assert re.search(ours, out), out
-    assert re.search(rf"\| torch AdamW fused=True \(no copy-out\) \| {NUMBER} \| {NUMBER} \| {PERCENT} \|", out)
+    assert re.search(rf"\| torch AdamW fused=True \(no copy-out\) \| {NUMBER} \| {NUMBER} "
+                     rf"\| {PERCENT} \|", out)
     assert "| DeepSpeedCPUAdam |" in out  # timed, or "not installed"
     for fmt in ("moments bf16, master fp32", "moments int8, master fp32",
                 "moments fp32, master none", "moments bf16, master none",
@@ -80,7 +81,8 @@ def test_bench_store_optimizer_prints_the_ratio_to_the_io_floor(tmp_path, capsys
     code, out, _ = run(capsys, bench_store.main, "--path", tmp_path, "--mode", "optimizer",
                        "--params", "40K", "--tile", "8K", "--repeat", 1, "--block-size", "64K")
     assert code == 0, out
-    assert re.search(rf"optimizer step \(checksum off\): params=40960 +tile=8192 .*ratio={NUMBER}", out), out
+    assert re.search(rf"optimizer step \(checksum off\): params=40960 +tile=8192 "
+                     rf".*ratio={NUMBER}", out), out
     assert list(tmp_path.iterdir()) == []
 
 

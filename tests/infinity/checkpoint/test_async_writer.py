@@ -22,7 +22,8 @@ def test_a_background_save_commits_snapshots_taken_at_add(tmp_path):
     saver.metadata["note"] = "set before commit"
     assert saver.commit().result(timeout=60) == tmp_path / "step1"
     reader = CheckpointReader(tmp_path)
-    assert latest_tag(tmp_path) == "step1" and reader.metadata == {"step": 1, "note": "set before commit"}
+    assert latest_tag(tmp_path) == "step1" and reader.metadata == {"step": 1,
+                                                                   "note": "set before commit"}
     for name, tensor in expected.items():
         assert torch.equal(reader.read(name), tensor)
     assert 0 < saver.peak_queued_nbytes <= 16 << 10
@@ -61,7 +62,8 @@ def test_add_blocks_while_the_budget_is_full(tmp_path, monkeypatch):
 
 
 def test_an_error_on_the_worker_reaches_the_caller_and_leaves_nothing(tmp_path):
-    saver = AsyncCheckpointWriter(tmp_path, "step1", budget_nbytes=1 << 20, metadata={"bad": object()})
+    saver = AsyncCheckpointWriter(tmp_path, "step1", budget_nbytes=1 << 20,
+                                  metadata={"bad": object()})
     saver.add("w", torch.ones(4))
     with pytest.raises(CheckpointError, match="metadata must be JSON"):
         saver.commit().result(timeout=60)

@@ -28,7 +28,8 @@ def tensors(step):
     return {f"t{i}": torch.randn(600 + 37 * i, generator=g) for i in range(3)}
 
 def save(directory, step):
-    with CheckpointWriter(directory, f"step{step}", metadata={"step": step}, chunk_nbytes=1600) as w:
+    with CheckpointWriter(directory, f"step{step}", metadata={"step": step},
+                          chunk_nbytes=1600) as w:
         for name, tensor in tensors(step).items():
             w.add(name, tensor)
 
@@ -64,8 +65,10 @@ plan = [("k", k) for k in range(1, dry["calls"] + 1, stride)] + [("k", dry["call
 rng = random.Random(7)
 plan += [("t", rng.uniform(0, 0.7 * dry["seconds"])) for _ in range(RANDOM_KILLS)]
 for i, (kind, value) in enumerate(plan):
-    status = run(os.path.join(ROOT, f"crash{i}"), **({"kill_at": value} if kind == "k" else {"delay_s": value}))
-    print(json.dumps({"dir": f"crash{i}", "kind": kind, "value": value, "status": status}), flush=True)
+    status = run(os.path.join(ROOT, f"crash{i}"),
+                 **({"kill_at": value} if kind == "k" else {"delay_s": value}))
+    print(json.dumps({"dir": f"crash{i}", "kind": kind, "value": value, "status": status}),
+          flush=True)
 """
 
 

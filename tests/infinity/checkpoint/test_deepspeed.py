@@ -40,7 +40,8 @@ def _check(reader, expected):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_every_stage_precision_and_rank_count_gives_back_the_weights(tmp_path, stage, precision, world_size):
+def test_every_stage_precision_and_rank_count_gives_back_the_weights(tmp_path, stage, precision,
+                                                                     world_size):
     expected = deepspeed_layout.write(tmp_path, _params(), stage=stage, precision=precision,
                                       world_size=world_size, **EXTRAS, sub_group_numel=60,
                                       groups=[["embed.weight", "layers.0.weight"],
@@ -73,7 +74,8 @@ def test_a_tag_other_than_latest(tmp_path):
 def test_a_missing_rank_file_is_named(tmp_path):
     deepspeed_layout.write(tmp_path, _params(), stage=3, world_size=3)
     (tmp_path / "global_step7" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
-    with pytest.raises(CheckpointError, match="missing rank file.*bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"):
+    with pytest.raises(CheckpointError,
+                       match="missing rank file.*bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"):
         DeepSpeedReader(tmp_path)
 
 
@@ -87,7 +89,8 @@ def test_a_missing_last_rank_is_caught_by_partition_count(tmp_path):
 def test_a_missing_stage3_model_states_file_is_named(tmp_path):
     deepspeed_layout.write(tmp_path, _params(), stage=3, world_size=2)
     (tmp_path / "global_step7" / "zero_pp_rank_1_mp_rank_00_model_states.pt").unlink()
-    with pytest.raises(CheckpointError, match="zero_pp_rank_1_mp_rank_00_model_states.pt is missing"):
+    with pytest.raises(CheckpointError,
+                       match="zero_pp_rank_1_mp_rank_00_model_states.pt is missing"):
         DeepSpeedReader(tmp_path)
 
 
@@ -95,7 +98,8 @@ def test_a_truncated_file_is_named(tmp_path):
     deepspeed_layout.write(tmp_path, _params(), stage=3, world_size=2)
     path = tmp_path / "global_step7" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
     os.truncate(path, path.stat().st_size // 2)
-    with pytest.raises(CheckpointError, match="bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt is truncated"):
+    with pytest.raises(CheckpointError,
+                       match="bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt is truncated"):
         DeepSpeedReader(tmp_path)
 
 
@@ -124,7 +128,8 @@ def test_shapes_that_do_not_match_the_flat_groups_are_refused(tmp_path):
     for rank in range(2):
         name = f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
         (tmp_path / "global_step7" / name).write_bytes((other / "global_step7" / name).read_bytes())
-    with pytest.raises(CheckpointError, match="param_shapes take 2 elements per rank but the fp32 groups hold"):
+    with pytest.raises(CheckpointError,
+                       match="param_shapes take 2 elements per rank but the fp32 groups hold"):
         DeepSpeedReader(tmp_path)
 
 
@@ -136,7 +141,8 @@ def test_tensor_parallel_checkpoints_are_refused_clearly(tmp_path):
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_a_zero3_checkpoint_of_an_nvme_offloaded_optimizer_reads_its_swap_files(tmp_path, world_size):
+def test_a_zero3_checkpoint_of_an_nvme_offloaded_optimizer_reads_its_swap_files(tmp_path,
+                                                                                world_size):
     expected = deepspeed_layout.write(tmp_path, _params(), stage=3, world_size=world_size, **EXTRAS,
                                       sub_group_numel=60, nvme_offload=True)
     _check(DeepSpeedReader(tmp_path), expected)
@@ -144,11 +150,13 @@ def test_a_zero3_checkpoint_of_an_nvme_offloaded_optimizer_reads_its_swap_files(
 
 @pytest.mark.parametrize("damage, complaint", [
     ("truncate", r"holds 8 bytes, its sub-group needs \d+ \(truncated\?\)"),
-    ("delete", r"holds 3 'exp_avg-<first>_<last>.tensor.swp' files; the checkpoint has 4 sub-groups"),
+    ("delete",
+     r"holds 3 'exp_avg-<first>_<last>.tensor.swp' files; the checkpoint has 4 sub-groups"),
     ("no rank dir", r"rank01 is missing"),
 ])
 def test_damaged_swap_files_are_named(tmp_path, damage, complaint):
-    deepspeed_layout.write(tmp_path, _params(), stage=3, world_size=2, sub_group_numel=60, nvme_offload=True)
+    deepspeed_layout.write(tmp_path, _params(), stage=3, world_size=2, sub_group_numel=60,
+                           nvme_offload=True)
     folder = tmp_path / "global_step7" / "offloaded_tensors" / "rank01"
     if damage == "no rank dir":
         shutil.rmtree(folder)

@@ -41,7 +41,8 @@ def test_every_dtype_and_shape_round_trips(tmp_path):
     assert reader.metadata == {"step": 1, "client_state": {"epoch": 2, "order": [3, 1]}}
     for name, tensor in TENSORS.items():
         got = reader.read(name)
-        assert got.dtype == tensor.dtype and got.shape == tensor.shape and torch.equal(got, tensor), name
+        assert (got.dtype == tensor.dtype and got.shape == tensor.shape
+                and torch.equal(got, tensor)), name
     reader.verify()
 
 
@@ -52,10 +53,12 @@ def test_bf16_is_stored_as_uint16_bits_with_its_logical_dtype(tmp_path):
     assert manifest["tensors"][0]["dtype"] == "bfloat16" and array["data_type"] == "uint16"
 
 
-@pytest.mark.parametrize("rows", [slice(0, 50), slice(3, 4), slice(10, 37), slice(45, 100), slice(20, 20)])
+@pytest.mark.parametrize("rows", [slice(0, 50), slice(3, 4), slice(10, 37), slice(45, 100),
+                                  slice(20, 20)])
 def test_any_row_slice_reads_alone(tmp_path, rows):
     _save(tmp_path)
-    assert torch.equal(CheckpointReader(tmp_path).read("embed.weight", rows), TENSORS["embed.weight"][rows])
+    assert torch.equal(CheckpointReader(tmp_path).read("embed.weight", rows),
+                       TENSORS["embed.weight"][rows])
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 7])
@@ -65,7 +68,8 @@ def test_any_flat_partition_reads_alone(tmp_path, ranks):
     reader = CheckpointReader(tmp_path)
     flat = TENSORS["embed.weight"].reshape(-1)
     p = -(-flat.numel() // ranks)
-    parts = [reader.read_flat("embed.weight", min(r * p, flat.numel()), min((r + 1) * p, flat.numel()))
+    parts = [reader.read_flat("embed.weight", min(r * p, flat.numel()),
+                              min((r + 1) * p, flat.numel()))
              for r in range(ranks)]
     assert torch.equal(torch.cat(parts), flat)
     with pytest.raises(CheckpointError, match="has 600 elements"):
@@ -190,7 +194,8 @@ def test_a_damaged_chunk_is_an_error_naming_tensor_and_file(tmp_path, how, compl
     path = _damage_one_chunk(tag, how)
     reader = CheckpointReader(tmp_path)
     for read in (lambda: reader.read("embed.weight"), reader.verify,
-                 lambda: reader.read("embed.weight", slice(2 * reader.entry("embed.weight").chunk_rows, None))):
+                 lambda: reader.read("embed.weight",
+                                     slice(2 * reader.entry("embed.weight").chunk_rows, None))):
         with pytest.raises(CheckpointError, match=complaint) as info:
             read()
         assert "'embed.weight'" in str(info.value) and str(path) in str(info.value)

@@ -20,23 +20,27 @@ MiB = 1 << 20
 
 def _params():
     g = torch.Generator().manual_seed(1)
-    return {"embed.weight": torch.randn(11, 6, generator=g), "fc.weight": torch.randn(6, 6, generator=g),
+    return {"embed.weight": torch.randn(11, 6, generator=g),
+            "fc.weight": torch.randn(6, 6, generator=g),
             "fc.bias": torch.randn(6, generator=g)}
 
 
 def _read_output(directory, fmt):
     """Every tensor of a converted output, by name."""
     if fmt in ("hf", "safetensors"):
-        return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
+        return {k: v for f in sorted(directory.glob("*.safetensors"))
+                for k, v in load_file(f).items()}
     if fmt == "torch":
-        return {k: v for f in sorted(directory.glob("*.bin")) for k, v in torch.load(f, weights_only=True).items()}
+        return {k: v for f in sorted(directory.glob("*.bin"))
+                for k, v in torch.load(f, weights_only=True).items()}
     if fmt == "zarr":
         group = zarr.open_group(str(directory), mode="r")
         out = {}
         for name, array in group.members(max_depth=None):
             if isinstance(array, zarr.Array):
                 data = torch.from_numpy(array[...])
-                out[name] = data.view(torch.bfloat16) if array.attrs["dtype"] == "bfloat16" else data
+                out[name] = (data.view(torch.bfloat16) if array.attrs["dtype"] == "bfloat16"
+                             else data)
         return out
     reader = CheckpointReader(directory)
     return {name: reader.read(name) for name in reader.names()}
@@ -45,7 +49,8 @@ def _read_output(directory, fmt):
 @pytest.mark.parametrize("fmt", ["hf", "safetensors", "torch", "zarr", "infinity"])
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_deepspeed_checkpoint_converts_to_every_format(tmp_path, fmt, stage, capsys):
-    expected = deepspeed_layout.write(tmp_path / "ds", _params(), stage=stage, buffers={"ids": torch.arange(4)},
+    expected = deepspeed_layout.write(tmp_path / "ds", _params(), stage=stage,
+                                      buffers={"ids": torch.arange(4)},
                                       shared={"head.weight": "embed.weight"})
     (tmp_path / "ds" / "config.json").write_text(json.dumps({"model_type": "toy"}))
     args = [str(tmp_path / "ds"), str(tmp_path / "out"), "--to", fmt, "--max-shard-size", "300"]
@@ -60,17 +65,21 @@ def test_a_deepspeed_checkpoint_converts_to_every_format(tmp_path, fmt, stage, c
         assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(files)
     assert sorted(got) == sorted(expected)
     for name, tensor in expected.items():
-        assert got[name].dtype == tensor.dtype and torch.equal(got[name].reshape(tensor.shape), tensor), name
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name].reshape(tensor.shape),
+                                                               tensor), name
     assert (fmt == "hf") == (tmp_path / "out" / "config.json").is_file()
     assert "verified against the source" in capsys.readouterr().out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds", "out"], "no temporary left"
 
 
 def test_dtype_casts_the_weights_only(tmp_path):
-    expected = deepspeed_layout.write(tmp_path / "ds", _params(), stage=3, buffers={"ids": torch.arange(4)})
-    assert main([str(tmp_path / "ds"), str(tmp_path / "out"), "--to", "infinity", "--dtype", "bf16"]) == 0
+    expected = deepspeed_layout.write(tmp_path / "ds", _params(), stage=3,
+                                      buffers={"ids": torch.arange(4)})
+    assert main([str(tmp_path / "ds"), str(tmp_path / "out"), "--to", "infinity",
+                 "--dtype", "bf16"]) == 0
     got = _read_output(tmp_path / "out", "infinity")
-    assert got["fc.weight"].dtype == torch.bfloat16 and torch.equal(got["fc.weight"], expected["fc.weight"].bfloat16())
+    assert got["fc.weight"].dtype == torch.bfloat16 and torch.equal(got["fc.weight"],
+                                                                    expected["fc.weight"].bfloat16())
     assert got["ids"].dtype == torch.int64, "integers are not cast"
     assert got["exp_avg/fc.weight"].dtype == torch.float32, "optimizer moments keep their precision"
     reader = CheckpointReader(tmp_path / "out")
@@ -79,11 +88,13 @@ def test_dtype_casts_the_weights_only(tmp_path):
 
 def test_an_infinity_checkpoint_converts_and_keeps_its_model_config(tmp_path):
     params = _params()
-    with CheckpointWriter(tmp_path / "run", "step3", metadata={"model_config": {"model_type": "toy"}}) as writer:
+    with CheckpointWriter(tmp_path / "run", "step3",
+                          metadata={"model_config": {"model_type": "toy"}}) as writer:
         for name, tensor in params.items():
             writer.add(name, tensor)
         writer.add("exp_avg/fc.bias", torch.ones(6))
-    assert main([str(tmp_path / "run"), str(tmp_path / "out"), "--to", "hf", "--dtype", "fp16"]) == 0
+    assert main([str(tmp_path / "run"), str(tmp_path / "out"), "--to", "hf",
+                 "--dtype", "fp16"]) == 0
     config = json.loads((tmp_path / "out" / "config.json").read_text())  # says what was written
     assert config == {"model_type": "toy", "dtype": "float16", "torch_dtype": "float16"}
     got = _read_output(tmp_path / "out", "hf")
@@ -162,9 +173,11 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, capsys, case,
         (tmp_path / "out").mkdir()
     before = sorted(p.name for p in tmp_path.iterdir())
     out = tmp_path / "nowhere" / "out" if case == "missing parent" else tmp_path / "out"
-    assert main([str(src), str(out), "--to", "hf" if case == "no model config" else "safetensors"]) == 2
+    assert main([str(src), str(out),
+                 "--to", "hf" if case == "no model config" else "safetensors"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("infinity-convert: error: ") and complaint in err, err
+    assert (err.count("\n") == 1 and err.startswith("infinity-convert: error: ")
+            and complaint in err), err
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 

@@ -42,7 +42,8 @@ class FakeDeepSpeedHandle:
 
 @pytest.fixture
 def fake_deepspeed(monkeypatch):
-    builder = types.SimpleNamespace(load=lambda verbose: types.SimpleNamespace(aio_handle=FakeDeepSpeedHandle))
+    builder = types.SimpleNamespace(
+        load=lambda verbose: types.SimpleNamespace(aio_handle=FakeDeepSpeedHandle))
     op_builder = types.ModuleType("deepspeed.ops.op_builder")
     op_builder.AsyncIOBuilder = lambda: builder
     for name, module in {"deepspeed": types.ModuleType("deepspeed"),
@@ -60,7 +61,8 @@ def test_plan_keeps_tinyllama_shapes_when_they_fit_and_scales_both_dimensions_ot
         layer_io.plan(256 << 10)
 
 
-def test_every_tool_runs_both_patterns_every_round_and_moves_what_it_should(tmp_path, fake_deepspeed):
+def test_every_tool_runs_both_patterns_every_round_and_moves_what_it_should(tmp_path,
+                                                                            fake_deepspeed):
     runs, info = layer_io.measure(bench.EngineConfig(queue_depth=4), str(tmp_path), SMALL, 2)
     assert info["tools"][1:] == [f"{info['tools'][0]} 4K pages", "deepspeed"]
     assert info["deepspeed_skipped"] is None
@@ -81,7 +83,8 @@ def test_without_deepspeed_the_column_is_skipped_with_the_reason(tmp_path, monke
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # import fails
     runs, info = layer_io.measure(bench.EngineConfig(queue_depth=4), str(tmp_path), SMALL, 1,
                                   with_deepspeed=True)
-    assert "ModuleNotFoundError" in info["deepspeed_skipped"] or "ImportError" in info["deepspeed_skipped"]
+    assert ("ModuleNotFoundError" in info["deepspeed_skipped"]
+            or "ImportError" in info["deepspeed_skipped"])
     assert {run.tool for run in runs} == set(info["tools"]) and len(info["tools"]) == 2
 
 

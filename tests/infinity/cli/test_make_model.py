@@ -7,7 +7,8 @@ import pytest
 
 from infinity.cli import make_model
 
-SHAPE = ["--layers", "2", "--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv-heads", "2",
+SHAPE = ["--layers", "2", "--hidden", "64", "--intermediate", "128", "--heads", "4",
+         "--kv-heads", "2",
          "--vocab", "320", "--max-positions", "128"]
 
 
@@ -29,7 +30,8 @@ def test_writes_the_asked_shape_and_counts_its_parameters(tmp_path, capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["--heads", "5"], "--hidden 256, --heads 5, --kv-heads 5: hidden must divide by heads"),
-    (["--heads", "8", "--kv-heads", "3"], "--kv-heads 3: hidden must divide by heads, and heads by kv-heads"),
+    (["--heads", "8", "--kv-heads", "3"],
+     "--kv-heads 3: hidden must divide by heads, and heads by kv-heads"),
     (["--vocab", "258"], "--vocab 258: at least 259"),
     (["--layers", "0"], "--layers 0: must be at least 1"),
 ])

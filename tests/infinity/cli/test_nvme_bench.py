@@ -1,4 +1,5 @@
-"""infinity-nvme-bench end to end on tiny sizes, plus the measuring helpers in infinity.cli.nvme_measure."""
+"""infinity-nvme-bench end to end on tiny sizes, plus the measuring helpers in
+infinity.cli.nvme_measure."""
 
 import argparse
 import json
@@ -78,7 +79,8 @@ def test_default_run_writes_then_reads_and_leaves_nothing(disk, tmp_path, capsys
         assert first["nbytes"] == 8 << 20 and first["gbps"] > 0
         assert 0 < first["p50_s"] <= first["p99_s"]
     (small,) = report["small"][ours]
-    assert small["requests"] == 300 and small["request_nbytes"] == 4096 and small["us_per_request"] > 0
+    assert (small["requests"] == 300 and small["request_nbytes"] == 4096
+            and small["us_per_request"] > 0)
 
 
 def test_read_only_repeats_and_reports_the_range(disk, capsys, tmp_path):
@@ -87,13 +89,15 @@ def test_read_only_repeats_and_reports_the_range(disk, capsys, tmp_path):
                        "--small-requests", 0, "--backend", "threads", "--json", out_json)
     assert code == 0 and "median [min-max] of 2" in out
     report = json.loads(out_json.read_text())["report"]
-    assert list(report["sequential"]) == ["read"] and len(report["sequential"]["read"]["aio/threads"]) == 2
+    assert (list(report["sequential"]) == ["read"]
+            and len(report["sequential"]["read"]["aio/threads"]) == 2)
     assert "small" not in report
 
 
 def test_sweep_prints_a_table_and_the_best_aio_block(disk, capsys, tmp_path):
     out_json = tmp_path / "sweep.json"
-    code, out, _ = run(capsys, "--path", disk, "--size", "4M", "--sweep", "--block-size", "64K,256K",
+    code, out, _ = run(capsys, "--path", disk, "--size", "4M", "--sweep",
+                       "--block-size", "64K,256K",
                        "--queue-depth", "2", "--threads", "1,2", "--backend", "threads",
                        "--small-requests", 0, "--json", out_json)
     assert code == 0

@@ -22,7 +22,8 @@ def _model(hidden_size: int) -> torch.nn.Module:
 def test_empty_config_has_deepspeed_defaults():
     config = load_config({})
     zero = config.zero_optimization
-    assert (zero.stage, zero.offload_param.device, zero.offload_optimizer.device) == (0, "none", "none")
+    assert (zero.stage, zero.offload_param.device,
+            zero.offload_optimizer.device) == (0, "none", "none")
     assert zero.stage3_prefetch_bucket_size == 5 * 10**7
     assert zero.stage3_param_persistence_threshold == 10**5
     assert zero.stage3_max_live_parameters == zero.stage3_max_reuse_distance == 10**9

@@ -1,4 +1,5 @@
-"""Host backings use aio.aligned_empty: see [Note: physically contiguous buffers] in aio/buffers.py."""
+"""Host backings use aio.aligned_empty: see [Note: physically contiguous buffers] in
+aio/buffers.py."""
 
 import torch
 

@@ -15,7 +15,8 @@ N = 4 * 65536 + 123  # enough elements for four threads, and a ragged tail
 
 def _state(seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(N, generator=g), torch.randn(N, generator=g), torch.zeros(N), torch.zeros(N)]
+    return [torch.randn(N, generator=g), torch.randn(N, generator=g), torch.zeros(N),
+            torch.zeros(N)]
 
 
 def _steps(state: list[torch.Tensor], steps: int, **kw) -> list[torch.Tensor]:

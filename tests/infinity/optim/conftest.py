@@ -39,7 +39,8 @@ def read_back(store, key):
 
 
 def copies_in_use(store):
-    return sorted(key for key, entry in store._copies.entries.items() for c in entry.copies.values() if c.uses)
+    return sorted(key for key, entry in store._copies.entries.items()
+                  for c in entry.copies.values() if c.uses)
 
 
 class FaultRun:

@@ -132,7 +132,8 @@ def test_bad_input(store):
     opt = SwappedOptimizer(specs[:1], store, name="small")
     with pytest.raises(ValueError, match="in order"):
         opt.load_state([(1, {})])
-    with pytest.raises(ValueError, match=r"unit 0: state 'exp_avg' has shape \(9,\), expected \(10,\)"):
+    with pytest.raises(ValueError,
+                       match=r"unit 0: state 'exp_avg' has shape \(9,\), expected \(10,\)"):
         opt.load_state([(0, {"step": 1, "master": torch.ones(10), "exp_avg": torch.ones(9),
                              "exp_avg_sq": torch.ones(10)})])
 
@@ -140,7 +141,8 @@ def test_bad_input(store):
 def test_tiles_cover_every_element_once():
     tiles = cut_units([5, 12, 3], 4)
     seen = [(t.unit, t.start + k) for t in tiles for k in range(t.numel)]
-    assert seen == [(0, k) for k in range(5)] + [(1, k) for k in range(12)] + [(2, k) for k in range(3)]
+    assert seen == ([(0, k) for k in range(5)] + [(1, k) for k in range(12)]
+                    + [(2, k) for k in range(3)])
     assert all(0 < t.numel <= 4 for t in tiles)
 
 

@@ -54,8 +54,10 @@ def test_step_retried_after_a_fault_at_every_position(every_fault_position, valu
 
 
 def _unit_mode(run, put_units, values_of):
-    """Units (bf16 and fp32, values on NVMe) stepped in backward's order; the fault from step 2 on."""
-    masters, specs = put_units(run.store, [torch.bfloat16, torch.float32, torch.bfloat16], [5000, 4000, 300])
+    """Units (bf16 and fp32, values on NVMe) stepped in backward's order; the fault from step 2
+    on."""
+    masters, specs = put_units(run.store, [torch.bfloat16, torch.float32, torch.bfloat16],
+                               [5000, 4000, 300])
     opt_ref = CPUAdam(masters, lr=1e-2)
     opt = SwappedOptimizer(specs, run.store, lr=1e-2, tile_numel=TILE)
     for step in range(4):
@@ -81,7 +83,8 @@ def _unit_mode(run, put_units, values_of):
 @pytest.mark.parametrize("op", ["read", "write"])
 def test_step_unit_retried_after_a_fault_at_every_position(every_fault_position, put_units,
                                                            values_of, op):
-    positions = every_fault_position(lambda run: _unit_mode(run, put_units, values_of), op, at_step=1, host_nbytes=64 << 10)
+    positions = every_fault_position(lambda run: _unit_mode(run, put_units, values_of), op,
+                                     at_step=1, host_nbytes=64 << 10)
     assert positions >= 10, positions  # 10 tiles and 3 values entries go through the disk in a step
 
 

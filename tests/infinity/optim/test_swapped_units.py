@@ -82,7 +82,8 @@ def test_fp32_units_track_torch_adamw(tmp_path, put_units, values_of):
             torch_opt.step()
             _run_steps(opt, [grads], [1e-2], range(len(specs)), [1.0])
         for p, spec in zip(torch_params, specs):
-            torch.testing.assert_close(values_of(store, spec.values_key), p.detach(), rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(values_of(store, spec.values_key), p.detach(),
+                                       rtol=1e-6, atol=1e-7)
 
 
 def test_weight_decay_ranges_cut_a_unit_where_the_decay_changes():
@@ -130,7 +131,8 @@ def test_fp32_units_keep_no_master_in_the_tiles(tmp_path, put_units):
     with _store(tmp_path) as store:
         _, specs = put_units(store, [torch.float32, torch.bfloat16], [1500, 1500])
         opt = SwappedOptimizer(specs, store, tile_numel=TILE)
-        shapes = [tuple(store.fetch(opt.tiles.key(t), "host").result().shape) for t in range(len(opt.tiles))]
+        shapes = [tuple(store.fetch(opt.tiles.key(t), "host").result().shape)
+                  for t in range(len(opt.tiles))]
         for t in range(len(opt.tiles)):
             store.release(opt.tiles.key(t), "host")
         assert shapes == [(2, 1000), (2, 500), (3, 1000), (3, 500)]  # 8 B/element vs 12 B/element
@@ -156,7 +158,8 @@ def test_units_stepped_from_several_threads(tmp_path, put_units, values_of):
                 except BaseException as exc:  # noqa: BLE001 - reported below
                     errors.append(exc)
 
-            workers = [threading.Thread(target=work, args=(range(k, len(specs), 4),)) for k in range(4)]
+            workers = [threading.Thread(target=work, args=(range(k, len(specs), 4),))
+                       for k in range(4)]
             for w in workers:
                 w.start()
             while any(w.is_alive() for w in workers):  # the caller uses the store meanwhile
@@ -170,7 +173,8 @@ def test_units_stepped_from_several_threads(tmp_path, put_units, values_of):
         for (u, state), (_, expected) in zip(opt.iter_state(), serial.iter_state()):
             for name in ("master", "exp_avg", "exp_avg_sq"):
                 assert torch.equal(state[name], expected[name]), (u, name)
-            assert torch.equal(values_of(store, specs[u].values_key), values_of(serial_store, serial_specs[u].values_key))
+            assert torch.equal(values_of(store, specs[u].values_key),
+                               values_of(serial_store, serial_specs[u].values_key))
 
 
 def test_finish_step_names_the_units_not_stepped(tmp_path, put_units):
@@ -237,19 +241,23 @@ def test_unit_state_streams_out_and_back_in(tmp_path, put_units, values_of, rows
         give = _RowSource if rows == "sources" else torch.clone
         saved = [(u, {k: (give(v) if torch.is_tensor(v) else v) for k, v in s.items()})
                  for u, s in opt.iter_state()]
-        _, twin_specs = put_units(other, dtypes, NUMELS, seed=5)  # other values: the state brings its own
+        # other values: the state brings its own
+        _, twin_specs = put_units(other, dtypes, NUMELS, seed=5)
         twin = SwappedOptimizer(twin_specs, other, lr=1e-2, tile_numel=2 * TILE + 7)
         twin.load_state(saved)
         assert twin.completed_steps == 2
-        if rows == "sources":  # read a tile's segment at a time (a float32 unit's master: whole, into its values)
-            reads = [n for _, s in saved for name, v in s.items() if name in ("exp_avg", "exp_avg_sq") for n in v.reads]
+        # read a tile's segment at a time (a float32 unit's master: whole, into its values)
+        if rows == "sources":
+            reads = [n for _, s in saved for name, v in s.items()
+                     if name in ("exp_avg", "exp_avg_sq") for n in v.reads]
             assert reads and max(reads) <= 2 * TILE + 7
         for step in range(2, 4):
             grads = _grads(specs, step)
             _run_steps(opt, [grads], [1e-2], range(len(specs)), [1.0])
             _run_steps(twin, [grads], [1e-2], range(len(specs)), [1.0])
         for spec, twin_spec in zip(specs, twin_specs):
-            assert torch.equal(values_of(store, spec.values_key), values_of(other, twin_spec.values_key))
+            assert torch.equal(values_of(store, spec.values_key),
+                               values_of(other, twin_spec.values_key))
         assert [(u, s["step"]) for u, s in opt.iter_state()] == [(u, 4) for u in range(len(specs))]
 
 
@@ -264,11 +272,14 @@ def test_bad_input(tmp_path, put_units, values_of, in_use):
             SwappedOptimizer([UnitSpec(100, torch.int32, "unit0")], store)
         with pytest.raises(ValueError, match="'nope' is not in the store"):
             SwappedOptimizer([UnitSpec(100, torch.float32, "nope")], store)
-        with pytest.raises(ValueError, match="'unit0' holds 100 x torch.float32; expected 100 x torch.bfloat16"):
+        with pytest.raises(ValueError, match="'unit0' holds 100 x torch.float32; "
+                                             "expected 100 x torch.bfloat16"):
             SwappedOptimizer([specs[1], UnitSpec(100, torch.bfloat16, "unit0")], store, name="w")
-        assert [k for k in store._copies.entries if k.startswith("w/")] == []  # its tiles were dropped
+        # its tiles were dropped
+        assert [k for k in store._copies.entries if k.startswith("w/")] == []
         wrong = SwappedOptimizer([UnitSpec(50, torch.float32, "unit1")], store, name="w")
-        with pytest.raises(ValueError, match="'unit1' holds 50 x torch.bfloat16; expected 50 x torch.float32"):
+        with pytest.raises(ValueError,
+                           match="'unit1' holds 50 x torch.bfloat16; expected 50 x torch.float32"):
             wrong.step_unit(0, torch.ones(50))
         assert in_use(store) == []
         opt = SwappedOptimizer(specs, store, tile_numel=TILE)
@@ -343,7 +354,8 @@ def test_bad_offsets(tmp_path, put_units):
             with pytest.raises(ValueError, match="unit 0: offset must be an int >= 0"):
                 SwappedOptimizer([UnitSpec(10, torch.float32, "unit0", offset)], store)
         past_the_end = SwappedOptimizer([UnitSpec(10, torch.float32, "unit0", 95)], store)
-        with pytest.raises(ValueError, match=r"'unit0' holds 100 x torch.float32; expected \[95:105\] of"):
+        with pytest.raises(ValueError,
+                           match=r"'unit0' holds 100 x torch.float32; expected \[95:105\] of"):
             past_the_end.step_unit(0, torch.ones(10))
 
 
@@ -380,7 +392,8 @@ def test_prefetch_unit_reads_ahead_and_holds_nothing(tmp_path, put_units, values
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_gradient_in_pieces_steps_as_the_same_gradient_whole(tmp_path, dtype, put_units, values_of):
+def test_a_gradient_in_pieces_steps_as_the_same_gradient_whole(tmp_path, dtype, put_units,
+                                                               values_of):
     """The engine hands a unit's gradient as its parameters' own tensors laid end to end;
     pieces that cross tile boundaries (TILE 1000) and tiny ones give the whole-gradient result
     bit for bit, and the pieces are only read."""
@@ -391,7 +404,8 @@ def test_a_gradient_in_pieces_steps_as_the_same_gradient_whole(tmp_path, dtype, 
             _, specs = put_units(store, [dtype] * 3, list(cuts), seed=3)
             specs_by_store.append(specs)
         whole = SwappedOptimizer(specs_by_store[0], whole_store, lr=1e-2, tile_numel=TILE, **HYPER)
-        pieces = SwappedOptimizer(specs_by_store[1], pieces_store, lr=1e-2, tile_numel=TILE, **HYPER)
+        pieces = SwappedOptimizer(specs_by_store[1], pieces_store, lr=1e-2, tile_numel=TILE,
+                                  **HYPER)
         for step in range(2):
             grads = _grads(specs_by_store[0], step)
             for u, (grad, sizes) in enumerate(zip(grads, cuts.values())):
@@ -402,7 +416,8 @@ def test_a_gradient_in_pieces_steps_as_the_same_gradient_whole(tmp_path, dtype, 
             whole.finish_step()
             pieces.finish_step()
         for a, b in zip(specs_by_store[0], specs_by_store[1]):
-            assert torch.equal(values_of(whole_store, a.values_key), values_of(pieces_store, b.values_key))
+            assert torch.equal(values_of(whole_store, a.values_key),
+                               values_of(pieces_store, b.values_key))
         for (_, a), (_, b) in zip(whole.iter_state(), pieces.iter_state()):
             assert all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq"))
 
@@ -411,12 +426,14 @@ def test_bad_gradient_pieces(tmp_path, put_units):
     with _store(tmp_path) as store:
         _, specs = put_units(store, [torch.float32], [100])
         opt = SwappedOptimizer(specs, store, tile_numel=TILE)
-        for bad, error, match in (([torch.ones(60), torch.ones(39)], ValueError, "lay 100 elements end to end, got 99"),
-                                  ([], TypeError, "non-empty list"),
-                                  ((torch.ones(100) for _ in ()), TypeError, "generator"),
-                                  ([torch.ones(50), "x"], TypeError, r"piece 1\) must be a torch.Tensor"),
-                                  ([torch.ones(50), torch.ones(5, 10)], ValueError, r"piece 1\) must be 1-D"),
-                                  ([torch.ones(50), torch.ones(100)[::2]], ValueError, "contiguous")):
+        for bad, error, match in (
+                ([torch.ones(60), torch.ones(39)], ValueError,
+                 "lay 100 elements end to end, got 99"),
+                ([], TypeError, "non-empty list"),
+                ((torch.ones(100) for _ in ()), TypeError, "generator"),
+                ([torch.ones(50), "x"], TypeError, r"piece 1\) must be a torch.Tensor"),
+                ([torch.ones(50), torch.ones(5, 10)], ValueError, r"piece 1\) must be 1-D"),
+                ([torch.ones(50), torch.ones(100)[::2]], ValueError, "contiguous")):
             with pytest.raises(error, match=match):
                 opt.step_unit(0, bad)
         nan = torch.ones(50)

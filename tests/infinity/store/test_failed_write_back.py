@@ -13,7 +13,8 @@ KiB = 1 << 10
 
 def test_a_copy_whose_write_back_failed_is_written_down_before_eviction(tmp_path):
     handle = aio.Handle(block_size=64 * KiB)
-    with TensorStore({"host": 64 * KiB, "nvme": 1 << 20}, nvme_path=tmp_path, aio_handle=handle) as store:
+    with TensorStore({"host": 64 * KiB, "nvme": 1 << 20}, nvme_path=tmp_path,
+                     aio_handle=handle) as store:
         store.put("a", torch.zeros(8 * KiB), "nvme")  # 32 KiB: the host holds two such
         store.put("b", torch.zeros(8 * KiB), "nvme")
         store.put("c", torch.zeros(8 * KiB), "nvme")
@@ -35,7 +36,8 @@ def test_a_copy_whose_write_back_failed_is_written_down_before_eviction(tmp_path
 
 def test_a_failed_write_back_is_retried_by_fetch_and_dirty_release(tmp_path):
     handle = aio.Handle(block_size=64 * KiB)
-    with TensorStore({"host": 64 * KiB, "nvme": 1 << 20}, nvme_path=tmp_path, aio_handle=handle) as store:
+    with TensorStore({"host": 64 * KiB, "nvme": 1 << 20}, nvme_path=tmp_path,
+                     aio_handle=handle) as store:
         store.put("a", torch.zeros(1000), "nvme")
         store.fetch("a", "host").result().fill_(3.0)
         handle.inject(aio.Fault(op="write", nth=0, kind="errno", errno=errno.EIO))

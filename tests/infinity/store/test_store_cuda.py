@@ -100,7 +100,8 @@ def test_write_back_sees_work_queued_on_the_callers_stream(tmp_path):
         store.evict("w", "device")
         store.evict("w", "host")
         got = store.fetch("w", "host").result(timeout=30)
-        assert torch.equal(got, torch.ones(n)), f"{int((got != 1).sum())} elements written back stale"
+        assert torch.equal(got, torch.ones(n)), (
+            f"{int((got != 1).sum())} elements written back stale")
         store.release("w", "host")
 
 

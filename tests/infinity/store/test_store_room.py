@@ -47,7 +47,8 @@ def test_compacts_around_a_copy_in_use_and_leaves_it_in_place():
         for i in (1, 3, 5, 7):
             assert torch.equal(s.fetch(f"s{i}", "host").result(), small[f"s{i}"])
             s.release(f"s{i}", "host")
-        assert torch.equal(s.fetch("wide", "host").result(), torch.arange(WIDE, dtype=torch.float32))
+        assert torch.equal(s.fetch("wide", "host").result(),
+                           torch.arange(WIDE, dtype=torch.float32))
         s.release("wide", "host")
 
 
@@ -68,7 +69,8 @@ def test_a_copy_needed_after_the_tier_turns_over_is_evicted_rather_than_compacte
             s.drop(f"s{i}")  # 120 KB holes between the cached copies
         s.put("wide", torch.arange(WIDE, dtype=torch.float32), "nvme")
         s.set_next_use({f"s{i}": distance for i in (1, 3, 5, 7)})
-        assert torch.equal(s.fetch("wide", "host").result(), torch.arange(WIDE, dtype=torch.float32))
+        assert torch.equal(s.fetch("wide", "host").result(),
+                           torch.arange(WIDE, dtype=torch.float32))
         s.release("wide", "host")
         cached = [i for i in (1, 3, 5, 7) if "host" in s.tiers_of(f"s{i}")]
         assert s.stats()["room"]["compactions"] == {"host": int(compacts)}
@@ -132,7 +134,8 @@ def test_a_fetch_waits_for_the_release_of_a_copy_held_by_another_thread(tmp_path
         if nvme:
             thread, outcome = in_thread(lambda: s.fetch("wide", "host").result(timeout=30))
         else:
-            thread, outcome = in_thread(lambda: s.put("wide", torch.arange(WIDE, dtype=torch.float32), "host"))
+            thread, outcome = in_thread(
+                lambda: s.put("wide", torch.arange(WIDE, dtype=torch.float32), "host"))
         _until(lambda: s._tiers.room.waiting())  # it waits for room, without the lock
         assert thread.is_alive()
         assert torch.all(s.fetch("s1", "host").result() == 1.0)  # the store is not blocked
@@ -203,7 +206,8 @@ def test_a_wait_for_a_release_that_never_comes_ends_after_room_wait_s(in_thread)
 
         h, _ = in_thread(hold)
         held.wait(10)
-        with pytest.raises(BudgetError, match=r"122880 by this thread.*waited \d+\.\d s for releases"):
+        with pytest.raises(BudgetError,
+                           match=r"122880 by this thread.*waited \d+\.\d s for releases"):
             s.put("wide", torch.ones(WIDE), "host")
         room = s.stats()["room"]
         assert room["waits"] == 1 and room["wait_s"] >= 0.5  # then gave up, not forever

@@ -33,7 +33,8 @@ def _waiting(thread) -> bool:
 
 
 @pytest.mark.parametrize("blocker", ["flush", "eviction", "put"])
-def test_a_thread_waiting_for_a_hung_write_does_not_block_another_threads_fetch(tmp_path, blocker, in_thread):
+def test_a_thread_waiting_for_a_hung_write_does_not_block_another_threads_fetch(tmp_path, blocker,
+                                                                                in_thread):
     handle = aio.Handle()
     store = TensorStore({"host": MiB, "nvme": 8 * MiB}, nvme_path=tmp_path, aio_handle=handle)
     try:
@@ -71,7 +72,8 @@ def test_a_thread_waiting_for_a_hung_write_does_not_block_another_threads_fetch(
         assert not stalled, "a fetch of a resident key waited for another thread's I/O"
         assert "error" not in read, read
         assert not thread.is_alive()
-        assert isinstance(outcome.get("error"), aio.AIOError) and outcome["error"].errno == errno.ECANCELED, outcome
+        assert (isinstance(outcome.get("error"), aio.AIOError)
+                and outcome["error"].errno == errno.ECANCELED), outcome
     finally:
         handle.close()
         store.close()  # the failed write was raised to the waiting thread: nothing left to raise
@@ -111,8 +113,10 @@ def test_close_with_a_failed_read_in_flight_raises_it(tmp_path):
 
 
 @pytest.mark.parametrize("checksum", [False, True])
-def test_close_racing_fetches_and_write_backs_never_crashes_nor_hangs(tmp_path, checksum, in_thread):
-    store = TensorStore({"device": MiB, "host": 2 * MiB, "nvme": 32 * MiB}, nvme_path=tmp_path, device="cpu",
+def test_close_racing_fetches_and_write_backs_never_crashes_nor_hangs(tmp_path, checksum,
+                                                                      in_thread):
+    store = TensorStore({"device": MiB, "host": 2 * MiB, "nvme": 32 * MiB}, nvme_path=tmp_path,
+                        device="cpu",
                         aio_options={"block_size": 64 << 10}, checksum=checksum,
                         room_wait_s=600)  # a thread waiting for room must be woken by close()
     keys = [f"k{i}" for i in range(16)]

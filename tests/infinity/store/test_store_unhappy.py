@@ -16,7 +16,8 @@ def _nvme_host(tmp_path, host=MiB, nvme=16 * MiB):
     return TensorStore({"host": host, "nvme": nvme}, nvme_path=tmp_path)
 
 
-def test_prefetch_reports_what_it_started_and_stops_at_the_first_key_that_does_not_fit(tmp_path, caplog):
+def test_prefetch_reports_what_it_started_and_stops_at_the_first_key_that_does_not_fit(tmp_path,
+                                                                                       caplog):
     with _nvme_host(tmp_path) as s:
         for i in range(5):
             s.put(f"k{i}", torch.full((75_000,), float(i)), "nvme")  # 300 KB each: 3 fit in 1 MiB
@@ -45,7 +46,8 @@ def test_prefetched_copies_are_evicted_last(tmp_path):
             s.fetch(key, "host").result(timeout=30)
             s.release(key, "host")
         assert s.prefetch(["p0", "p1", "p2"], "host") == ["p0", "p1", "p2"]
-        s.set_next_use({"p0": 1000, "p1": 1000, "p2": 1000, "c0": 2, "c1": 1})  # hints say: the p's last
+        # hints say: the p's last
+        s.set_next_use({"p0": 1000, "p1": 1000, "p2": 1000, "c0": 2, "c1": 1})
         s.fetch("n", "host").result(timeout=30)  # needs one slot
         assert s.tiers_of("c0") == ["nvme"]  # a cached copy went, needed soon or not
         assert all("host" in s.tiers_of(k) for k in ("c1", "p0", "p1", "p2"))
@@ -57,13 +59,15 @@ def test_next_use_hints_are_distances_on_the_fetch_clock(tmp_path):
         for key in ("a", "b", "c", "big"):
             s.put(key, torch.ones(60_000 if key != "big" else 100_000), "nvme")
         for key in ("a", "b", "c"):
-            s.fetch(key, "host", next_use=5).result(timeout=30)  # at clock 1, 2, 3: needed at 6, 7, 8
+            # at clock 1, 2, 3: needed at 6, 7, 8
+            s.fetch(key, "host", next_use=5).result(timeout=30)
             s.release(key, "host")
         assert s.clock == 3
         s.set_next_use({"a": 3})  # needed at clock 6: still the soonest of the three
         s.set_next_use({"b": 4})  # needed at 7 ... then c (8) is the farthest
         s.fetch("big", "host").result(timeout=30)
-        assert s.tiers_of("c") == ["nvme"] and "host" in s.tiers_of("a") and "host" in s.tiers_of("b")
+        assert (s.tiers_of("c") == ["nvme"] and "host" in s.tiers_of("a")
+                and "host" in s.tiers_of("b"))
         with pytest.raises(ValueError, match="next-use hint for 'a'"):
             s.set_next_use({"a": float("nan")})
         with pytest.raises(ValueError, match="next-use hint for 'a'"):
@@ -73,7 +77,8 @@ def test_next_use_hints_are_distances_on_the_fetch_clock(tmp_path):
 def test_nvme_tier_full_names_the_key_and_the_budget(tmp_path):
     with TensorStore({"nvme": MiB}, nvme_path=tmp_path) as s:
         s.put("x", torch.ones(200_000), "nvme")  # 800 KB
-        with pytest.raises(BudgetError, match=r"nvme tier cannot hold 'y' \(400000 bytes\).*1048576-byte nvme budget"):
+        with pytest.raises(BudgetError, match=r"nvme tier cannot hold 'y' \(400000 bytes\)"
+                                              r".*1048576-byte nvme budget"):
             s.put("y", torch.ones(100_000), "nvme")
         assert "y" not in s
         s.drop("x")
@@ -84,7 +89,8 @@ def test_evicting_a_home_copy_when_nvme_is_full_is_a_clear_error_and_loses_nothi
     with TensorStore({"host": MiB, "nvme": MiB}, nvme_path=tmp_path) as s:
         s.put("n", torch.ones(200_000), "nvme")  # 800 KB of the 1 MiB swap file
         s.put("h", torch.full((100_000,), 2.0), "host")  # 400 KB at home on host
-        with pytest.raises(BudgetError, match="cannot evict 'h' from host: nvme tier cannot hold 'h'"):
+        with pytest.raises(BudgetError,
+                           match="cannot evict 'h' from host: nvme tier cannot hold 'h'"):
             s.put("h2", torch.ones(175_000), "host")  # 700 KB: h would have to move down
         assert "h2" not in s and s.tiers_of("h") == ["host"]
         assert torch.all(s.fetch("h", "host").result() == 2.0)
@@ -100,7 +106,8 @@ def test_misuse_of_keys_in_use_or_not_pinned_is_a_clear_error(tmp_path):
     with _nvme_host(tmp_path) as s:
         s.put("k", torch.ones(1000), "nvme")
         s.fetch("k", "host").result()
-        with pytest.raises(ValueError, match=r"cannot evict 'k' from host: it is in use \(1 fetches"):
+        with pytest.raises(ValueError,
+                           match=r"cannot evict 'k' from host: it is in use \(1 fetches"):
             s.evict("k", "host")
         with pytest.raises(ValueError, match="cannot drop 'k': it is in use on host"):
             s.drop("k")
@@ -169,7 +176,8 @@ def test_a_swap_file_changed_behind_the_store_is_caught_by_the_checksum(tmp_path
         s.evict("b", "host")
         offsets = {k: s._copies.entries[k].copies[Tier.NVME].extent.offset for k in ("a", "b")}
         for offset in offsets.values():
-            os.pwrite(s._tiers.swap.fileno(), b"\x01\x02\x03\x04", offset + 4096)  # one float, 4 KiB in
+            # one float, 4 KiB in
+            os.pwrite(s._tiers.swap.fileno(), b"\x01\x02\x03\x04", offset + 4096)
         for key, expected in (("a", torch.arange(10_000.0)), ("b", torch.arange(20_000.0) + 1)):
             future = s.fetch(key, "host")
             if not checksum:  # without the checksum the damage goes unseen

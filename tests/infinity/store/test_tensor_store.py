@@ -101,7 +101,8 @@ def test_fragmented_host_tier_compacts_and_keeps_contents(tmp_path):
             s.put(key, t, "host")
         for i in range(0, 8, 2):
             s.drop(f"s{i}")  # holes of 120 KB between live blocks
-        s.put("wide", torch.arange(100_000, dtype=torch.float32), "host")  # 400 KB: needs compaction
+        # 400 KB: needs compaction
+        s.put("wide", torch.arange(100_000, dtype=torch.float32), "host")
         assert s.tiers_of("wide") == ["host"]
         for i in range(1, 8, 2):
             assert torch.equal(s.fetch(f"s{i}", "host").result(), small[f"s{i}"])
@@ -162,7 +163,8 @@ def test_pinned_set_over_budget_is_a_clear_error(tmp_path):
 
 def test_write_back_failure_is_raised_and_loses_nothing(tmp_path):
     handle = aio.Handle(block_size=64 << 10)
-    with TensorStore({"host": 1 * MiB, "nvme": 8 * MiB}, nvme_path=tmp_path, aio_handle=handle) as s:
+    with TensorStore({"host": 1 * MiB, "nvme": 8 * MiB}, nvme_path=tmp_path,
+                     aio_handle=handle) as s:
         s.put("w", torch.zeros(50_000), "nvme")
         t = s.fetch("w", "host").result()
         t.fill_(7.0)
@@ -226,10 +228,13 @@ def test_trace_and_counters(store, tmp_path):
     stats = store.stats()
     assert stats["tiers"]["nvme"].used_nbytes >= 400_000
     moves = stats["moves"]
-    lanes = ["host->nvme", "nvme->host", "host->device", "device->host"]  # put, stage, copy, write-back
+    # put, stage, copy, write-back
+    lanes = ["host->nvme", "nvme->host", "host->device", "device->host"]
     assert sorted(moves) == sorted(lanes)
-    counts = {"host->nvme": 2, "nvme->host": 1, "host->device": 1, "device->host": 1}  # put + write-back
-    assert all(moves[lane]["moves"] == n and moves[lane]["nbytes"] == n * 400_000 for lane, n in counts.items())
+    # put + write-back
+    counts = {"host->nvme": 2, "nvme->host": 1, "host->device": 1, "device->host": 1}
+    assert all(moves[lane]["moves"] == n and moves[lane]["nbytes"] == n * 400_000
+               for lane, n in counts.items())
     assert moves["host->nvme"]["gbps"] > 0
     path = tmp_path / "trace.json"
     store.write_trace(path)
@@ -241,7 +246,8 @@ def test_trace_and_counters(store, tmp_path):
     assert all(e["name"] == "a" and e["args"]["nbytes"] == 400_000 and e["dur"] > 0 for e in slices)
     start = {names[e["tid"]]: e["ts"] for e in slices}
     read = next(e for e in slices if names[e["tid"]] == "nvme->host")
-    assert read["ts"] + read["dur"] <= start["host->device"]  # the device copy waits for the staged read
+    # the device copy waits for the staged read
+    assert read["ts"] + read["dur"] <= start["host->device"]
     assert start["host->device"] < start["device->host"]
 
 
@@ -292,7 +298,8 @@ def test_async_device_copies_are_ordered(tmp_path, monkeypatch):
 
 
 def test_two_stores_share_a_directory(tmp_path):
-    with TensorStore({"nvme": MiB}, nvme_path=tmp_path) as a, TensorStore({"nvme": MiB}, nvme_path=tmp_path) as b:
+    with (TensorStore({"nvme": MiB}, nvme_path=tmp_path) as a,
+          TensorStore({"nvme": MiB}, nvme_path=tmp_path) as b):
         a.put("x", torch.full((1000,), 1.0), "nvme")
         b.put("x", torch.full((1000,), 2.0), "nvme")
         assert os.listdir(tmp_path) == []  # both swap files are unlinked: no names to collide
@@ -369,7 +376,8 @@ def test_real_cuda_side_stream_paths(tmp_path):
 def test_put_chunks_streams_a_tensor_in_pieces(tmp_path, tier, checksum):
     """Pieces land in order into one entry that reads back whole (and verifies, with checksums);
     a wrong count, dtype or a failing producer leaves no key and no space behind."""
-    with TensorStore({"host": 4 * MiB, "nvme": 8 * MiB}, nvme_path=tmp_path, checksum=checksum) as s:
+    with TensorStore({"host": 4 * MiB, "nvme": 8 * MiB}, nvme_path=tmp_path,
+                     checksum=checksum) as s:
         t = torch.randn(300_000)
         s.put_chunks("t", (600, 500), torch.float32, t.split(64 << 10), tier)
         assert s.tiers_of("t") == [tier]

@@ -58,7 +58,8 @@ def test_heap_choice_matches_a_full_scan_under_random_changes():
             copy.last_use = rng.randrange(10)
         else:  # a move into or out of it, running or finished, or none
             copy.move = rng.choice([None, _Move(False), _Move(True)])
-            copy.state = rng.choice([CopyState.FILLING, CopyState.DRAINING]) if copy.move else CopyState.VALID
+            copy.state = (rng.choice([CopyState.FILLING, CopyState.DRAINING]) if copy.move
+                          else CopyState.VALID)
         queue.update(entry, copy)
         if step % 3 == 0:
             for e in entries:  # as the store does before picking: finished moves are settled

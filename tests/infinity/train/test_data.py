@@ -47,11 +47,14 @@ def test_byte_tokens_are_the_utf8_bytes_whatever_the_text_holds():
 @pytest.mark.parametrize("make, message", [
     (lambda p: p / "missing.txt", "no such file"),
     (lambda p: (p / "empty.txt").write_text("  \n") and p / "empty.txt", "no text"),
-    (lambda p: (p / "short.txt").write_text("hi") and p / "short.txt", "not enough for one sequence"),
+    (lambda p: (p / "short.txt").write_text("hi") and p / "short.txt",
+     "not enough for one sequence"),
     (lambda p: (p / "d").mkdir() or p / "d", "no .txt, .jsonl, .json or .parquet file"),
     (lambda p: (p / "x.csv").write_text("a") and p / "x.csv", "not a .txt, .jsonl, .json or"),
-    (lambda p: (p / "x.jsonl").write_text('{"body": "a"}\n') and p / "x.jsonl", 'x.jsonl:1: no string field "text"'),
-    (lambda p: (p / "y.jsonl").write_text('{"text": "a"}\n{oops\n') and p / "y.jsonl", "y.jsonl:2: not JSON"),
+    (lambda p: (p / "x.jsonl").write_text('{"body": "a"}\n') and p / "x.jsonl",
+     'x.jsonl:1: no string field "text"'),
+    (lambda p: (p / "y.jsonl").write_text('{"text": "a"}\n{oops\n') and p / "y.jsonl",
+     "y.jsonl:2: not JSON"),
 ])
 def test_bad_data_names_the_culprit(tmp_path, make, message):
     with pytest.raises(InputError, match=message):

@@ -53,14 +53,16 @@ def test_export_round_trip_gives_the_engines_logits(tmp_path, tiny_hf_model):
     engine.eval()
     want = logits_of(engine, ids)
     out = tmp_path / "out"
-    files = write_hf(engine, out, tokenizer=models.load_tokenizer(tiny_hf_model), max_shard_bytes=40_000)
+    files = write_hf(engine, out, tokenizer=models.load_tokenizer(tiny_hf_model),
+                     max_shard_bytes=40_000)
     after = dict(engine.named_parameters())
     engine.close()
     assert any(not torch.equal(before[n], after[n]) for n in before)  # it did train
     shards = sorted(out.glob("model-*.safetensors"))
     assert len(shards) > 1 and set(shards) <= set(files)
     index = json.loads((out / "model.safetensors.index.json").read_text())
-    assert set(index["weight_map"]) == set(before) and set(index["weight_map"].values()) == {s.name for s in shards}
+    assert (set(index["weight_map"]) == set(before)
+            and set(index["weight_map"].values()) == {s.name for s in shards})
     assert (out / "tokenizer.json").exists()
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
     assert torch.equal(logits_of(loaded.eval(), ids), want)
@@ -90,7 +92,8 @@ def test_lora_trains_only_the_adapters_and_exports_merged(tmp_path, tiny_hf_mode
     fine_tune(engine)
     written = _writes_by_key(engine, tmp_path / "t1.json")
     frozen_keys = {u.key for u in engine.units if not u.requires_grad}
-    assert {k: written.get(k, 0) for k in frozen_keys} == {k: written_at_start.get(k, 0) for k in frozen_keys}
+    assert ({k: written.get(k, 0) for k in frozen_keys}
+            == {k: written_at_start.get(k, 0) for k in frozen_keys})
     assert any(written.get(k, 0) > written_at_start.get(k, 0) for k in trained)
     after_base = dict(engine.named_parameters(lambda n: ".lora_" not in n))
     assert all(torch.equal(base[n], after_base[n]) for n in base)
@@ -102,7 +105,8 @@ def test_lora_trains_only_the_adapters_and_exports_merged(tmp_path, tiny_hf_mode
     want = logits_of(engine, ids)
     write_hf(engine, tmp_path / "merged")
     engine.close()
-    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", local_files_only=True)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged",
+                                                               local_files_only=True)
     assert not any("lora" in n for n, _ in merged.named_parameters())
     torch.testing.assert_close(logits_of(merged.eval(), ids), want, rtol=1e-5, atol=1e-5)
 
@@ -133,8 +137,9 @@ def test_adapter_export_needs_a_lora_model(tmp_path, tiny_hf_model):
 
 def test_tied_embeddings_export_once_and_load_tied(tmp_path):
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, max_position_embeddings=32,
                                       tie_word_embeddings=True)
     engine = initialize(transformers.LlamaForCausalLM(config), nvme_config(tmp_path))
     fine_tune(engine, steps=2, vocab=64)
@@ -144,8 +149,10 @@ def test_tied_embeddings_export_once_and_load_tied(tmp_path):
     write_hf(engine, tmp_path / "out")
     engine.close()
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
-    assert "model.embed_tokens.weight" in index["weight_map"] and "lm_head.weight" not in index["weight_map"]
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True).eval()
+    assert ("model.embed_tokens.weight" in index["weight_map"]
+            and "lm_head.weight" not in index["weight_map"])
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
+                                                               local_files_only=True).eval()
     assert loaded.lm_head.weight is loaded.get_input_embeddings().weight
     assert torch.equal(logits_of(loaded, ids), want)
 
@@ -171,13 +178,15 @@ def test_lora_adapters_on_a_streamed_model_start_as_peft_initialises_them(tmp_pa
     """The adapters of a model streamed in (its base built on meta) get real values: A random,
     B zero, so the model starts equal to its base."""
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(2))
-    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_hf_model, local_files_only=True).eval()
+    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_hf_model,
+                                                             local_files_only=True).eval()
     engine = streamed(tiny_hf_model, nvme_config(tmp_path), lora=4)
     try:
         adapters = dict(engine.named_parameters(lambda n: ".lora_" in n))
         assert adapters and all(t.abs().sum() > 0 for n, t in adapters.items() if ".lora_A." in n)
         assert all(not t.any() for n, t in adapters.items() if ".lora_B." in n)
         engine.eval()
-        torch.testing.assert_close(logits_of(engine, ids), logits_of(base, ids), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits_of(engine, ids), logits_of(base, ids),
+                                   rtol=1e-5, atol=1e-5)
     finally:
         engine.close()

@@ -36,8 +36,9 @@ def unit_grads(units):
     for u in units:
         if u.grad is not None:
             with u.grad.read() as flat:
-                grads.update({s.name: flat[s.offset:s.offset + s.shape.numel()].view(s.shape).clone()
-                              for s in u.slots})
+                grads.update({
+                    s.name: flat[s.offset:s.offset + s.shape.numel()].view(s.shape).clone()
+                    for s in u.slots})
     return grads
 
 
@@ -91,7 +92,8 @@ def test_backward_is_right_when_released_blocks_hold_other_units(tmp_path):
     model = torch.nn.Sequential(*[torch.nn.Linear(32, 32, bias=False) for _ in range(6)])
     reference = copy.deepcopy(model)
     x = torch.randn(3, 4, 32)  # 3-D input: linear saves a view (weight.t()) for backward
-    with managed(model, tmp_path, host_nbytes=3 * 4096 + 8192, prefetch_numel=0) as (units, coordinator):
+    with managed(model, tmp_path, host_nbytes=3 * 4096 + 8192,
+                 prefetch_numel=0) as (units, coordinator):
         model(x).square().sum().backward()
         coordinator.end_backward()
         reference(x).square().sum().backward()

@@ -31,7 +31,8 @@ def make_buffer(request, tmp_path):
     def make(numel, scatter=None):
         if request.param == "ram":
             return RamGrad(numel, torch.float32, scatter=scatter, name="param/u")
-        return StoredGrad("grad/u", numel, torch.float32, store, Tier.NVME, scatter=scatter, name="param/u")
+        return StoredGrad("grad/u", numel, torch.float32, store, Tier.NVME, scatter=scatter,
+                          name="param/u")
 
     yield make
     store.close()

@@ -27,7 +27,8 @@ def tiny_llama_config(**overrides):
 
 def config(tmp_path, param="nvme") -> dict:
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "sub_group_size": 4096,
-            "offload_param": {"device": param, **({"nvme_path": str(tmp_path)} if param == "nvme" else {})},
+            "offload_param": {"device": param,
+                              **({"nvme_path": str(tmp_path)} if param == "nvme" else {})},
             "offload_optimizer": {"device": "cpu"}}
     return {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
@@ -54,7 +55,8 @@ def test_initialize_creates_values_by_the_models_initialisers(tmp_path, param):
         assert model.lm_head.weight is model.model.embed_tokens.weight
         assert all(p.numel() == 0 for p in model.parameters())
         values = dict(engine.named_parameters())
-    assert len(values) == len(dict(transformers.LlamaForCausalLM(tiny_llama_config()).named_parameters()))
+    assert len(values) == len(dict(
+        transformers.LlamaForCausalLM(tiny_llama_config()).named_parameters()))
     for name, v in values.items():
         if name.endswith("norm.weight"):
             assert torch.equal(v, torch.ones_like(v)), name
@@ -64,12 +66,14 @@ def test_initialize_creates_values_by_the_models_initialisers(tmp_path, param):
     with Init():
         again = transformers.LlamaForCausalLM(tiny_llama_config())
     with infinity.initialize(again, config(tmp_path, param)) as engine:
-        assert all(torch.equal(v, values[n]) for n, v in engine.named_parameters())  # seeded: repeatable
+        # the same seed gives the same values
+        assert all(torch.equal(v, values[n]) for n, v in engine.named_parameters())
 
 
 def test_plain_modules_use_reset_parameters(tmp_path):
     with Init():
-        model = torch.nn.Sequential(torch.nn.Linear(100, 300), torch.nn.ReLU(), torch.nn.Linear(300, 10))
+        model = torch.nn.Sequential(torch.nn.Linear(100, 300), torch.nn.ReLU(),
+                                    torch.nn.Linear(300, 10))
     with infinity.initialize(model, config(tmp_path)) as engine:
         values = dict(engine.named_parameters())
     for name, fan_in in (("0", 100), ("2", 300)):
@@ -170,6 +174,7 @@ def test_a_model_four_times_the_host_budget_is_built_and_trains(tmp_path):
           f"{run['host_tier'] / MiB:.0f} MiB); peak RSS {run['built'] / MiB:.0f} MiB after "
           f"building under Init, {run['placed'] / MiB:.0f} MiB after initialize "
           f"(+{growth / MiB:.1f} MiB); losses {run['losses']}")
-    assert run["built"] - run["imported"] < 16 * MiB  # building holds no values (the model is 348 MiB)
+    # building holds no values (the model is 348 MiB)
+    assert run["built"] - run["imported"] < 16 * MiB
     assert growth < BUDGET + ALLOWANCE
     assert all(math.isfinite(x) for x in run["losses"]) and run["losses"][1] < run["losses"][0]

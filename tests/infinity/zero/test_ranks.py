@@ -55,7 +55,8 @@ def test_a_partial_torchrun_environment_is_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     for key in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
-    with pytest.raises(ValueError, match="WORLD_SIZE is 2 but RANK, MASTER_ADDR, MASTER_PORT is not set"):
+    with pytest.raises(ValueError,
+                       match="WORLD_SIZE is 2 but RANK, MASTER_ADDR, MASTER_PORT is not set"):
         Ranks.from_environment(timeout_s=5)
 
 

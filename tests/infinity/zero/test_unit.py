@@ -23,7 +23,8 @@ def test_a_tied_parameter_is_one_unit_used_by_every_module_holding_it():
     assert [s.name for s in embed_unit.slots] == ["embed.weight"]
     assert uses[model.embed] == [embed_unit] and uses[model.head] == [embed_unit]
     resident = [u for u in units if u.persistent]
-    assert len(resident) == 1 and {s.name for s in resident[0].slots} == {"norm.weight", "norm.bias"}
+    assert len(resident) == 1 and {s.name for s in resident[0].slots} == {"norm.weight",
+                                                                          "norm.bias"}
     assert model.norm not in uses  # resident units are not fetched per module
     assert sum(u.numel for u in units) == sum(p.numel() for p in model.parameters())
 
@@ -57,5 +58,6 @@ def test_placed_units_leave_placeholders_and_keep_the_values(tmp_path):
             flat = store.fetch(u.key, Tier.HOST).result()
             for s in u.slots:
                 assert s.param.numel() == 0 and s.param.dtype == u.dtype
-                assert torch.equal(flat[s.offset:s.offset + s.shape.numel()].view(s.shape), expected[s.name])
+                assert torch.equal(flat[s.offset:s.offset + s.shape.numel()].view(s.shape),
+                                   expected[s.name])
             store.release(u.key, Tier.HOST)
