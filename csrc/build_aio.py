@@ -36,7 +36,8 @@ ffibuilder.set_source(
     sources=[str((HERE / "aio" / name).relative_to(HERE.parent)) for name in SOURCES],
     include_dirs=[str((HERE / "aio").relative_to(HERE.parent))],
     depends=[str((HERE / "aio" / h).relative_to(HERE.parent)) for h in (*HEADERS, "backend.h")],
-    extra_compile_args=["-O2", "-std=gnu11", "-pthread", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+    extra_compile_args=["-O2", "-std=gnu11", "-pthread", "-Wall", "-Wextra",
+                        "-Wno-unused-parameter"],
     extra_link_args=["-pthread"],
 )
 

@@ -1,4 +1,5 @@
-"""cffi build script of the batched compaction move (out-of-line API mode) -> `infinity.memory._move_cffi`.
+"""cffi build script of the batched compaction move (out-of-line API mode) ->
+`infinity.memory._move_cffi`.
 
 `setup.py` runs it through `cffi_modules`; for development, build in place from the repository
 root with
