@@ -14,7 +14,9 @@ import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
-from infinity.optim._native import AdamKernel
+from infinity.optim._native import AdamKernel, StateKernel
+
+Kernel = AdamKernel | StateKernel  # a tile format's kernel (TileFormat.kernel)
 
 
 class DecaySpan(NamedTuple):
@@ -42,13 +44,13 @@ class UnitKernels:
     touched (a bad value fails there): `make(weight_decay)` builds one; elements no span
     covers take `default`."""
 
-    def __init__(self, make: Callable[[float], AdamKernel], default: float,
+    def __init__(self, make: Callable[[float], Kernel], default: float,
                  spans: Sequence[DecaySpan] = ()) -> None:
         self.default, self.spans = default, spans
         self.stops = [span.stop for span in spans]
         self.kernels = {wd: make(wd) for wd in {default, *(s.weight_decay for s in spans)}}
 
-    def ranges(self, start: int, stop: int) -> Iterator[tuple[int, int, AdamKernel]]:
+    def ranges(self, start: int, stop: int) -> Iterator[tuple[int, int, Kernel]]:
         """[start, stop) of the unit cut where its weight decay changes: (lo, hi, the kernel of
         elements [lo, hi)), in order."""
         at = start

@@ -116,12 +116,12 @@ class TileFormat:
 
 class PackedTileFormat(TileFormat):
     """A tile in a `StateFormat` other than the default: one uint8 entry of the rows its
-    `TileLayout` places, updated by `StateKernel`'s fused pass (one call per tile; for 8-bit
-    moments a tile is whole blocks but for its end). Checkpoint rows are float32: bf16 moments
-    widen and narrow exactly; 8-bit ones dequantize, and quantize back to the same bytes
-    (the block's largest element decodes to its scale exactly, and every other one lies far
-    closer to its own code than to a neighbour; a scale below the normal floats, 1e-38, may
-    lose that)."""
+    `TileLayout` places, updated by `StateKernel`'s fused pass (one call per tile and weight
+    decay range; for 8-bit moments a tile is whole blocks but for its end). Checkpoint rows are
+    float32: bf16 moments widen and narrow exactly; 8-bit ones dequantize, and quantize back to
+    the same bytes (the block's largest element decodes to its scale exactly, and every other
+    one lies far closer to its own code than to a neighbour; a scale below the normal floats,
+    1e-38, may lose that)."""
 
     def __init__(self, state: StateFormat, values_dtype: torch.dtype) -> None:
         master = ("master",) if state.keeps_master(values_dtype) else ()
