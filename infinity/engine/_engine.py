@@ -9,8 +9,9 @@ live in the tiered store (DeepSpeed's engine API), on one process or on data-par
 
 Order of one step (at a boundary): release every unit (the values are about to change), global
 gradient norm over the units' flat gradient buffers, fp16 overflow check (skip, lower the scale),
-clip factor, one optimizer step over the units, zero the gradient buffers, LR schedule. The
-step's phase (`engine.phase`, infinity/engine/_step_state.py) says where the step is.
+clip factor (those checks: infinity/engine/_grad_checks.py), one optimizer step over the
+units, zero the gradient buffers, LR schedule. The step's phase (`engine.phase`,
+infinity/engine/_step_state.py) says where the step is.
 
 The optimizer overlapped with backward, and the tail of its step that runs into the next
 forward: [Note: optimizer overlapped with backward] and [Note: the step's tail in the next
@@ -35,6 +36,7 @@ import torch
 from infinity.config import AdamParams, Config, OptimizerConfig
 from infinity.engine import _checkpoint
 from infinity.engine._client import LRSource
+from infinity.engine._grad_checks import clip_factor, global_norm, grad_square, refuse_non_finite
 from infinity.engine._overlap import OverlappedStep
 from infinity.engine._partition import RankedUnits
 from infinity.engine._placement import (
@@ -315,7 +317,7 @@ class Engine:
             # gradients as they become final).
             norm = None
             if self.config.gradient_clipping > 0 or self.config.fp16.enabled:
-                norm = self._grad_norm([_grad_square(u) for u in self.ranked.trained])
+                norm = global_norm(self.ranked, [grad_square(u) for u in self.ranked.trained])
             grad_scale = self._validate(norm)
             if grad_scale is None:
                 return
@@ -347,7 +349,7 @@ class Engine:
         self.last_grad_norm = norm
         if not self.config.fp16.enabled and (norm is None or not math.isfinite(norm)):
             try:  # before any unit is stepped (a finite norm says all are finite)
-                self._refuse_non_finite()
+                refuse_non_finite(self.ranked)
             except NonFiniteGradientError:
                 undo()
                 raise
@@ -363,10 +365,7 @@ class Engine:
                 self.counters.skipped_steps += 1
                 self._zero_grads()
                 return None
-        clip = 1.0
-        if norm is not None and self.config.gradient_clipping > 0 and norm > 0:
-            clip = min(1.0, self.config.gradient_clipping / (norm + 1e-6))
-        return clip / scale
+        return clip_factor(norm, self.config.gradient_clipping) / scale
 
     def _end_overlapped_step(self) -> None:
         """step() after an overlapped backward: take the norm; if the units were stepped
@@ -383,8 +382,8 @@ class Engine:
                 return
             grad_scale, committed = decided
         else:
-            squares = stepper.squares(lambda i: _grad_square(self.ranked.trained[i]))
-            self.last_grad_norm = self._grad_norm(squares)
+            squares = stepper.squares(lambda i: grad_square(self.ranked.trained[i]))
+            self.last_grad_norm = global_norm(self.ranked, squares)
             self.counters.global_steps += 1
             grad_scale, committed = 1.0, []
         self._move(StepPhase.TAIL_OPEN)
@@ -419,8 +418,8 @@ class Engine:
 
         try:
             self._roll_back(failed)  # stepped again, as a unit whose step failed is
-            squares = stepper.squares(lambda i: _grad_square(self.ranked.trained[i]))
-            grad_scale = self._validate(self._grad_norm(squares), undo=undo)
+            squares = stepper.squares(lambda i: grad_square(self.ranked.trained[i]))
+            grad_scale = self._validate(global_norm(self.ranked, squares), undo=undo)
             if grad_scale is None:
                 return None
             if grad_scale != stepper.grad_scale:  # clipping acts: redo them with its factor
@@ -461,7 +460,7 @@ class Engine:
             self.ranked.average(i)
         if self.phase is StepPhase.STEPPING:
             released = not unit.persistent and unit.state is UnitState.RELEASED
-            self._stepper.grads_final(i, _grad_square(unit), hand_over=released)
+            self._stepper.grads_final(i, grad_square(unit), hand_over=released)
 
     def _unit_ready(self, unit: FetchUnit, wait: bool) -> bool:
         """Coordinator callback before it fetches a unit's values: False while the last step's
@@ -550,20 +549,6 @@ class Engine:
                                "backward (a non-finite gradient, or a rollback that failed): load "
                                "a checkpoint (engine.load_checkpoint) to go on from a consistent "
                                "state")
-
-    def _refuse_non_finite(self) -> None:
-        """Raise, with nothing changed, when a gradient of this step holds inf/nan (on any
-        rank: every rank takes or refuses the step)."""
-        bad = [u.key for u in self.ranked.trained if u.grad is not None and not u.grad.is_finite()]
-        if self.ranked.sum_over_shards(float(len(bad)), "non-finite gradient count") > 0:
-            raise NonFiniteGradientError(
-                f"non-finite gradient values (inf/nan) in {', '.join(bad) or 'another rank'}: "
-                "the step was not taken, no parameter changed")
-
-    def _grad_norm(self, squares: list[float]) -> float:
-        """L2 norm from each unit's gradient sum of squares (in unit order, float64; over every
-        rank's shard when the gradients are partitioned)."""
-        return math.sqrt(self.ranked.sum_over_shards(sum(squares), "gradient norm"))
 
     def _zero_grads(self) -> None:
         self.ranked.new_step()
@@ -734,16 +719,6 @@ class Engine:
     def _check_open(self) -> None:
         if self.phase is StepPhase.CLOSED:
             raise ClosedError("the engine is closed")
-
-
-def _grad_square(unit: FetchUnit) -> float:
-    """The sum of squares of the unit's gradient of this step, the term of the global norm it
-    contributes (float32 norms of its pieces, squared and summed in float64; 0.0 when it has
-    none)."""
-    if unit.grad is None or not unit.grad.has_grad:
-        return 0.0
-    with unit.grad.read_pieces() as pieces:
-        return sum(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in pieces)
 
 
 def _mmap_threshold(config: Config, plan: MemoryPlan) -> int | None:
