@@ -7,6 +7,8 @@ model in the store."""
 import argparse
 import copy
 import logging
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,9 @@ import transformers
 
 import infinity
 import infinity.deepspeed as deepspeed
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from test_engine import llama  # noqa: E402
 
 STEPS = 4
 
@@ -371,26 +376,16 @@ def test_init_distributed_without_torchrun_starts_a_group_of_one(monkeypatch):
 
 
 def test_save_pretrained_of_a_model_in_the_store_writes_its_values(tmp_path):
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        tie_word_embeddings=True,
-    )
-    model = transformers.LlamaForCausalLM(config)
+    model = llama()  # the engine tests' tiny Llama: 2 layers, tied head, vocabulary 48
     engine = infinity.initialize(model, _config(tmp_path))
-    engine.backward(engine(torch.randint(0, 32, (3, 6)), labels=torch.randint(0, 32, (3, 6))).loss)
+    engine.backward(engine(torch.randint(0, 48, (3, 6)), labels=torch.randint(0, 48, (3, 6))).loss)
     engine.step()
     values = dict(engine.named_parameters())
     model.save_pretrained(tmp_path / "out", max_shard_size=4000)  # several shards and an index
     assert (tmp_path / "out" / "model.safetensors.index.json").is_file()
     loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out")
     assert all(torch.equal(p, values[n]) for n, p in loaded.named_parameters() if n in values)
-    x = torch.randint(0, 32, (2, 5))
+    x = torch.randint(0, 48, (2, 5))
     with torch.no_grad():
         assert torch.equal(loaded(x).logits, model(x).logits)
     with pytest.raises(ValueError, match="state_dict"):
