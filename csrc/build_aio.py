@@ -10,8 +10,8 @@ import re
 from cffi import FFI
 
 HERE = pathlib.Path(__file__).resolve().parent
-SOURCES = ["handle.c", "environment.c", "backend_kaio.c", "backend_uring.c", "backend_threads.c",
-           "crc32c.c"]
+SOURCES = ["handle.c", "faults.c", "environment.c", "backend_kaio.c", "backend_uring.c",
+           "backend_threads.c", "crc32c.c"]
 HEADERS = ["inf_aio.h", "inf_crc32c.h"]  # the public declarations, read by cdef too
 
 
@@ -35,7 +35,8 @@ ffibuilder.set_source(
     "\n".join(f'#include "{name}"' for name in HEADERS),
     sources=[str((HERE / "aio" / name).relative_to(HERE.parent)) for name in SOURCES],
     include_dirs=[str((HERE / "aio").relative_to(HERE.parent))],
-    depends=[str((HERE / "aio" / h).relative_to(HERE.parent)) for h in (*HEADERS, "backend.h")],
+    depends=[str((HERE / "aio" / h).relative_to(HERE.parent))
+             for h in (*HEADERS, "backend.h", "faults.h")],
     extra_compile_args=["-O2", "-std=gnu11", "-pthread", "-Wall", "-Wextra",
                         "-Wno-unused-parameter"],
     extra_link_args=["-pthread"],

@@ -1,15 +1,16 @@
 /*
  * The engine core: requests cut into pieces, per-queue progress threads, completion checking,
- * short-transfer resumption and fault injection. Backends only start and reap pieces.
+ * short-transfer resumption and the injected faults' effects (the fault table: faults.c).
+ * Backends only start and reap pieces.
  *
  * Locking: a queue's lock guards its pending list, held list and counters; the handle's
  * req_lock guards every request's progress. Order: queue lock, then req_lock, never the other
- * way round. fault_lock guards the installed faults and the submission counts; see [Note: fault
- * injection costs nothing when off].
+ * way round. The fault table's own lock is a leaf (faults.c).
  */
 #define _GNU_SOURCE
 #include "inf_aio.h"
 #include "backend.h"
+#include "faults.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -20,15 +21,6 @@
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
-
-#define MAX_FAULTS 64
-
-struct fault {
-    int op;                        /* INF_AIO_OP_* or -1 for either */
-    uint64_t nth;
-    int kind;                      /* INF_AIO_FAULT_* */
-    int64_t value;
-};
 
 struct queue {
     struct inf_aio_handle *handle;
@@ -67,12 +59,7 @@ struct inf_aio_handle {
     pthread_mutex_t shut_lock;     /* serializes shutdown: every caller returns once it is done */
     pthread_mutex_t req_lock;
     pthread_cond_t req_cond;       /* broadcast whenever a request becomes done */
-    pthread_mutex_t fault_lock;
-    struct fault faults[MAX_FAULTS]; /* installed, not yet reached; under fault_lock */
-    int nfaults;                   /* under fault_lock */
-    atomic_int faults_armed;       /* nfaults, read without the lock by every piece submission */
-    uint64_t seq[3];               /* submissions counted (while faults are armed): reads, writes,
-                                    * both; under fault_lock */
+    struct fault_table faults;     /* injected by tests (inf_aio_fault_add) */
 };
 
 /* --- pieces and requests ----------------------------------------------------------------- */
@@ -159,43 +146,6 @@ static void piece_complete(struct queue *q, struct piece *p, int64_t res)
     }
 }
 
-/* [Note: fault injection costs nothing when off] Every piece submission asks fault_match
- * whether a fault applies. With none installed (the production case, and a test's once its
- * faults have fired) that is one atomic load: no lock, no count. Faults are counted from the
- * moment they are installed ("nth from now"), so the pieces submitted while none is armed need
- * no number. A fault leaves the list when its piece comes (it fires, or, when two faults name
- * the same piece, the first one installed fires and the other is dropped). */
-
-/* Count this submission and return the fault that applies to it, if any. */
-static const struct fault *fault_match(struct inf_aio_handle *h, int op, struct fault *out)
-{
-    const struct fault *hit = NULL;
-    uint64_t seq_op, seq_any;
-    int i, kept = 0;
-
-    if (atomic_load_explicit(&h->faults_armed, memory_order_acquire) == 0)
-        return NULL;
-    /* Counting and matching under one lock, so a fault added meanwhile counts from a number
-     * no piece has taken yet. */
-    pthread_mutex_lock(&h->fault_lock);
-    seq_op = h->seq[op]++;
-    seq_any = h->seq[2]++;
-    for (i = 0; i < h->nfaults; i++) {
-        const struct fault *f = &h->faults[i];
-
-        if (f->nth >= h->seq[f->op == -1 ? 2 : f->op]) {
-            h->faults[kept++] = *f; /* its piece has not come yet */
-        } else if (!hit) {          /* its piece is this one (the counts move by one a call) */
-            *out = *f;
-            hit = out;
-        }                           /* else a second fault on this piece: dropped */
-    }
-    h->nfaults = kept;
-    atomic_store_explicit(&h->faults_armed, kept, memory_order_release);
-    pthread_mutex_unlock(&h->fault_lock);
-    return hit;
-}
-
 /* --- progress thread ---------------------------------------------------------------------- */
 
 static void queue_cancel_waiting(struct queue *q)
@@ -225,7 +175,7 @@ static int queue_submit_pending(struct queue *q, struct piece **batch)
 
     while (q->pending_head && q->inflight + (uint32_t)n < depth) {
         struct piece *p = pending_pop(q);
-        const struct fault *hit = fault_match(h, p->op, &f);
+        const struct fault *hit = fault_table_match(&h->faults, p->op, &f);
         uint64_t limit = UINT32_MAX;
 
         if (hit && hit->kind == INF_AIO_FAULT_ERRNO) {
@@ -359,7 +309,7 @@ int inf_aio_handle_create(const struct inf_aio_config *config, struct inf_aio_ha
     h->config = *config;
     pthread_mutex_init(&h->shut_lock, NULL);
     pthread_mutex_init(&h->req_lock, NULL);
-    pthread_mutex_init(&h->fault_lock, NULL);
+    fault_table_init(&h->faults);
     ret = cond_init_monotonic(&h->req_cond);
     if (ret < 0)
         goto err;
@@ -441,7 +391,7 @@ void inf_aio_handle_destroy(struct inf_aio_handle *h)
     free(h->queues);
     pthread_mutex_destroy(&h->shut_lock);
     pthread_mutex_destroy(&h->req_lock);
-    pthread_mutex_destroy(&h->fault_lock);
+    fault_table_destroy(&h->faults);
     pthread_cond_destroy(&h->req_cond);
     free(h);
 }
@@ -595,23 +545,9 @@ int inf_aio_request_free(struct inf_aio_handle *h, struct inf_aio_request *r)
 
 int inf_aio_fault_add(struct inf_aio_handle *h, int op, uint64_t nth, int kind, int64_t value)
 {
-    int ret = 0;
-
     if (op < -1 || op > INF_AIO_OP_WRITE || kind < INF_AIO_FAULT_ERRNO ||
         kind > INF_AIO_FAULT_HANG || (kind != INF_AIO_FAULT_HANG && value <= 0) ||
         (kind == INF_AIO_FAULT_ERRNO && value > 4095))
         return -EINVAL;
-    pthread_mutex_lock(&h->fault_lock);
-    if (h->nfaults == MAX_FAULTS) {
-        ret = -ENOSPC;
-    } else {
-        /* nth counts from now; store it as an absolute submission number */
-        uint64_t base = h->seq[op == -1 ? 2 : op];
-
-        h->faults[h->nfaults++] =
-            (struct fault){.op = op, .nth = base + nth, .kind = kind, .value = value};
-        atomic_store_explicit(&h->faults_armed, h->nfaults, memory_order_release);
-    }
-    pthread_mutex_unlock(&h->fault_lock);
-    return ret;
+    return fault_table_add(&h->faults, op, nth, kind, value);
 }

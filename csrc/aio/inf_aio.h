@@ -96,7 +96,7 @@ int inf_aio_request_free(struct inf_aio_handle *handle, struct inf_aio_request *
  * `value` (INF_AIO_FAULT_ERRNO), transfers at most `value` bytes (INF_AIO_FAULT_SHORT), or is
  * held and never completes until the handle is destroyed (INF_AIO_FAULT_HANG). At most 64 wait
  * at once (-ENOSPC); one leaves when its piece comes. With none waiting, submissions skip the
- * fault check's lock: see [Note: fault injection costs nothing when off] in handle.c. */
+ * fault check's lock: see [Note: fault injection costs nothing when off] in faults.c. */
 int inf_aio_fault_add(struct inf_aio_handle *handle, int op, uint64_t nth, int kind,
                       int64_t value);
 
