@@ -35,6 +35,20 @@ def test_datasets_folders_parquet_and_json_files_pack_as_jsonl_does(tmp_path):
         load_rows(tmp_path / "saved", tok, 32)
 
 
+def test_a_datasets_folder_without_a_train_split_or_a_corrupt_file_is_one_line(tmp_path):
+    """Several splits and none "train": which to read is not guessed; a .parquet that is not
+    one names the file and the builder."""
+    datasets = pytest.importorskip("datasets")
+    data = datasets.Dataset.from_dict({"text": DOCS})
+    datasets.DatasetDict({"a": data, "b": data}).save_to_disk(str(tmp_path / "dict"))
+    tok = byte_tokenizer()
+    with pytest.raises(InputError, match="dict: splits a, b and none is 'train'"):
+        load_rows(tmp_path / "dict", tok, 32)
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(InputError, match=r"bad.parquet: cannot read it as parquet \(\w+"):
+        load_rows(tmp_path / "bad.parquet", tok, 32)
+
+
 def test_a_cached_dataset_id_is_read_offline(tmp_path, monkeypatch):
     """A Hub dataset once downloaded (prepared in the datasets cache) trains by its id; one
     not in the cache is one line, not a download."""
