@@ -9,7 +9,7 @@ import pytest
 import torch
 from chat_data import CHAT, chat_tokenizer
 
-from infinity.errors import InputError
+from infinity.errors import InputError, described
 from infinity.models import byte_tokenizer
 from infinity.train import cache
 from infinity.train.data import IGNORE, Batches, Rows, as_batch, load_rows, pack, split_rows
@@ -47,6 +47,11 @@ def test_a_datasets_folder_without_a_train_split_or_a_corrupt_file_is_one_line(t
     (tmp_path / "bad.parquet").write_bytes(b"not parquet at all")
     with pytest.raises(InputError, match=r"bad.parquet: cannot read it as parquet \(\w+"):
         load_rows(tmp_path / "bad.parquet", tok, 32)
+
+
+def test_a_library_error_is_described_by_its_type_and_first_line():
+    assert described(ValueError("bad footer\nat offset 12")) == "ValueError: bad footer"
+    assert described(OSError()) == "OSError"
 
 
 def test_a_cached_dataset_id_is_read_offline(tmp_path, monkeypatch):
