@@ -135,6 +135,19 @@ def test_chat_needs_a_chat_template(tmp_path):
         load_rows(tmp_path / "c.jsonl", byte_tokenizer(), 8)
 
 
+def test_chat_with_no_trained_token_in_any_row_or_an_unsplittable_template_is_refused():
+    """The only assistant turn lies in the tail packing drops: no row would train; a template
+    whose start depends on the whole conversation cannot tell the turns apart."""
+    tok = chat_tokenizer()
+    late = [{"role": "user", "content": "x" * 100}, {"role": "assistant", "content": "ok"}]
+    with pytest.raises(InputError, match="--data x: no row of --seq-len 64 holds an assistant"):
+        pack(iter([late]), tok, 64, source="x")
+    tok.chat_template = "{{ messages | length }}" + tok.chat_template
+    with pytest.raises(InputError, match="--data x: the chat template does not render this "
+                                         "conversation turn by turn"):
+        pack(iter([CHAT]), tok, 4, source="x")
+
+
 def test_mixed_text_and_chat_batches_mask_only_the_prompts():
     tok = chat_tokenizer()
     rows = pack(iter(["plain text here", CHAT]), tok, 4, source="x")
