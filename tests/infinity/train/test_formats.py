@@ -195,3 +195,20 @@ def test_cached_rows_come_back_and_a_foreign_file_is_ignored(tmp_path):
     assert cache.load(tmp_path, other, 8) is None
     cache.path(tmp_path, key).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
     assert cache.load(tmp_path, key, 8) is None  # corrupt: tokenized again, never trusted
+
+
+def test_a_cache_write_that_fails_leaves_no_partial_file(tmp_path, monkeypatch):
+    """A full disk while caching (in --output itself under --resume): the error goes up and
+    neither the cache file nor its partial copy stays."""
+    import errno
+
+    def full(tensors, filename, metadata):
+        with open(filename, "wb") as f:
+            f.write(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(cache, "save_file", full)
+    rows = Rows(torch.zeros(2, 8, dtype=torch.int32))
+    with pytest.raises(OSError, match="No space left"):
+        cache.save(tmp_path, cache.key(["x"], byte_tokenizer(), 8, "text"), rows)
+    assert list((tmp_path / cache.SUBDIR).iterdir()) == []
