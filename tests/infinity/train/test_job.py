@@ -213,3 +213,15 @@ def test_options_the_command_line_cannot_give_are_refused_by_the_api_too(tmp_pat
     with pytest.raises(InputError, match=message):
         run(TrainOptions(**options))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_report_history_skips_what_is_not_a_step_record(tmp_path):
+    """metrics.jsonl after a crash or a hand edit: a torn last line, garbage, bytes that are
+    not UTF-8, a record without an integer step; none of them stops --report."""
+    from infinity.train import report
+
+    metrics = tmp_path / "metrics.jsonl"
+    assert report.read_history(metrics) == []  # no file yet
+    metrics.write_bytes(b'{"step": 1, "loss": 2.0}\ngarbage\n[1]\n{"step": "2"}\n\xff\xfe\n'
+                        b'{"step": 3, "loss": 1.5}\n{"step": 4, "lo')
+    assert report.read_history(metrics) == [{"step": 1, "loss": 2.0}, {"step": 3, "loss": 1.5}]
