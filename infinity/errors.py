@@ -64,3 +64,10 @@ class RankError(RuntimeError):
         self.rank = rank
         self.collective = collective
         self.peers = peers
+
+
+def described(exc: BaseException) -> str:
+    """`Type: first line of the message` (or `Type` alone): an error from a library that raises
+    many kinds, short enough for the one line an InputError or a report gives it."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__

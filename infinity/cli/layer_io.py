@@ -30,6 +30,7 @@ import torch
 
 import aio
 from infinity.cli import nvme_measure as bench
+from infinity.errors import described
 
 HIDDEN, INTERMEDIATE = 2048, 5632  # TinyLlama-1.1B (k and v kept square: 8-22 MiB tensors)
 LAYERS = 8
@@ -148,7 +149,7 @@ def deepspeed_tool(config: bench.EngineConfig, groups: int) -> DeepSpeedTool | s
     try:
         return DeepSpeedTool(config, groups)
     except Exception as exc:  # ImportError, or its JIT build failing (no libaio-dev)
-        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        return described(exc)
 
 
 @dataclass(slots=True)

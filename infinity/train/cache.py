@@ -96,13 +96,18 @@ def load(run_dir: pathlib.Path, cache_key: str, seq_len: int) -> Rows | None:
 
 
 def save(run_dir: pathlib.Path, cache_key: str, rows: Rows) -> pathlib.Path:
-    """Write the rows under their key (written aside and renamed: never half a file)."""
+    """Write the rows under their key (written aside and renamed: never half a file, and no
+    partial one left behind when the write fails, e.g. a full disk under a --resume, which
+    writes in --output itself)."""
     file = path(run_dir, cache_key)
     file.parent.mkdir(parents=True, exist_ok=True)
     tensors = {"ids": rows.ids.contiguous()}
     if rows.trained is not None:
         tensors["trained"] = rows.trained.contiguous()
     partial = file.with_name(file.name + f".partial-{os.getpid()}")
-    save_file(tensors, str(partial), metadata={"key": cache_key})
-    os.replace(partial, file)
+    try:
+        save_file(tensors, str(partial), metadata={"key": cache_key})
+        os.replace(partial, file)
+    finally:
+        partial.unlink(missing_ok=True)
     return file

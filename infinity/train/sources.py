@@ -10,7 +10,7 @@ import pathlib
 from collections.abc import Iterator
 from typing import Any
 
-from infinity.errors import InputError
+from infinity.errors import InputError, described
 
 SUFFIXES = {".parquet": "parquet", ".json": "json"}  # file suffix -> datasets builder
 SPLIT = "train"
@@ -59,9 +59,8 @@ def read_file(path: pathlib.Path) -> Iterator[dict[str, Any]]:
     try:
         data = datasets.load_dataset(builder, data_files=[str(path)], split=SPLIT)
     except Exception as e:  # pyarrow and datasets raise many kinds
-        first = str(e).splitlines()[0] if str(e) else ""
-        raise InputError(f"--data {path}: cannot read it as {builder} ({type(e).__name__}"
-                         f"{': ' + first if first else ''})") from None
+        raise InputError(f"--data {path}: cannot read it as {builder} ({described(e)})"
+                         ) from None
     yield from data
 
 

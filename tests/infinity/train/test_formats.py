@@ -9,7 +9,7 @@ import pytest
 import torch
 from chat_data import CHAT, chat_tokenizer
 
-from infinity.errors import InputError
+from infinity.errors import InputError, described
 from infinity.models import byte_tokenizer
 from infinity.train import cache
 from infinity.train.data import IGNORE, Batches, Rows, as_batch, load_rows, pack, split_rows
@@ -33,6 +33,25 @@ def test_datasets_folders_parquet_and_json_files_pack_as_jsonl_does(tmp_path):
         assert rows.ids.equal(expected.ids), spec
     with pytest.raises(InputError, match='saved record 1: no string field "text" \\(--text-field'):
         load_rows(tmp_path / "saved", tok, 32)
+
+
+def test_a_datasets_folder_without_a_train_split_or_a_corrupt_file_is_one_line(tmp_path):
+    """Several splits and none "train": which to read is not guessed; a .parquet that is not
+    one names the file and the builder."""
+    datasets = pytest.importorskip("datasets")
+    data = datasets.Dataset.from_dict({"text": DOCS})
+    datasets.DatasetDict({"a": data, "b": data}).save_to_disk(str(tmp_path / "dict"))
+    tok = byte_tokenizer()
+    with pytest.raises(InputError, match="dict: splits a, b and none is 'train'"):
+        load_rows(tmp_path / "dict", tok, 32)
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(InputError, match=r"bad.parquet: cannot read it as parquet \(\w+"):
+        load_rows(tmp_path / "bad.parquet", tok, 32)
+
+
+def test_a_library_error_is_described_by_its_type_and_first_line():
+    assert described(ValueError("bad footer\nat offset 12")) == "ValueError: bad footer"
+    assert described(OSError()) == "OSError"
 
 
 def test_a_cached_dataset_id_is_read_offline(tmp_path, monkeypatch):
@@ -116,6 +135,19 @@ def test_chat_needs_a_chat_template(tmp_path):
         load_rows(tmp_path / "c.jsonl", byte_tokenizer(), 8)
 
 
+def test_chat_with_no_trained_token_in_any_row_or_an_unsplittable_template_is_refused():
+    """The only assistant turn lies in the tail packing drops: no row would train; a template
+    whose start depends on the whole conversation cannot tell the turns apart."""
+    tok = chat_tokenizer()
+    late = [{"role": "user", "content": "x" * 100}, {"role": "assistant", "content": "ok"}]
+    with pytest.raises(InputError, match="--data x: no row of --seq-len 64 holds an assistant"):
+        pack(iter([late]), tok, 64, source="x")
+    tok.chat_template = "{{ messages | length }}" + tok.chat_template
+    with pytest.raises(InputError, match="--data x: the chat template does not render this "
+                                         "conversation turn by turn"):
+        pack(iter([CHAT]), tok, 4, source="x")
+
+
 def test_mixed_text_and_chat_batches_mask_only_the_prompts():
     tok = chat_tokenizer()
     rows = pack(iter(["plain text here", CHAT]), tok, 4, source="x")
@@ -163,3 +195,20 @@ def test_cached_rows_come_back_and_a_foreign_file_is_ignored(tmp_path):
     assert cache.load(tmp_path, other, 8) is None
     cache.path(tmp_path, key).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
     assert cache.load(tmp_path, key, 8) is None  # corrupt: tokenized again, never trusted
+
+
+def test_a_cache_write_that_fails_leaves_no_partial_file(tmp_path, monkeypatch):
+    """A full disk while caching (in --output itself under --resume): the error goes up and
+    neither the cache file nor its partial copy stays."""
+    import errno
+
+    def full(tensors, filename, metadata):
+        with open(filename, "wb") as f:
+            f.write(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(cache, "save_file", full)
+    rows = Rows(torch.zeros(2, 8, dtype=torch.int32))
+    with pytest.raises(OSError, match="No space left"):
+        cache.save(tmp_path, cache.key(["x"], byte_tokenizer(), 8, "text"), rows)
+    assert list((tmp_path / cache.SUBDIR).iterdir()) == []

@@ -7,7 +7,7 @@ import pytest
 
 from infinity.errors import InputError
 from infinity.train.config import ds_config
-from infinity.train.job import TrainOptions
+from infinity.train.job import TrainOptions, run
 from infinity.train.outputs import scratch_dir, staged_output
 
 
@@ -196,3 +196,32 @@ def test_optimizer_state_options_land_in_the_infinity_section(tmp_path):
         ds_config(TrainOptions(no_master=True), lambda: "/s")
     with pytest.raises(InputError, match="--optimizer-state int4: choose one of fp32, bf16"):
         ds_config(TrainOptions(optimizer_state="int4"), lambda: "/s")
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(lora_export="lora"), "--lora-export lora: choose one of merged, adapter"),
+    (dict(report_to=("wandb",), output="out"), "--report-to wandb: choose from tensorboard"),
+    (dict(eval_every=0, eval_split=0.1), "--eval-every 0: must be at least 1"),
+    (dict(report=True), "--report needs --output"),
+])
+def test_options_the_command_line_cannot_give_are_refused_by_the_api_too(tmp_path, options,
+                                                                          message):
+    """A caller of `job.run` skips argparse's choices: the same values are one InputError,
+    before anything is written."""
+    if "output" in options:
+        options["output"] = str(tmp_path / options["output"])
+    with pytest.raises(InputError, match=message):
+        run(TrainOptions(**options))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_report_history_skips_what_is_not_a_step_record(tmp_path):
+    """metrics.jsonl after a crash or a hand edit: a torn last line, garbage, bytes that are
+    not UTF-8, a record without an integer step; none of them stops --report."""
+    from infinity.train import report
+
+    metrics = tmp_path / "metrics.jsonl"
+    assert report.read_history(metrics) == []  # no file yet
+    metrics.write_bytes(b'{"step": 1, "loss": 2.0}\ngarbage\n[1]\n{"step": "2"}\n\xff\xfe\n'
+                        b'{"step": 3, "loss": 1.5}\n{"step": 4, "lo')
+    assert report.read_history(metrics) == [{"step": 1, "loss": 2.0}, {"step": 3, "loss": 1.5}]
