@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from infinity.errors import ConfigError, RankError
+from infinity.errors import ConfigError, RankError, described
 
 logger = logging.getLogger(__name__)
 
@@ -163,8 +163,7 @@ class Ranks:
         except Exception as exc:  # noqa: BLE001 - the store and backends raise many kinds
             raise RankError(f"rank {rank} of {world}: init_process_group ({backend}, "
                             f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}) "
-                            f"failed within {timeout_s:g} s: {type(exc).__name__}: "
-                            f"{str(exc).splitlines()[0] if str(exc) else ''}",
+                            f"failed within {timeout_s:g} s: {described(exc)}",
                             rank=rank, collective="init_process_group") from exc
         return cls(dist.get_rank(), dist.get_world_size(), store=_default_store())
 
@@ -280,7 +279,7 @@ class Ranks:
                      else "no rank missing from the roll call")
             self._failed = RankError(
                 f"rank {self.rank} of {self.world}: {collective} failed ({named}): "
-                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                f"{described(exc)}",
                 rank=self.rank, collective=collective, peers=peers)
             raise self._failed from exc
 
