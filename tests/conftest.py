@@ -392,15 +392,16 @@ def tiny_hf_model(tmp_path_factory):
     untied head) and the byte-level tokenizer (256 bytes + <s>, </s>, <pad>), nothing downloaded."""
     import transformers  # a dependency: a broken install fails the tests that use it
 
-    from infinity.models import byte_tokenizer
+    from infinity.models import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_VOCAB_SIZE, byte_tokenizer
 
     directory = tmp_path_factory.mktemp("tiny-llama")
     byte_tokenizer().save_pretrained(directory)
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64,
+    config = transformers.LlamaConfig(vocab_size=BYTE_VOCAB_SIZE, hidden_size=32,
+                                      intermediate_size=64,
                                       num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2,
                                       max_position_embeddings=64, tie_word_embeddings=False,
-                                      bos_token_id=256, eos_token_id=257)
+                                      bos_token_id=BYTE_BOS_ID, eos_token_id=BYTE_EOS_ID)
     transformers.LlamaForCausalLM(config).save_pretrained(directory)
     return directory

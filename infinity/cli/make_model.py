@@ -7,10 +7,9 @@ infinity-train on a model larger than RAM when no real weights are at hand.
     infinity-train --model /tmp/llama-1.5b --data corpus.txt --seq-len 64 --batch-size 1
 
 The weights are written tensor by tensor (memory: one tensor), normal(0, 0.02) for matrices
-and embeddings, ones for norms, seeded. The tokenizer has one token per byte plus <s> (256)
-, </s> (257) and <pad> (258), so --vocab is at least 259 (a larger vocab only costs
-parameters). DIR must
-not exist; it appears complete or not at all. Exit codes: 0 done, 2 bad input.
+and embeddings, ones for norms, seeded. The tokenizer has one token per byte plus <s> (256),
+</s> (257) and <pad> (258), so --vocab is at least 259 (a larger vocab only costs parameters).
+DIR must not exist; it appears complete or not at all. Exit codes: 0 done, 2 bad input.
 Without an install: `python -m infinity.cli.make_model ...` from the repository root.
 """
 
@@ -24,10 +23,9 @@ import sys
 import torch
 
 from infinity.cli.args import HelpFormatter, fail, log_to_stderr, parse_size
-from infinity.models import BYTE_TOKENS, write_random_model
+from infinity.models import BYTE_VOCAB_SIZE, byte_config_ids, write_random_model
 
 PROG = "infinity-make-model"
-TOKENS = BYTE_TOKENS + 3  # the byte tokenizer: 256 bytes, <s>, </s>, <pad>
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -41,8 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attention heads (hidden must divide by it)")
     p.add_argument("--kv-heads", type=int, default=None,
                    help="key/value heads (GQA). Default: --heads")
-    p.add_argument("--vocab", type=int, default=TOKENS, help=f"vocabulary size (at least {TOKENS}, "
-                   "the byte tokenizer's tokens)")
+    p.add_argument("--vocab", type=int, default=BYTE_VOCAB_SIZE,
+                   help=f"vocabulary size (at least {BYTE_VOCAB_SIZE}, the byte tokenizer's "
+                   "tokens)")
     p.add_argument("--max-positions", type=int, default=2048, help="max_position_embeddings")
     p.add_argument("--tie", action="store_true", help="tie the output head to the embedding")
     p.add_argument("--dtype", choices=DTYPES, default="bf16", help="dtype of the stored weights")
@@ -66,14 +65,14 @@ def llama_config(args: argparse.Namespace):
     if args.hidden % args.heads or args.heads % kv_heads:
         raise ValueError(f"--hidden {args.hidden}, --heads {args.heads}, --kv-heads {kv_heads}: "
                          "hidden must divide by heads, and heads by kv-heads")
-    if args.vocab < TOKENS:
-        raise ValueError(f"--vocab {args.vocab}: at least {TOKENS} (the byte tokenizer's tokens, "
-                         "<pad> included)")
+    if args.vocab < BYTE_VOCAB_SIZE:
+        raise ValueError(f"--vocab {args.vocab}: at least {BYTE_VOCAB_SIZE} (the byte tokenizer's "
+                         "tokens, <pad> included)")
     return transformers.LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=kv_heads,
         max_position_embeddings=args.max_positions, tie_word_embeddings=args.tie,
-        bos_token_id=BYTE_TOKENS, eos_token_id=BYTE_TOKENS + 1, pad_token_id=BYTE_TOKENS + 2)
+        **byte_config_ids())
 
 
 def _count(n: int, units: tuple[str, str, str] = ("B", "M", "K")) -> str:

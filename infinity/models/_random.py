@@ -16,39 +16,11 @@ from typing import Any
 
 import torch
 
+from infinity.models._byte_tokenizer import byte_tokenizer
 from infinity.models._writer import Spec, write_shards
 from infinity.zero import parameters_on_meta
 
 logger = logging.getLogger(__name__)
-
-BYTE_TOKENS = 256  # the byte-level tokenizer: token i is byte value i, then <s>, </s>, <pad>
-
-
-def byte_tokenizer() -> Any:
-    """A `transformers` fast tokenizer whose token ids are the UTF-8 byte values (0-255), plus
-    `<s>` (256), `</s>` (257) and `<pad>` (258), made from scratch (nothing downloaded); the
-    built-in model of `infinity-train` is trained on these ids. `save_pretrained` it next to a
-    model so `AutoTokenizer` loads it from the directory."""
-    import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {c: i for i, c in enumerate(_byte_level_chars())}
-    vocab |= {"<s>": BYTE_TOKENS, "</s>": BYTE_TOKENS + 1, "<pad>": BYTE_TOKENS + 2}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>",
-                                                eos_token="</s>", pad_token="<pad>",
-                                                split_special_tokens=True)
-
-
-def _byte_level_chars() -> list[str]:
-    """The character the ByteLevel pre-tokenizer writes for each byte value (GPT-2's table:
-    printable Latin-1 bytes stand for themselves, the rest take code points from 256 up)."""
-    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
-                 *range(ord("\u00ae"), ord("\u00ff") + 1)}
-    spare = iter(range(256, 512))
-    return [chr(b) if b in printable else chr(next(spare)) for b in range(BYTE_TOKENS)]
 
 
 def write_random_model(directory: str | os.PathLike[str], config: Any, *,

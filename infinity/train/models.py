@@ -14,7 +14,13 @@ from typing import Any
 import torch
 
 from infinity.errors import CheckpointError, InputError
-from infinity.models import DEFAULT_WINDOW, byte_tokenizer, load
+from infinity.models import (
+    BYTE_VOCAB_SIZE,
+    DEFAULT_WINDOW,
+    byte_config_ids,
+    byte_tokenizer,
+    load,
+)
 from infinity.train import bars
 
 logger = logging.getLogger(__name__)
@@ -25,13 +31,15 @@ LORA_TARGETS = "all-linear"
 
 
 def default_model(seed: int = 0) -> tuple[torch.nn.Module, Any]:
-    """A freshly initialised Llama from `default/model_config.json` (seeded) and its tokenizer,
-    `infinity.models.byte_tokenizer()` (exported with the model)."""
+    """A freshly initialised Llama of the shape in `default/model_config.json` (seeded) and its
+    tokenizer, `infinity.models.byte_tokenizer()` (exported with the model), whose vocabulary
+    and special ids the config takes."""
     import transformers
 
     fields = json.loads((DEFAULTS / "model_config.json").read_text())
     config = transformers.LlamaConfig(**{k: v for k, v in fields.items()
-                                         if k not in ("architectures", "model_type")})
+                                         if k not in ("architectures", "model_type")},
+                                      vocab_size=BYTE_VOCAB_SIZE, **byte_config_ids())
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(config), byte_tokenizer()
 

@@ -10,13 +10,21 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from infinity.models import byte_tokenizer, plan_shards, write_random_model, write_shards
+from infinity.models import (
+    BYTE_BOS_ID,
+    BYTE_EOS_ID,
+    byte_tokenizer,
+    plan_shards,
+    write_random_model,
+    write_shards,
+)
 
 
 def tiny_config(**overrides):
     shape = {"vocab_size": 300, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-             "tie_word_embeddings": False, "bos_token_id": 256, "eos_token_id": 257}
+             "tie_word_embeddings": False, "bos_token_id": BYTE_BOS_ID,
+             "eos_token_id": BYTE_EOS_ID}
     return transformers.LlamaConfig(**{**shape, **overrides})
 
 
@@ -72,7 +80,7 @@ def test_random_model_loads_everywhere_and_is_seeded(tmp_path):
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "m", local_files_only=True)
     assert (tokenizer.encode("hé") == byte_tokenizer().encode("hé")
             and len(tokenizer.encode("hé")) == 3)
-    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (256, 257)
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (BYTE_BOS_ID, BYTE_EOS_ID)
     write_random_model(tmp_path / "again", tiny_config(), seed=3)
     write_random_model(tmp_path / "other", tiny_config(), seed=4)
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again",

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from infinity.cli import make_model
+from infinity.models import BYTE_PAD_ID, BYTE_VOCAB_SIZE
 
 SHAPE = ["--layers", "2", "--hidden", "64", "--intermediate", "128", "--heads", "4",
          "--kv-heads", "2",
@@ -32,7 +33,8 @@ def test_writes_the_asked_shape_and_counts_its_parameters(tmp_path, capsys):
     (["--heads", "5"], "--hidden 256, --heads 5, --kv-heads 5: hidden must divide by heads"),
     (["--heads", "8", "--kv-heads", "3"],
      "--kv-heads 3: hidden must divide by heads, and heads by kv-heads"),
-    (["--vocab", "258"], "--vocab 258: at least 259"),
+    (["--vocab", str(BYTE_VOCAB_SIZE - 1)],
+     f"--vocab {BYTE_VOCAB_SIZE - 1}: at least {BYTE_VOCAB_SIZE}"),
     (["--layers", "0"], "--layers 0: must be at least 1"),
 ])
 def test_bad_shapes_are_one_line_and_exit_2(tmp_path, capsys, args, message):
@@ -53,12 +55,13 @@ def test_the_default_vocab_holds_every_token_of_its_tokenizer(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     assert make_model.main([str(tmp_path / "m"), "--layers", "1", "--hidden", "32",
                             "--intermediate", "64", "--heads", "4"]) == 0
-    count = 32 * 32 * 4 + 3 * 32 * 64 + 2 * 32 + 2 * 259 * 32 + 32  # one layer, two embeddings
+    count = 32 * 32 * 4 + 3 * 32 * 64 + 2 * 32 + 2 * BYTE_VOCAB_SIZE * 32 + 32  # 2 embeddings
     out = capsys.readouterr().out
     assert f"Llama of {count / 1e3:.3g} K parameters ({count})" in out  # not "0.000 B"
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "m")
     config = json.loads((tmp_path / "m" / "config.json").read_text())
-    assert config["vocab_size"] == len(tokenizer) == 259 and config["pad_token_id"] == 258
+    assert config["vocab_size"] == len(tokenizer) == BYTE_VOCAB_SIZE
+    assert config["pad_token_id"] == tokenizer.pad_token_id == BYTE_PAD_ID
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m")
     batch = tokenizer(["a", "abc"], padding=True, return_tensors="pt")
     assert batch.input_ids.max() == tokenizer.pad_token_id

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from infinity.errors import InputError
-from infinity.models import byte_tokenizer
+from infinity.models import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_PAD_ID, BYTE_VOCAB_SIZE, byte_tokenizer
 from infinity.train import corpus, models
 from infinity.train.data import Batches, Rows, data_files, load_rows, pack, read_documents
 
@@ -27,10 +27,11 @@ def test_txt_jsonl_and_directories_are_read_in_a_stable_order(tmp_path):
 def test_packing_wraps_documents_in_bos_eos_and_drops_the_tail():
     tok = byte_tokenizer()
     rows = pack(iter(["ab", "", "cde"]), tok, 3, source="x")
-    assert rows.ids.tolist() == [[256, 97, 98], [257, 256, 99], [100, 101, 257]]
+    bos, eos = BYTE_BOS_ID, BYTE_EOS_ID
+    assert rows.ids.tolist() == [[bos, 97, 98], [eos, bos, 99], [100, 101, eos]]
     assert rows.trained is None  # documents: every token trains
     rows = pack(iter(["abcd"]), tok, 4, source="x")  # 6 tokens: one row, tail of 2 dropped
-    assert rows.ids.tolist() == [[256, 97, 98, 99]]
+    assert rows.ids.tolist() == [[bos, 97, 98, 99]]
 
 
 def test_byte_tokens_are_the_utf8_bytes_whatever_the_text_holds():
@@ -40,8 +41,10 @@ def test_byte_tokens_are_the_utf8_bytes_whatever_the_text_holds():
     text = "hé wörld\x00\n\t  ~日本 <s></s><pad> \U0001f600"
     ids = tok.encode(text, add_special_tokens=False)
     assert ids == list(text.encode("utf-8"))
-    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, len(tok)) == (256, 257, 258, 259)
-    assert tok.decode([256, *ids, 257], skip_special_tokens=True) == text
+    special = (BYTE_BOS_ID, BYTE_EOS_ID, BYTE_PAD_ID, BYTE_VOCAB_SIZE)
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, len(tok)) == special
+    assert special == (256, 257, 258, 259)  # pinned: exported models were trained on these ids
+    assert tok.decode([BYTE_BOS_ID, *ids, BYTE_EOS_ID], skip_special_tokens=True) == text
 
 
 @pytest.mark.parametrize("make, message", [
