@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from chat_data import CHAT, chat_tokenizer
+from chat_data import CHAT, TEMPLATE, chat_tokenizer
 
 from infinity.errors import InputError, described
 from infinity.models import byte_tokenizer
@@ -121,6 +121,7 @@ def test_chat_rows_without_a_trained_token_are_dropped():
     ([{"role": "user", "content": "hi"}], "no assistant message"),
     ([{"role": "robot", "content": "hi"}], "message 0 is not"),
     ("hello", '"messages" is not a non-empty list'),
+    ([{"role": "assistant", "content": "hi"}], "message 0 is the assistant's: nothing prompts"),
 ])
 def test_bad_chat_lines_name_the_line(tmp_path, messages, message):
     (tmp_path / "c.jsonl").write_text(json.dumps({"messages": CHAT}) + "\n"
@@ -133,6 +134,30 @@ def test_chat_needs_a_chat_template(tmp_path):
     (tmp_path / "c.jsonl").write_text(json.dumps({"messages": CHAT}) + "\n")
     with pytest.raises(InputError, match="chat messages need a tokenizer with a chat template"):
         load_rows(tmp_path / "c.jsonl", byte_tokenizer(), 8)
+
+
+@pytest.mark.parametrize("template, message", [
+    ("{% if messages[0]['role'] == 'tool' %}{{ raise_exception('no tool calls here') }}"
+     "{% endif %}" + TEMPLATE,
+     "the chat template fails on this conversation (TemplateError: no tool calls here)"),
+    ("{% if messages[0]['role'] == 'tool' %}{{ 1 // 0 }}{% endif %}" + TEMPLATE,
+     "the chat template fails on this conversation (ZeroDivisionError: "),
+    ("{% if messages[0]['role'] == 'tool' and messages | length == 2 %}two: {% endif %}"
+     + TEMPLATE,
+     "the chat template does not render this conversation turn by turn"),
+], ids=["raise_exception", "python error", "not turn by turn"])
+def test_a_conversation_the_template_fails_on_names_its_line(tmp_path, template, message):
+    """A template that raises (many refuse roles out of turn) or cannot be split into turns is
+    one line naming the record, not a jinja2 traceback or only the --data source."""
+    tok = chat_tokenizer()
+    tok.chat_template = template
+    tool = [{"role": "tool", "content": "42"}, {"role": "assistant", "content": "It is 42."}]
+    (tmp_path / "c.jsonl").write_text(json.dumps({"messages": CHAT}) + "\n\n"
+                                      + json.dumps({"messages": tool}) + "\n")
+    with pytest.raises(InputError) as caught:
+        load_rows(tmp_path / "c.jsonl", tok, 8)
+    assert f"--data {tmp_path / 'c.jsonl'}:3: {message}" in str(caught.value)
+    assert "\n" not in str(caught.value)
 
 
 def test_chat_with_no_trained_token_in_any_row_or_an_unsplittable_template_is_refused():
