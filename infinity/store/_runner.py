@@ -8,7 +8,9 @@ to `Runner.run`, or inside `with runner.open()` where no step can need a wait. O
 and `TensorStore` (a put waiting for its write, `flush`, `close`) wait, always without the lock.
 Two leaf locks are taken after it or alone, never before it: `RoomWaits`' condition (threads
 waiting for room) and `MoveLog`'s (the trace). Read without any lock: the budgets and the set of
-tiers (fixed at construction), the swap file and the I/O engine (thread-safe themselves).
+tiers (fixed at construction), the swap file and the I/O engine (thread-safe themselves); so
+`Tiers.fast` (a tier check) and `Tiers.write` (a piece of `put_chunks`) run without it, and so
+does `Tiers.close`, once the store is closed and every move settled.
 
 [Note: no waiting under the lock] A step never blocks on I/O (or on a CUDA copy). A step that
 needs a move to finish first (a write-back before its source may be freed, a read before its

@@ -136,7 +136,8 @@ class TensorStore:
     @property
     def clock(self) -> int:
         """Fetches so far: the clock of next-use hints."""
-        return self._clock.fetches
+        with self._runner.lock:
+            return self._clock.fetches
 
     # -- public verbs --------------------------------------------------------------------------
 
@@ -144,7 +145,8 @@ class TensorStore:
         """Store a copy of `tensor` under a new `key`, at home on `tier` (returns once stored)."""
         tier = Tier.of(tier)
         source = tensor.detach().to("cpu").contiguous() if tier == Tier.NVME else tensor.detach()
-        entry = self._copies.new_entry(key, tensor.shape, tensor.dtype)
+        with self._runner.lock:
+            entry = self._copies.new_entry(key, tensor.shape, tensor.dtype)
         source_tier = Tier.HOST if tensor.device.type == "cpu" else Tier.DEVICE
         crc = aio.crc32c(source) if self.checksum and tier == Tier.NVME else None
         move: PendingMove | None = self._runner.run(
@@ -165,7 +167,8 @@ class TensorStore:
         on any error (including too few or too many elements) nothing is left of it.
         """
         tier = Tier.of(tier)
-        entry = self._copies.new_entry(key, torch.Size(shape), dtype)
+        with self._runner.lock:
+            entry = self._copies.new_entry(key, torch.Size(shape), dtype)
         copy = self._runner.run(lambda: self._copies.reserve_chunks(entry, tier))
         start, done, crc = self.moves.now(), 0, 0
         try:
@@ -317,7 +320,8 @@ class TensorStore:
                 self._copies.settle(move)
 
     def __contains__(self, key: str) -> bool:
-        return key in self._copies.entries
+        with self._runner.lock:
+            return key in self._copies.entries
 
     def tiers_of(self, key: str) -> list[str]:
         """Tiers holding a valid copy of `key`, fastest first."""
