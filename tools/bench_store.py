@@ -92,57 +92,85 @@ def bench_optimizer(args: argparse.Namespace, directory: str) -> dict:
     The parameters are float32 units of --tile elements each, values at home on NVMe (the master:
     4 bytes a parameter) and tiles holding the moments (8 bytes), stepped one after another with
     the next unit read ahead, as the engine's optimizer worker does: 12 bytes a parameter read
-    and 12 written. With --checksum ab, two stores (checksums on and off) step in turns,
+    and 12 written (`nvme_bytes_per_param` says what a step moved: a little less where the host
+    tier still holds copies from the step before). Raw stream and step rounds alternate, and
+    swap order every round, so a shared machine's drift hits both alike; `ratio` is best step
+    over the floor of the best raw stream, `round_ratio` the median (and range) of the
+    per-round ratios. With --checksum ab, two stores (checksums on and off) step in turns,
     swapping order every round, and the cost of the checksums is the median of the per-round
     ratios."""
     tile_nbytes = 12 * args.tile
     tiles = -(-args.params // args.tile)
     numels = [min(args.tile, args.params - u * args.tile) for u in range(tiles)]
     variants = {"ab": [True, False], "on": [True], "off": [False]}[args.checksum]
-    with aio.Handle(**_engine(args)) as handle:
-        with aio.SwapFile(f"{directory}/raw.swap", tiles * tile_nbytes) as swap:
-            extents = [swap.allocate(tile_nbytes) for _ in range(tiles)]
-            for e in extents:
-                swap.write(handle, e, aio.aligned_empty(tile_nbytes).zero_()).wait()
-            raw_gbps = max(bench.window_stream(handle, swap, extents, tile_nbytes, 1, True)
-                           for _ in range(args.repeat))
-        budgets = {"host": 4 * tile_nbytes + (1 << 20), "nvme": tiles * tile_nbytes + (1 << 20)}
-        grad = torch.full((args.tile,), 1e-3)
-        with contextlib.ExitStack() as stack:
-            steppers = {}
-            for checksum in variants:
-                store = stack.enter_context(TensorStore(budgets, nvme_path=directory,
-                                                        aio_handle=handle, keep_timeline=False,
-                                                        checksum=checksum))
-                for u, numel in enumerate(numels):
-                    store.put(f"unit{u}", torch.zeros(numel), "nvme")
-                units = [UnitSpec(n, torch.float32, f"unit{u}") for u, n in enumerate(numels)]
-                steppers[checksum] = (SwappedOptimizer(units, store, tile_numel=args.tile), store)
-            times: dict[bool, list[float]] = {c: [] for c in variants}
-            for r in range(args.repeat + 1):
-                for checksum in variants if r % 2 == 0 else variants[::-1]:
-                    opt, store = steppers[checksum]
-                    start = time.perf_counter()
-                    for u, numel in enumerate(numels):
-                        if u + 1 < len(numels):
-                            opt.prefetch_unit(u + 1)
-                        opt.step_unit(u, grad[:numel])
-                    opt.finish_step()
-                    store.flush()
-                    times[checksum].append(time.perf_counter() - start)
+    budgets = {"host": 4 * tile_nbytes + (1 << 20), "nvme": tiles * tile_nbytes + (1 << 20)}
+    grad = torch.full((args.tile,), 1e-3)
+    with aio.Handle(**_engine(args)) as handle, \
+            aio.SwapFile(f"{directory}/raw.swap", tiles * tile_nbytes) as swap, \
+            contextlib.ExitStack() as stack:
+        extents = [swap.allocate(tile_nbytes) for _ in range(tiles)]
+        for e in extents:
+            swap.write(handle, e, aio.aligned_empty(tile_nbytes).zero_()).wait()
+        steppers = {}
+        for checksum in variants:
+            store = stack.enter_context(TensorStore(budgets, nvme_path=directory,
+                                                    aio_handle=handle, keep_timeline=False,
+                                                    checksum=checksum))
+            for u, numel in enumerate(numels):
+                store.put(f"unit{u}", torch.zeros(numel), "nvme")
+            units = [UnitSpec(n, torch.float32, f"unit{u}") for u, n in enumerate(numels)]
+            steppers[checksum] = (SwappedOptimizer(units, store, tile_numel=args.tile), store)
+
+        def raw() -> float:
+            return bench.window_stream(handle, swap, extents, tile_nbytes, 1, True)
+
+        def step(checksum: bool) -> tuple[float, float]:
+            opt, store = steppers[checksum]
+            before = _nvme_nbytes(store)
+            start = time.perf_counter()
+            for u, numel in enumerate(numels):
+                if u + 1 < len(numels):
+                    opt.prefetch_unit(u + 1)
+                opt.step_unit(u, grad[:numel])
+            opt.finish_step()
+            store.flush()
+            return time.perf_counter() - start, (_nvme_nbytes(store) - before) / args.params
+
+        raws: list[float] = []
+        steps: dict[bool, list[tuple[float, float]]] = {c: [] for c in variants}
+        for r in range(args.repeat + 1):  # round 0 warms the arena and caches: not counted
+            order = variants if r % 2 == 0 else variants[::-1]
+            if r % 2 == 0:
+                raws.append(raw())
+            for checksum in order:
+                steps[checksum].append(step(checksum))
+            if r % 2 == 1:
+                raws.append(raw())
+    raws = raws[1:]
+    raw_gbps = max(raws)
     floor_s = 24 * args.params / (raw_gbps * GB)
     results = {}
     for checksum in variants:
-        step_s = min(times[checksum][1:])  # the first step warms the arena and caches
+        times = [t for t, _ in steps[checksum][1:]]
+        per_round = [t / (24 * args.params / (g * GB)) for t, g in zip(times, raws)]
         results[f"optimizer step (checksum {'on' if checksum else 'off'})"] = {
-            "params": args.params, "tile": args.tile, "step_s": step_s,
-            "median_s": statistics.median(times[checksum][1:]), "raw_gbps": raw_gbps,
-            "floor_s": floor_s, "ratio": step_s / floor_s}
+            "params": args.params, "tile": args.tile, "step_s": min(times),
+            "median_s": statistics.median(times), "raw_gbps": raw_gbps,
+            "floor_s": floor_s, "ratio": min(times) / floor_s,
+            "round_ratio": statistics.median(per_round),
+            "round_ratio_range": f"{min(per_round):.2f}-{max(per_round):.2f}",
+            "nvme_bytes_per_param": statistics.median(b for _, b in steps[checksum][1:])}
     if len(variants) == 2:
-        ratios = [on / off for on, off in zip(times[True][1:], times[False][1:])]
+        ratios = [on / off for (on, _), (off, _) in zip(steps[True][1:], steps[False][1:])]
         results["checksum cost"] = {"median_ratio": statistics.median(ratios),
                                     "ratio_range": f"{min(ratios):.3f}-{max(ratios):.3f}"}
     return results
+
+
+def _nvme_nbytes(store: TensorStore) -> int:
+    """Bytes the store has moved to and from NVMe so far."""
+    return sum(m["nbytes"] for direction, m in store.stats()["moves"].items()
+               if "nvme" in direction)
 
 
 def _engine(args: argparse.Namespace) -> dict:
@@ -171,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="aio queues")
     parser.add_argument("--backend", default="auto", help="aio backend")
     parser.add_argument("--repeat", type=int, default=4,
-                        help="rounds per figure (stream: medians; optimizer: best)")
+                        help="rounds per figure (stream: medians; optimizer: best and medians)")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
     if args.mode == "stream" and args.tensors <= 2 * (args.window + 2):

@@ -15,6 +15,9 @@ def test_optimizer_mode_with_checksums_in_turns(tmp_path):
     results = json.loads(out.read_text())
     assert results["optimizer step (checksum on)"]["step_s"] > 0
     assert results["optimizer step (checksum off)"]["step_s"] > 0
+    for checksum in ("on", "off"):
+        step = results[f"optimizer step (checksum {checksum})"]
+        assert step["round_ratio"] > 0 and 0 <= step["nvme_bytes_per_param"] <= 24
     assert results["checksum cost"]["median_ratio"] > 0
 
 
