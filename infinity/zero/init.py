@@ -21,7 +21,7 @@ import torch
 
 from infinity.store import TensorStore, Tier
 from infinity.zero.ranks import Partition
-from infinity.zero.unit import FetchUnit, ParamSlot, put_unit
+from infinity.zero.unit import FetchUnit, ParamSlot, store_unit
 
 logger = logging.getLogger(__name__)
 
@@ -115,13 +115,9 @@ def create_units(model: torch.nn.Module, units: list[FetchUnit], store: TensorSt
                 initialise(module)
             else:
                 module.reset_parameters()
-        flat = torch.cat([s.param.detach().reshape(-1) for s in unit.slots]).to(unit.dtype)
-        put_unit(store, unit, flat, home, partition)
-        del flat
-        if unit.compute_dtype not in placeholders:
-            placeholders[unit.compute_dtype] = torch.empty(0, dtype=unit.compute_dtype,
-                                                           device=device)
-        unit.unbind(placeholders[unit.compute_dtype])
+        store_unit(store, unit, torch.cat([s.param.detach().reshape(-1)
+                                           for s in unit.slots]).to(unit.dtype),
+                   home, partition, placeholders, device)
     logger.info("zero.Init: %d units created into the %s tier", len(units), home.label)
 
 

@@ -200,11 +200,20 @@ def place_units(units: list[FetchUnit], store: TensorStore, *, home: Tier, devic
     tensors are freed unit by unit."""
     placeholders: dict[torch.dtype, torch.Tensor] = {}
     for unit in units:
-        flat = torch.cat([s.param.detach().reshape(-1).to("cpu")
-                          for s in unit.slots]).to(unit.dtype)
-        put_unit(store, unit, flat, home, partition)
-        del flat
-        if unit.compute_dtype not in placeholders:
-            placeholders[unit.compute_dtype] = torch.empty(0, dtype=unit.compute_dtype,
-                                                           device=device)
-        unit.unbind(placeholders[unit.compute_dtype])
+        store_unit(store, unit, torch.cat([s.param.detach().reshape(-1).to("cpu")
+                                           for s in unit.slots]).to(unit.dtype),
+                   home, partition, placeholders, device)
+
+
+def store_unit(store: TensorStore, unit: FetchUnit, flat: torch.Tensor, home: Tier,
+               partition: Partition | None, placeholders: dict[torch.dtype, torch.Tensor],
+               device: torch.device) -> None:
+    """Put a unit's flat values into `store` (`put_unit`) and leave in its parameters the empty
+    placeholder of its compute dtype on `device` (one per dtype, kept in `placeholders`), so
+    the caller that hands `flat` over holds none of the unit's values afterwards."""
+    put_unit(store, unit, flat, home, partition)
+    del flat
+    if unit.compute_dtype not in placeholders:
+        placeholders[unit.compute_dtype] = torch.empty(0, dtype=unit.compute_dtype,
+                                                       device=device)
+    unit.unbind(placeholders[unit.compute_dtype])
