@@ -21,6 +21,7 @@ Both record "draw", four numbers from torch's RNG right after the save / the loa
 records "grad_norms", `engine.last_grad_norm` after each step.
 `data_world` (default: the world) is the number of ranks whose rows the whole job trains on,
 split over this job's ranks (a 1-rank job resuming a 2-rank run takes both ranks' rows).
+`hidden` (default HIDDEN): the width of the model's hidden layer.
 """
 
 import json
@@ -40,10 +41,10 @@ IN, HIDDEN, OUT = 7, 11, 5
 MICRO = 3
 
 
-def make_model(seed: int) -> torch.nn.Module:
+def make_model(seed: int, hidden: int = HIDDEN) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(),
-                               torch.nn.Linear(HIDDEN, OUT))
+    return torch.nn.Sequential(torch.nn.Linear(IN, hidden), torch.nn.Tanh(),
+                               torch.nn.Linear(hidden, OUT))
 
 
 def global_batch(step: int, micro: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,9 +57,9 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     # Ranks build different initial values: the engine must start every rank from rank 0's.
     if case.get("zero_init"):  # values created by initialize, from rank 0's
         with infinity.zero.Init(case["config"]):
-            model = make_model(case.get("seed", 0) + rank)
+            model = make_model(case.get("seed", 0) + rank, case.get("hidden", HIDDEN))
     else:
-        model = make_model(case.get("seed", 0) + rank)
+        model = make_model(case.get("seed", 0) + rank, case.get("hidden", HIDDEN))
     # Layer 0's bias lies in the second half of its unit: in rank 1's shard. An overflow there
     # on rank 1 alone reaches no other rank's shard; only the all-reduced norm tells them.
     overflow = [False]
