@@ -32,6 +32,8 @@ NATIVE_PATHS = {
     "cuda": "CUDA paths (requires_cuda)",
 }
 _RUNS = pytest.StashKey[dict]()
+_PATHS = "native paths"  # the user property a report names its native paths in
+_CONFIG: pytest.Config  # set by pytest_configure; logreport hooks get no config
 
 
 def _choices() -> dict[str, dict[str, str | None]]:
@@ -55,19 +57,36 @@ def _choices() -> dict[str, dict[str, str | None]]:
 def pytest_configure(config):
     config.stash[_RUNS] = {name: collections.defaultdict(collections.Counter)
                           for name in NATIVE_PATHS}
+    global _CONFIG
+    _CONFIG = config
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: the suite runs without it too
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (the README's test command): a worker a core, at most four; each imports torch
+    and most tests are one core's work, so more buy little and cost memory."""
+    return max(1, min(os.cpu_count() or 1, 4))
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """Count outcomes per ISA / backend / CUDA: a skip or error at setup, else the call's."""
+    """Note on the report which native paths the test selects (pytest-xdist carries reports,
+    not items, from its workers to the process that prints the summary)."""
     report = (yield).get_result()
     params = dict(getattr(getattr(item, "callspec", None), "params", {}))
     if "requires_cuda" in item.keywords:
         params["cuda"] = "device"
-    if report.when == "call" or (report.when == "setup" and not report.passed):
-        for name, runs in item.config.stash[_RUNS].items():
-            if name in params:
-                runs[params[name]][report.outcome] += 1
+    paths = {name: str(params[name]) for name in NATIVE_PATHS if name in params}
+    if paths:
+        report.user_properties.append((_PATHS, paths))
+
+
+def pytest_runtest_logreport(report):
+    """Count outcomes per ISA / backend / CUDA: a skip or error at setup, else the call's."""
+    paths = dict(report.user_properties).get(_PATHS)
+    if paths and (report.when == "call" or (report.when == "setup" and not report.passed)):
+        for name, choice in paths.items():
+            _CONFIG.stash[_RUNS][name][choice][report.outcome] += 1
 
 
 def pytest_terminal_summary(terminalreporter, config):
