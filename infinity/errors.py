@@ -34,9 +34,8 @@ class CheckpointError(ValueError):
 
 class NonFiniteGradientError(ValueError):
     """A gradient of the step holds inf/nan (fp32/bf16; under fp16 an overflow skips the step
-    instead). The message names the unit and says what the step changed: nothing when the step
-    was refused before any unit was stepped, the units stepped before it when the optimizer
-    overlapped backward (the engine then refuses to go on until a checkpoint load)."""
+    instead). The message names the unit; the step changed nothing (units the optimizer
+    stepped during backward were rolled back): `zero_grad()` and go on."""
 
 
 class ClosedError(ValueError, RuntimeError):

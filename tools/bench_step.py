@@ -2,7 +2,10 @@
 
 Configurations, each in a fresh child process (so its peak RSS is its own), alternating in
 rounds: "nvme" (the engine, params and optimizer on NVMe under --path), "nvme-clip" (the same
-with gradient_clipping --clip: the speculative overlapped step, docs/engine.md), "none" (the engine,
+with gradient_clipping --clip: the speculative overlapped step, docs/engine.md), "nvme-rollback"
+(clipping that always acts: every speculated unit rolled back and stepped again),
+"nvme-clip-after" (gradient_clipping --clip stepped after backward, overlap_optimizer false: the
+step without speculation), "none" (the engine,
 offload none), "torch" (plain PyTorch + torch.optim.AdamW(fused=True): PyTorch's fastest AdamW
 on the CPU, one pass over the state as the engine's kernel) and, on request, "torch-default"
 (AdamW with its default options: on the CPU a loop of several elementwise ops per parameter,
@@ -28,6 +31,8 @@ turn (--steps pairs), for the "none over torch" ratio without the spread between
     python -m tools.bench_step --path /tmp --layers 2 --d-model 64 --vocab 256 --seq 16
     python -m tools.bench_step --path /nvme --bf16 --optimizer-state int8 --no-master
     python -m tools.bench_step --path /nvme --configs nvme,nvme-clip --clip 1.0 --rounds 5
+    python -m tools.bench_step --path /nvme --configs nvme,nvme-clip,nvme-rollback,nvme-clip-after \
+        --clip 1e9                                      # a rollback's cost
 
 --bf16, --optimizer-state and --no-master set the engine configurations' parameter dtype and
 `infinity.optimizer_state` (docs/engine.md "Optimizer state formats"); the torch ones keep
@@ -49,8 +54,11 @@ import time
 
 from infinity.memory import peak_rss_bytes
 
-CONFIGS = ("nvme", "nvme-clip", "none", "torch", "torch-default", "pair")
+CONFIGS = ("nvme", "nvme-clip", "nvme-rollback", "nvme-clip-after", "none", "torch",
+           "torch-default", "pair")
 DEFAULT_CONFIGS = ("nvme", "none", "torch")
+CLIPPED = ("nvme-clip", "nvme-rollback", "nvme-clip-after")
+ALWAYS_ACTS = 1e-9  # the gradient_clipping of "nvme-rollback": below any gradient norm
 GB = 1e9
 
 
@@ -67,16 +75,19 @@ def build(args: argparse.Namespace):
 
 
 def engine_config(args: argparse.Namespace, config: str, directory: str) -> dict:
-    offload = config.removesuffix("-clip")
+    offload = config.split("-")[0]
     device = {"device": offload, **({"nvme_path": directory} if offload == "nvme" else {})}
+    clip = {"nvme-clip": args.clip, "nvme-clip-after": args.clip, "nvme-rollback": ALWAYS_ACTS}
+    overlap = {"overlap_optimizer": False} if config == "nvme-clip-after" else {}
     return {"train_micro_batch_size_per_gpu": args.batch,
-            "gradient_clipping": args.clip if config.endswith("-clip") else 0.0,
+            "gradient_clipping": clip.get(config, 0.0),
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
             "zero_optimization": {"stage": 3, "offload_param": device, "offload_optimizer": device,
                                   "sub_group_size": args.sub_group_size},
             "bf16": {"enabled": args.bf16},
             "infinity": {"optimizer_state": {"moments": args.optimizer_state,
-                                             "master": "none" if args.no_master else "fp32"}}}
+                                             "master": "none" if args.no_master else "fp32"},
+                         **overlap}}
 
 
 def _nvme_bytes(stats: dict) -> int:
@@ -242,12 +253,13 @@ def report(runs: dict[str, list[dict]]) -> dict:
                 floor = max(out[base]["step_s"], io_s)
                 out[f"nvme over floor ({base} compute)"] = {"floor_s": floor, "io_s": io_s,
                                                             "ratio": nvme["step_s"] / floor}
-    if "nvme" in runs and "nvme-clip" in runs:
-        step, step_range = paired_ratio(runs["nvme-clip"], runs["nvme"], "step_s")
-        out["nvme-clip over nvme"] = {
-            "ratio": step, "range": step_range,
-            "rollbacks": [r["optimizer"]["rollbacks"] for r in runs["nvme-clip"]],
-            "units_speculated": [r["optimizer"]["units_speculated"] for r in runs["nvme-clip"]]}
+    for clipped in (c for c in CLIPPED if c in runs and "nvme" in runs):
+        step, step_range = paired_ratio(runs[clipped], runs["nvme"], "step_s")
+        cpu, cpu_range = paired_ratio(runs[clipped], runs["nvme"], "cpu_s")
+        out[f"{clipped} over nvme"] = {
+            "ratio": step, "range": step_range, "cpu_ratio": cpu, "cpu_range": cpu_range,
+            "rollbacks": [r["optimizer"]["rollbacks"] for r in runs[clipped]],
+            "units_speculated": [r["optimizer"]["units_speculated"] for r in runs[clipped]]}
     for base in ("torch", "torch-default"):
         if "none" in out and base in out:
             step, step_range = paired_ratio(runs["none"], runs[base], "step_s")

@@ -51,7 +51,7 @@ from infinity.engine._plan import MemoryPlan
 from infinity.engine._schedule import build_lr_schedule
 from infinity.engine._step_state import StepCounters, StepPhase, check_move
 from infinity.engine._timeline import Timeline
-from infinity.errors import ClosedError, ConfigError, NonFiniteGradientError
+from infinity.errors import ClosedError, ConfigError, NonFiniteGradientError, described
 from infinity.memory import peak_rss_bytes, set_mmap_threshold
 from infinity.optim import DynamicLossScaler, SwappedOptimizer
 from infinity.zero import (
@@ -243,9 +243,7 @@ class Engine:
                 u.grad.check_now = boundary
         if self._stepper is not None and boundary:
             self._begin_optimizer_step()
-            speculate = self.config.gradient_clipping > 0 or self.config.fp16.enabled
-            self._stepper.begin(self.optimizer.lr,
-                                speculate_scale=1.0 / self._loss_scale() if speculate else None)
+            self._stepper.begin(self.optimizer.lr, grad_scale=1.0 / self._loss_scale())
             self._move(StepPhase.STEPPING)
         try:
             with self.timeline.region("backward", "compute"):
@@ -297,10 +295,8 @@ class Engine:
         if self._stepper is None or not self._stepper.tail_open:
             return
         try:
-            self._settling(self._stepper.settle)
-        finally:
-            # Settled; or an error left the step unfinished, as a failed step() does. (BROKEN:
-            # a non-finite gradient.)
+            self._stepper.settle()
+        finally:  # settled; or an error left the step unfinished, as a failed step() does
             if self.phase is StepPhase.TAIL_OPEN:
                 self._move(StepPhase.IDLE)
         self._close_step()
@@ -368,31 +364,21 @@ class Engine:
         return clip_factor(norm, self.config.gradient_clipping) / scale
 
     def _end_overlapped_step(self) -> None:
-        """step() after an overlapped backward: take the norm; if the units were stepped
-        speculatively, validate them (see [Note: speculate, then validate] in
-        infinity/engine/_overlap.py); queue the units not stepped yet, then wait for them all,
-        or on one process let the next forward wait unit by unit (see [Note: the step's tail in
-        the next forward])."""
+        """step() after an overlapped backward: validate the speculated units (see [Note:
+        speculate, then validate] in infinity/engine/_overlap.py); queue the units not stepped
+        yet, then wait for them all, or on one process let the next forward wait unit by unit
+        (see [Note: the step's tail in the next forward])."""
         self._move(StepPhase.VALIDATING)
         stepper = self._stepper
-        if stepper.speculating:
-            decided = self._validate_speculation()
-            if decided is None:  # skipped (fp16 overflow): nothing changed
-                self._move(StepPhase.IDLE)
-                return
-            grad_scale, committed = decided
-        else:
-            squares = stepper.squares(lambda i: grad_square(self.ranked.trained[i]))
-            self.last_grad_norm = global_norm(self.ranked, squares)
-            self.counters.global_steps += 1
-            grad_scale, committed = 1.0, []
+        decided = self._validate_speculation()
+        if decided is None:  # skipped (fp16 overflow): nothing changed
+            self._move(StepPhase.IDLE)
+            return
+        grad_scale, committed = decided
         self._move(StepPhase.TAIL_OPEN)
         stepper.queue_rest(grad_scale, committed)
-        # Several ranks wait (stages 1-2 gather the values after the step); so does a bad
-        # gradient (a non-finite gradient fails the step here, not at the next call).
         trained = self.ranked.trained
-        if self.ranks.world > 1 or any(u.grad is not None and u.grad.finite is False
-                                       for u in trained):
+        if self.ranks.world > 1:  # stages 1-2 gather the values after the step
             self.synchronize()
         else:
             def forward_order(i: int) -> tuple[bool, int]:
@@ -436,9 +422,11 @@ class Engine:
         except BaseException:
             try:
                 self._roll_back(speculated + failed)
-            except BaseException:
+            except BaseException as error:
                 self._move(StepPhase.BROKEN)
-                raise
+                raise RuntimeError(
+                    f"the step could not be undone ({described(error)}): the engine is broken, "
+                    "load a checkpoint (engine.load_checkpoint) to go on") from error
             self._move(StepPhase.IDLE)
             raise
 
@@ -469,23 +457,15 @@ class Engine:
         i = self.ranked.index.get(unit)
         if self._stepper is None or i is None:
             return True
-        return self._settling(lambda: self._stepper.ready(i, wait))
-
-    def _settling(self, settle: Callable[[], Any]) -> Any:
-        """settle(); a non-finite gradient found where a unit of the tail is stepped again
-        breaks the step (the units stepped before it keep their update)."""
-        try:
-            return settle()
-        except NonFiniteGradientError:
-            if self.phase is not StepPhase.BROKEN:
-                self._move(StepPhase.BROKEN)
-            raise
+        return self._stepper.ready(i, wait)
 
     def _step_at(self, i: int, lr: float, grad_scale: float, speculative: bool) -> bool:
-        """Step trained unit i for the overlapped step (its learning rate and gradient scale);
-        False: a speculative step found no room to keep the old state (nothing changed)."""
+        """Step trained unit i for the overlapped step (its learning rate and gradient scale):
+        speculatively during backward, else once the step was validated (its gradient known
+        finite). False: a speculative step found no room to keep the old state (nothing
+        changed)."""
         return self._step_unit(i, self.ranked.trained[i], grad_scale, lr=lr,
-                               speculative=speculative)
+                               speculative=speculative, finite=not speculative)
 
     def _prefetch_state(self, i: int) -> None:
         j = self.ranked.optimizer_index.get(i)
@@ -496,8 +476,8 @@ class Engine:
                    lr: float | None = None, speculative: bool = False) -> bool:
         """Step unit i; `finite`: its gradient is known to be free of inf/nan (a finite norm);
         `lr`: the step's learning rate (default: the optimizer's); `speculative`: to be
-        committed or rolled back, its gradient kept for a redo. Returns what
-        SwappedOptimizer.step_unit returns."""
+        committed or rolled back, its gradient kept for a redo when clipping may ask for one.
+        Returns what SwappedOptimizer.step_unit returns."""
         j = self.ranked.optimizer_index.get(i)
         if j is None:  # this rank steps no element of the unit
             return True
@@ -507,19 +487,18 @@ class Engine:
                     j, torch.zeros(unit.numel, dtype=unit.compute_dtype), grad_scale=grad_scale,
                     lr=lr, speculative=speculative)
             with unit.grad.read_pieces() as pieces:
-                # Overlapped: found in backward, or here (not kept: it surfaces where the tail
-                # settles, the next forward at the latest, whenever the worker found it).
+                # Speculated: not stepped (the validation refuses the step, rolling back the
+                # units speculated before it).
                 if not finite and (unit.grad.finite is False or
                                    unit.grad.finite is None and not pieces_are_finite(pieces)):
                     raise NonFiniteGradientError(
-                        f"the gradient of {unit.key} has non-finite values (inf/nan): no parameter "
-                        f"of it was updated; units stepped during backward before it keep their "
-                        f"update (infinity.overlap_optimizer false makes the step all or nothing)")
+                        f"the gradient of {unit.key} has non-finite values (inf/nan): the unit "
+                        f"was not stepped")
                 stepped = self.optimizer.step_unit(
                     j, self.ranked.grad_part(i, pieces), grad_scale=grad_scale, check_finite=False,
                     lr=lr, speculative=speculative)
-            if not speculative:  # used up: a gradient held in RAM is freed while the others step
-                unit.grad.zero()
+            if stepped and not (speculative and self.config.gradient_clipping > 0):
+                unit.grad.zero()  # used up (no redo): a gradient in RAM is freed while others step
             return stepped
 
     def _close_step(self) -> None:
@@ -545,10 +524,10 @@ class Engine:
 
     def _refuse_if_broken(self) -> None:
         if self.phase is StepPhase.BROKEN:
-            raise RuntimeError("the last step failed after some units were updated during "
-                               "backward (a non-finite gradient, or a rollback that failed): load "
-                               "a checkpoint (engine.load_checkpoint) to go on from a consistent "
-                               "state")
+            raise RuntimeError("the engine is broken: the last step could not undo the units it "
+                               "had stepped during backward (a rollback failed), so the state is "
+                               "half a step; load a checkpoint (engine.load_checkpoint) to go on "
+                               "from a consistent state")
 
     def _zero_grads(self) -> None:
         self.ranked.new_step()

@@ -6,12 +6,13 @@ layers. The unit was released first, so nothing computes from its values while t
 Each unit gets the same kernel call with the same gradient and grad_scale as after backward, so
 the result is the same. The store is told the unit's values are needed again soon (the worker reads
 them; the trace alone says "at the next forward", so they went first and were read from NVMe
-again), and once stepped, that they are needed last. A unit's gradient is let go as soon as it
-is stepped, so the gradients held at once are those of the units backward is ahead of the
-worker by, not the whole model's. Resident units (held until the step) are stepped after
-backward. With clipping or fp16 the step needs every gradient first (the norm, the overflow
-check): the units are stepped speculatively ([Note: speculate, then validate]). Each unit's
-gradient sum of squares is taken as the gradient becomes final,
+again), and once stepped, that they are needed last. Without clipping a unit's gradient is
+let go as soon as it is stepped, so the gradients held at once are those of the units backward
+is ahead of the worker by, not the whole model's. Resident units (held until the step) are
+stepped after backward. Whether the step stands is known only when backward ends (the norm for
+clipping, the fp16 overflow check, a NaN in any gradient): the units are stepped speculatively
+([Note: speculate, then validate]). Each unit's gradient sum of squares is taken as the
+gradient becomes final,
 before the worker frees it; step() sums them in unit order (over every rank's shard), so
 `last_grad_norm` is the norm the step after backward reports, to the bit. It pays where the
 step waits on something other than the cores backward computes on (NVMe, an accelerator); with
@@ -35,17 +36,17 @@ it got before, with the step's learning rate (taken when backward started; the s
 on at `step()` as before), so the result is the same. What needs the whole step done waits for
 it: the next backward (gradients accumulate again only after every unit was stepped), and
 named_parameters, checkpoints, close and `synchronize()`. A unit whose step failed on the worker
-is stepped again on the waiting thread (retry-safe) and its error raised there if it fails again;
-a non-finite gradient (NonFiniteGradientError) breaks the step (phase BROKEN: units before it
-were updated), any other error leaves it to be tried again. With several ranks `step()` waits
-as before (stages 1-2 gather the values after the step).
+is stepped again on the waiting thread (retry-safe) and its error raised there if it fails again,
+which leaves the step to be tried again (the step was validated: its gradients are finite).
+With several ranks `step()` waits as before (stages 1-2 gather the values after the step).
 
-[Note: speculate, then validate] With gradient clipping or fp16 the clip factor and the
-overflow check need the global norm, known only when backward ends. The worker steps each unit
-anyway, as if the step will stand unclipped and finite (gradient scale 1 / loss scale, the
-step's learning rate), speculatively: the optimizer keeps what the step overwrote ([Note:
-speculative steps] in infinity/optim/_kept.py: the new tiles go to fresh entries, the old values
-are put aside) and the unit keeps its gradient. At step() (VALIDATING) the units queued but not
+[Note: speculate, then validate] The clip factor, the fp16 overflow check and the finiteness
+of every gradient are known only when backward ends. The worker steps each unit anyway, as if
+the step will stand unclipped and finite (gradient scale 1 / loss scale, the step's learning
+rate), speculatively: the optimizer keeps what the step overwrote ([Note: speculative steps] in
+infinity/optim/_kept.py: the new tiles go to fresh entries, the old values are put aside) and,
+with clipping (a redo may need it), the unit keeps its gradient. So a NaN found part-way
+changes nothing, with clipping or without. At step() (VALIDATING) the units queued but not
 started are taken out of the queue (stepped once the step is decided, never speculated), the
 running one is waited for, and the norm (summed from the squares, over every rank's shard),
 the non-finite check and the fp16 overflow decide, on every rank alike (`Engine._validate`,
@@ -124,13 +125,12 @@ class OverlappedStep:
 
     # -- during backward ----------------------------------------------------------------------
 
-    def begin(self, lr: float, *, speculate_scale: float | None = None) -> None:
-        """A boundary backward starts: its units are stepped at `lr` (the schedule moves on at
-        step(), before the tail is done); with `speculate_scale`, speculatively with that
-        gradient scale until the step is validated."""
-        self.lr = lr
-        self.speculating = speculate_scale is not None
-        self.grad_scale = 1.0 if speculate_scale is None else speculate_scale
+    def begin(self, lr: float, *, grad_scale: float) -> None:
+        """A boundary backward starts: its units are stepped speculatively at `lr` (the schedule
+        moves on at step(), before the tail is done) and `grad_scale` (the scale of a step that
+        stands unclipped: 1 / loss scale) until the step is validated."""
+        self.lr, self.grad_scale = lr, grad_scale
+        self.speculating = True
         self._unspeculated = set()
         self._squares = [None] * len(self._units)
 
@@ -153,8 +153,6 @@ class OverlappedStep:
         started leave the queue (stepped once the step is decided), the running one is waited
         for. Returns (the units stepped speculatively, the units whose speculative step failed:
         both to be committed or rolled back), and stops speculating."""
-        if not self.speculating:
-            return [], []
         self._stepper.withdraw()
         futures = self._stepper.take()
         concurrent.futures.wait(futures.values())

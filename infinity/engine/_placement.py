@@ -117,8 +117,7 @@ def _plan(units: list[FetchUnit], config: Config, device: torch.device) -> Memor
         prefetch_numel=zero.stage3_prefetch_bucket_size if config.infinity.trace_prefetch else 0,
         tile_numel=zero.sub_group_size, host_memory_budget=config.infinity.host_memory_budget,
         world=config.world_size, stage=zero.stage, state_format=state_format(config),
-        speculates=(config.gradient_clipping > 0 or config.fp16.enabled)
-        and optimizer_overlaps(config, device))
+        speculates=optimizer_overlaps(config, device))
 
 
 def open_store(layout: Layout, config: Config, *, rank: int = 0) -> TensorStore:

@@ -12,7 +12,7 @@ optimizer tiles. NVMe holds parameters and/or optimizer state per the offload de
 slack for alignment. When `host_memory_budget` cannot hold the gradient buffers beside the
 smallest host tier, they go to the store too (at home on NVMe, two of the largest passing
 through the host tier): each micro-batch then reads and writes them. A speculated step
-(`speculates`: overlapped with clipping or fp16, docs/engine.md "The speculative step") keeps
+(`speculates`: the optimizer overlapped, docs/engine.md "The speculative step") keeps
 the old state beside the new until the step is validated: room for a second copy of the state
 and of the trained values on the state's tier (NVMe: the swap file grows by it; the host: a
 budget may cap it, and units without room are then stepped after validation).

@@ -18,8 +18,8 @@ class StepPhase(enum.Enum):
     STEPPING = "stepping in backward"  # the boundary backward hands units to the optimizer worker
     VALIDATING = "validating"  # backward is over: the global norm and finiteness decide the step
     TAIL_OPEN = "tail open"  # step() returned with units still being stepped (one process)
-    BROKEN = "broken"  # part of a step applied, the rest cannot be (or a rollback failed): a
-    # checkpoint load goes on
+    BROKEN = "broken"  # a rollback failed, part of a step stays applied: a checkpoint load
+    # goes on
     CLOSED = "closed"
 
 
@@ -28,7 +28,7 @@ _MOVES: dict[StepPhase, frozenset[StepPhase]] = {
     StepPhase.STEPPING: frozenset({StepPhase.VALIDATING, StepPhase.CLOSED}),
     StepPhase.VALIDATING: frozenset({StepPhase.IDLE, StepPhase.TAIL_OPEN, StepPhase.BROKEN,
                                      StepPhase.CLOSED}),
-    StepPhase.TAIL_OPEN: frozenset({StepPhase.IDLE, StepPhase.BROKEN, StepPhase.CLOSED}),
+    StepPhase.TAIL_OPEN: frozenset({StepPhase.IDLE, StepPhase.CLOSED}),
     StepPhase.BROKEN: frozenset({StepPhase.IDLE, StepPhase.CLOSED}),
     StepPhase.CLOSED: frozenset(),
 }

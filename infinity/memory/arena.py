@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from aio import FreeList
-from infinity.errors import BudgetError
+from infinity.errors import BudgetError, ClosedError
 from infinity.memory._backing import Backing, is_power_of_two, resolve_device, round_up
 from infinity.memory._move import move_down
 from infinity.memory.thread_pool import ThreadPool
@@ -281,7 +281,7 @@ class Arena:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError(f"{self!r} is closed")
+            raise ClosedError(f"{self!r} is closed")
 
     def _check_owned(self, block: Block) -> None:
         if not isinstance(block, Block):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import weakref
 
+from infinity.errors import ClosedError
 from infinity.memory._move import ffi, lib
 from infinity.memory.usage import usable_cores
 
@@ -44,15 +45,15 @@ class ThreadPool:
     @property
     def address(self) -> int:
         """The native pool's address, for another native module (see [Note: one pool, two
-        modules] in csrc/common/inf_pool.h). Raises ValueError once closed."""
+        modules] in csrc/common/inf_pool.h). Raises ClosedError once closed."""
         if not self._finalizer.alive:
-            raise ValueError("ThreadPool is closed")
+            raise ClosedError("ThreadPool is closed")
         return int(ffi.cast("uintptr_t", self._pool))
 
     @property
     def native(self):  # cdata 'struct inf_pool *' of this module's ffi
         if not self._finalizer.alive:
-            raise ValueError("ThreadPool is closed")
+            raise ClosedError("ThreadPool is closed")
         return self._pool
 
     def close(self) -> None:

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
+from infinity.errors import ClosedError
 from infinity.store._entry import PendingMove
 from infinity.store._room import MustWaitForRoom, RoomWaits
 
@@ -56,7 +57,7 @@ class Runner:
 
     def run(self, step: Callable[[], T], timeout: float | None = None) -> T:
         """Run `step` under the lock until it returns; see [Note: no waiting under the lock].
-        Raises ValueError once the store is closed, AIOTimeoutError after `timeout` seconds."""
+        Raises ClosedError once the store is closed, AIOTimeoutError after `timeout` seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
         self._room.start_call()
         while True:
@@ -78,11 +79,11 @@ class Runner:
 
     @contextlib.contextmanager
     def open(self) -> Iterator[None]:
-        """The lock, for a step that needs no wait; ValueError if the store is closed."""
+        """The lock, for a step that needs no wait; ClosedError if the store is closed."""
         with self.lock:
             self.check_open()
             yield
 
     def check_open(self) -> None:
         if self.closed:
-            raise ValueError("the TensorStore is closed")
+            raise ClosedError("the TensorStore is closed")

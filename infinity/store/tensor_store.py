@@ -349,7 +349,7 @@ class TensorStore:
     def close(self) -> None:
         """Wait for the moves in flight, free every tier and remove the swap file. Raises the
         AIOError of the first move that failed (the others are logged) after freeing all.
-        Calls from other threads meanwhile and later raise ValueError (closed)."""
+        Calls from other threads meanwhile and later raise ClosedError (a ValueError)."""
         with self._runner.lock:
             if self._runner.closed:
                 return

@@ -1,8 +1,7 @@
 """Non-finite gradients: the fp16 overflow skips the step; in fp32 a step with an inf/nan
-gradient is refused with nothing changed (all or nothing after backward; stepped during
-backward, the units before it keep their update and training waits for a checkpoint load);
-with accumulation the check runs at the boundary micro-batch and still finds an early NaN;
-`zero_grad` skips a refused batch."""
+gradient is refused with nothing changed (after backward, or overlapped: the units stepped
+during backward are rolled back); with accumulation the check runs at the boundary
+micro-batch and still finds an early NaN; `zero_grad` skips a refused batch."""
 
 import sys
 from pathlib import Path
@@ -81,58 +80,47 @@ def test_the_lr_schedule_does_not_advance_on_a_skipped_fp16_step(tmp_path):
 @pytest.mark.parametrize("clipping", [0.0, 1.0])
 @pytest.mark.parametrize("offload", ["none", "nvme"])
 def test_a_non_finite_gradient_fails_the_step_and_updates_nothing(tmp_path, offload, clipping):
-    """fp32 (no loss scale to lower), a NaN in one unit's gradient only: stepped after
-    backward, the step raises naming the unit and no parameter (nor the step count) changes,
-    whichever unit holds it (here the last one stepped); stepped during backward with
-    clipping, the same (the units speculated before it are rolled back); without clipping (NVMe)
-    the units stepped before it keep their update and the error says so."""
+    """fp32 (no loss scale to lower), a NaN in one unit's gradient only: the step raises naming
+    the unit and no parameter (nor the step count) changes, whichever unit holds it: here the
+    last one stepped, after backward, or the last one final in backward when the optimizer
+    overlaps it (the units stepped speculatively before it are rolled back)."""
     model = mlp()
     engine = infinity.initialize(model, config(tmp_path, offload, offload,
                                                gradient_clipping=clipping))
     # "auto" overlaps where anything is on NVMe, or on an accelerator
     assert engine.overlap == (offload == "nvme" or engine.device.type != "cpu")
-    overlapped = engine.overlap and clipping == 0.0  # not speculated: half a step is applied
-    bad = model[0] if overlapped else model[4]  # final last in backward / stepped last after it
+    bad = model[0] if engine.overlap else model[4]
     (x,), _ = mlp_batches(1)[0]
     before = {n: v.clone() for n, v in engine.named_parameters()}
-    unit = "param/0" if overlapped else "param/4"
-    match = (rf"gradient of {unit} has non-finite values.*keep their update" if overlapped else
-             rf"non-finite gradient values \(inf/nan\) in {unit}: the step was not taken, "
-             r"no parameter changed")
-    _nan_step(engine, bad.weight, x, match)
-    after = dict(engine.named_parameters())
-    changed = {n for n in before if not torch.equal(before[n], after[n])}
-    assert changed == ({"2.weight", "2.bias", "4.weight", "4.bias"} if overlapped else set())
-    if not overlapped:
-        assert engine.global_steps == 0
-        engine.close()
-        return
-    # Half a step is no state to train on: refused until a checkpoint brings a consistent one.
-    with pytest.raises(RuntimeError, match="after some units were updated.*load a checkpoint"):
-        engine.backward(engine(x).square().mean())
-    with pytest.raises(RuntimeError, match="load a checkpoint"):
-        engine.step()
+    unit = "param/0" if engine.overlap else "param/4"
+    _nan_step(engine, bad.weight, x, rf"non-finite gradient values \(inf/nan\) in {unit}: the "
+              r"step was not taken, no parameter changed")
+    assert all(torch.equal(before[n], v) for n, v in engine.named_parameters())
+    assert engine.global_steps == 0 and engine.phase is StepPhase.IDLE
     engine.close()
 
 
-def test_a_nan_found_by_the_worker_in_a_stored_gradient_stops_training(tmp_path):
-    """Gradients on NVMe are checked where the worker steps them, after step() returned (the
-    tail): the next forward raises, and training is refused until a checkpoint load."""
+def test_a_nan_in_a_gradient_kept_on_nvme_is_refused_and_training_goes_on(tmp_path):
+    """Gradients on NVMe (a host budget too small for them) are checked as they become final,
+    where the worker steps them speculatively: step() refuses the step, nothing changed, and
+    after zero_grad() training goes on."""
     model = llama()
     engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme",
                                                infinity={"host_memory_budget": 240_000}))
     assert engine.overlap and engine.plan.grads_tier is not None
-    model.get_input_embeddings().weight.register_hook(lambda g: g * float("nan"))  # final last
+    before = {n: v.clone() for n, v in engine.named_parameters()}
+    handle = model.get_input_embeddings().weight.register_hook(lambda g: g * float("nan"))
     (args, kwargs), = llama_batches(1)
     engine.backward(loss_of(engine(*args, **kwargs)))
-    engine.step()
-    with pytest.raises(ValueError, match="non-finite"):
-        engine(*args, **kwargs)
-    with pytest.raises(RuntimeError, match="load a checkpoint"):
+    handle.remove()
+    with pytest.raises(infinity.NonFiniteGradientError, match="embed_tokens: the step was not"):
         engine.step()
-    with pytest.raises(ValueError, match="non-finite"):
-        engine.close()  # closes, and says again that the step could not finish
-    assert engine.phase is StepPhase.CLOSED
+    assert engine.phase is StepPhase.IDLE and engine.global_steps == 0
+    assert all(torch.equal(before[n], v) for n, v in engine.named_parameters())
+    engine.zero_grad()
+    train_engine(engine, llama_batches(1))
+    assert engine.global_steps == 1
+    engine.close()
 
 
 class _Branchy(torch.nn.Module):
@@ -195,30 +183,10 @@ def test_zero_grad_after_a_refused_step_skips_the_batch(tmp_path):
     assert_parity(model, reference, losses, ref_losses[1:])
 
 
-def test_a_checkpoint_load_after_a_half_applied_step_trains_on(tmp_path):
-    """After an overlapped step failed on a NaN, a load drops the held gradients (the NaN too)
-    and training goes on from the saved state as if the failure never happened."""
-    model = mlp()
-    engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme"))
-    assert engine.overlap
-    data = mlp_batches(3)
-    train_engine(engine, data[:1])
-    engine.save_checkpoint(tmp_path / "ckpt", tag="good")
-    engine.wait_for_checkpoint()
-    (x,), _ = data[1]
-    _nan_step(engine, model[0].weight, x, "non-finite")
-    engine.load_checkpoint(tmp_path / "ckpt", tag="good")
-    losses = train_engine(engine, data[1:])
-    engine.close()
-    reference = mlp()
-    ref_losses = train_reference(reference, data)
-    assert_parity(model, reference, losses, ref_losses[1:])
-
-
 @pytest.mark.parametrize("offload", ["none", "nvme"])
 def test_a_non_finite_gradient_is_a_non_finite_gradient_error(tmp_path, offload):
-    """Refused after backward (nothing changed) or found while overlapped (the step is broken):
-    both raise NonFiniteGradientError, a ValueError as before."""
+    """Refused after backward or overlapped (nothing changed either way): a
+    NonFiniteGradientError, a ValueError as before."""
     model = mlp()
     engine = infinity.initialize(model, config(tmp_path, offload, offload))
     assert engine.overlap is (offload == "nvme")
@@ -230,14 +198,14 @@ def test_a_non_finite_gradient_is_a_non_finite_gradient_error(tmp_path, offload)
     handle.remove()
     assert isinstance(error.value, ValueError)
     assert infinity.errors.NonFiniteGradientError is infinity.NonFiniteGradientError
-    assert engine.phase is (StepPhase.BROKEN if engine.overlap else StepPhase.IDLE)
+    assert engine.phase is StepPhase.IDLE
     engine.close()
 
 
-def test_only_a_non_finite_gradient_breaks_an_overlapped_step(tmp_path):
-    """A unit of the tail whose step fails again for another reason (here a learning rate the
-    kernel refuses) raises its own error, not the refusal meant for a half-applied step: the
-    step stays unfinished, to be tried again, and no checkpoint load is asked for."""
+def test_a_tail_unit_that_fails_again_leaves_the_step_to_be_tried_again(tmp_path):
+    """A unit of the tail whose step fails again (here a learning rate the kernel refuses)
+    raises its own error: the step stays unfinished, to be tried again, and no checkpoint load
+    is asked for."""
     engine = infinity.initialize(mlp(), config(tmp_path, "nvme", "nvme"))
     engine.optimizer.lr = -1.0  # taken by the next boundary backward as its step's lr
     (x,), _ = mlp_batches(1)[0]
@@ -251,30 +219,3 @@ def test_only_a_non_finite_gradient_breaks_an_overlapped_step(tmp_path):
         engine.step()  # settles the tail: the same error, the step left unfinished
     assert engine.phase is StepPhase.IDLE
     engine.close()
-
-
-def test_a_checkpoint_load_after_a_nan_found_by_the_worker_trains_on(tmp_path):
-    """The worker finds the NaN of a gradient kept on NVMe after step() returned; the next
-    forward raises. The load waits for the worker, retries nothing, and training goes on from
-    the saved state as if that batch had never been seen."""
-    model, data = llama(), llama_batches(3)
-    cfg = config(tmp_path, "nvme", "nvme", infinity={"host_memory_budget": 240_000})
-    engine = infinity.initialize(model, cfg)
-    assert engine.overlap and engine.plan.grads_tier is not None
-    losses = train_engine(engine, data[:1])
-    engine.save_checkpoint(tmp_path / "ckpt", tag="good")
-    handle = model.get_input_embeddings().weight.register_hook(lambda g: g * float("nan"))
-    args, kwargs = data[1]
-    engine.backward(loss_of(engine(*args, **kwargs)))
-    engine.step()
-    handle.remove()
-    with pytest.raises(infinity.NonFiniteGradientError):
-        engine(*args, **kwargs)
-    assert engine.phase is StepPhase.BROKEN
-    engine.load_checkpoint(tmp_path / "ckpt", tag="good")
-    assert engine.phase is StepPhase.IDLE
-    losses += train_engine(engine, data[2:])
-    engine.close()
-    reference = llama()
-    ref_losses = train_reference(reference, data[:1] + data[2:])
-    assert_parity(model, reference, losses, ref_losses)

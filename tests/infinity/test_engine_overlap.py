@@ -131,7 +131,7 @@ def test_a_unit_backward_let_go_is_kept_in_ram_for_its_step_and_its_gradient_fre
     def spy_step(u, grad, **kw):
         key = engine.optimizer.units[u].values_key
         log.append(("step", key, engine.store.clock))
-        step_unit(u, grad, **kw)
+        return step_unit(u, grad, **kw)
 
     engine.store.set_next_use, engine.optimizer.step_unit = spy_hints, spy_step
     losses = []

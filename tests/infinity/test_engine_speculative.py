@@ -1,9 +1,14 @@
 """The speculative overlapped step (issue 22; [Note: speculate, then validate] in
-infinity/engine/_overlap.py): with gradient clipping or fp16 the units are still stepped during
-backward, then committed or rolled back. Overlapped, the engine equals the stepped-after-backward
-engine bit for bit (clipping that acts and that does not, a NaN, an fp16 overflow, accumulation,
-state on NVMe and in RAM), and plain PyTorch within 1e-5; a refused step changes nothing."""
+infinity/engine/_overlap.py): the units are stepped during backward, then committed or rolled
+back once the norm and finiteness are known, with clipping or fp16 or neither. Overlapped, the
+engine equals the stepped-after-backward engine bit for bit (clipping that acts and that does
+not, a NaN, an fp16 overflow, accumulation, state on NVMe and in RAM), and plain PyTorch within
+1e-5; a refused step changes nothing; a rollback that fails breaks the engine until a
+checkpoint load."""
 
+import concurrent.futures
+import dataclasses
+import errno
 import logging
 import sys
 from pathlib import Path
@@ -11,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import aio
 import infinity
 from infinity.engine import StepPhase
 from infinity.engine._overlap import UnitStepper
@@ -47,14 +53,34 @@ def _engine(tmp_path, offload, overlap, **extra):
     return engine
 
 
+def _state(engine):
+    """What a step changes: the values, the optimizer's state (moments, step), the counters,
+    the learning rate."""
+    values = dict(engine.named_parameters())
+    moments = [(u, {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()})
+               for u, state in engine.optimizer.iter_state()]
+    return values, moments, dataclasses.replace(engine.counters), engine.get_lr()
+
+
+def _assert_same_state(a, b):
+    (values_a, moments_a, *rest_a), (values_b, moments_b, *rest_b) = a, b
+    assert rest_a == rest_b
+    assert all(torch.equal(values_a[n], values_b[n]) for n in values_a)
+    for (u, state_a), (_, state_b) in zip(moments_a, moments_b, strict=True):
+        for k in state_a:
+            same = torch.equal if torch.is_tensor(state_a[k]) else (lambda x, y: x == y)
+            assert same(state_a[k], state_b[k]), (u, k)
+
+
 def _train(engine, batches, *, nan_at=(), half=False):
     """Train on `batches`; the boundary micro-batches at `nan_at` get a NaN in the middle
-    Linear's weight gradient, their step is refused (checked: nothing changed) and dropped
-    with zero_grad(). Returns (losses, parameters)."""
+    Linear's weight gradient, their step is refused (checked: nothing changed, values, moments,
+    counters, learning rate) and dropped with zero_grad(). Returns (losses, parameters)."""
     losses = []
     for k, ((x,), _) in enumerate(batches):
-        handle = None
+        handle = before = None
         if k in nan_at:
+            before = _state(engine)
             handle = engine.module[2].weight.register_hook(lambda g: g * float("nan"))
         loss = loss_of(engine(x.half() if half else x).float())
         engine.backward(loss)
@@ -64,12 +90,11 @@ def _train(engine, batches, *, nan_at=(), half=False):
             continue
         assert engine.is_gradient_accumulation_boundary()
         handle.remove()
-        counters = engine.counters
         with pytest.raises(infinity.NonFiniteGradientError, match="non-finite gradient values"):
             engine.step()
-        assert engine.phase is StepPhase.IDLE and engine.counters == counters
-        engine.zero_grad()
         assert engine.phase is StepPhase.IDLE
+        engine.zero_grad()
+        _assert_same_state(_state(engine), before)
     return losses, dict(engine.named_parameters())
 
 
@@ -120,15 +145,17 @@ def test_a_worker_behind_backward_speculates_what_it_started(tmp_path):
     assert stats["units_rolled_back"] == stats["units_speculated"] <= 4 * 3
 
 
-@pytest.mark.parametrize("offload", OFFLOADS)
-@pytest.mark.parametrize("gas", [1, 2])
+@pytest.mark.parametrize(("offload", "gas", "clip"), [
+    *[(offload, gas, 0.0) for offload in OFFLOADS for gas in (1, 2)],  # the plain overlap
+    (OFFLOADS[0], 2, 1e3), (OFFLOADS[1], 1, 1e3)],  # clipping that does not act
+    ids=lambda v: v[0] if isinstance(v, tuple) else str(v))
 def test_a_nan_in_one_unit_rolls_the_step_back_and_training_goes_on(tmp_path, patient_worker,
-                                                                     offload, gas):
+                                                                     offload, gas, clip):
     batches = mlp_batches(4 * gas)
     nan_at = {2 * gas - 1}  # the second step's boundary micro-batch
     runs = {}
     for overlap in (False, True):
-        with _engine(tmp_path, offload, overlap, gradient_clipping=1e3,
+        with _engine(tmp_path, offload, overlap, gradient_clipping=clip,
                      gradient_accumulation_steps=gas) as engine:
             runs[overlap] = _train(engine, batches, nan_at=nan_at)
             stats, counters = engine.stats()["optimizer"], engine.counters
@@ -208,3 +235,41 @@ def test_a_checkpoint_is_refused_while_units_are_speculated(tmp_path):
     with _engine(tmp_path, ("nvme", "nvme"), False, gradient_clipping=0.05) as resumed:
         resumed.load_checkpoint(tmp_path / "ckpt")
         assert all(torch.equal(v, saved[n]) for n, v in resumed.named_parameters())
+
+
+def test_a_rollback_that_fails_breaks_the_engine_until_a_checkpoint_load(tmp_path,
+                                                                         patient_worker):
+    """An I/O error reading the kept state back (injected on the store's aio handle, on the
+    rollback and its retry) while a NaN step is undone: the engine is BROKEN, the error names
+    the cause in one line, backward and step refuse to go on, and a checkpoint load recovers:
+    training goes on bit for bit as if the NaN batch had never been seen."""
+    batches = mlp_batches(4)
+    with _engine(tmp_path, ("nvme", "nvme"), False) as engine:
+        expected = _train(engine, batches[:1] + batches[2:])
+    with _engine(tmp_path, ("nvme", "nvme"), True) as engine:
+        losses = _train(engine, batches[:1])[0]
+        engine.save_checkpoint(tmp_path / "ckpt", tag="good")
+        (x,), _ = batches[1]
+        handle = engine.module[2].weight.register_hook(lambda g: g * float("nan"))
+        engine.backward(loss_of(engine(x)))
+        handle.remove()
+        futures = [engine._stepper.future(i) for i in range(len(engine.ranked.trained))]
+        concurrent.futures.wait([f for f in futures if f is not None])  # no read but the undo's
+        for nth in (0, 1):
+            engine.store._tiers.handle.inject(aio.Fault(op="read", nth=nth, errno=errno.EIO))
+        with pytest.raises(RuntimeError) as error:
+            engine.step()
+        message = str(error.value)
+        assert "\n" not in message and isinstance(error.value.__cause__, aio.AIOError)
+        assert message.startswith("the step could not be undone (AIOError: ") and "EIO" in message
+        assert message.endswith("the engine is broken, load a checkpoint "
+                                "(engine.load_checkpoint) to go on")
+        assert engine.phase is StepPhase.BROKEN
+        for call in (lambda: engine.backward(torch.ones((), requires_grad=True) * 2),
+                     engine.step):
+            with pytest.raises(RuntimeError, match="^the engine is broken: .* load a checkpoint"):
+                call()
+        engine.load_checkpoint(tmp_path / "ckpt", tag="good")
+        assert engine.phase is StepPhase.IDLE
+        more, values = _train(engine, batches[2:])
+    _identical((losses + more, values), expected)

@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from infinity.errors import BudgetError
+from infinity.errors import BudgetError, ClosedError
 from infinity.memory import Arena, ArenaStats
 
 
@@ -151,7 +151,7 @@ def test_closed_arena_refuses_allocations():
     arena = Arena(4096, pinned=False)
     arena.close()
     arena.close()
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(ClosedError, match="closed"):  # a RuntimeError, as before
         arena.alloc(1, torch.uint8)
 
 

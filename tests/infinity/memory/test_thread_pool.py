@@ -5,6 +5,7 @@ import threading
 import pytest
 import torch
 
+from infinity.errors import ClosedError
 from infinity.memory import ThreadPool
 from infinity.memory._move import move_down
 from infinity.optim import adam_step
@@ -86,7 +87,7 @@ def test_a_closed_pool_is_refused_and_closing_twice_is_harmless():
     pool.close()
     pool.close()
     assert "closed" in repr(pool)
-    with pytest.raises(ValueError, match="ThreadPool is closed"):
+    with pytest.raises(ClosedError, match="ThreadPool is closed"):  # a ValueError, as before
         _steps(_state(2), 1, pool=pool)
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import aio
-from infinity.errors import BudgetError
+from infinity.errors import BudgetError, ClosedError
 from infinity.store import TensorStore
 
 MiB = 1 << 20
@@ -95,7 +95,7 @@ def test_close_raises_the_first_failed_write_back_after_freeing_everything(tmp_p
     assert "at close" in caplog.text  # the second failure is logged
     assert list(tmp_path.iterdir()) == []  # the swap file is gone all the same
     assert store.stats()["tiers"]["host"].copies == 0
-    with pytest.raises(ValueError, match="closed"):
+    with pytest.raises(ClosedError, match="closed"):  # a ValueError, as before
         store.fetch("a", "host")
     store.close()  # closing again is a no-op
     handle.close()
