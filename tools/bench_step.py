@@ -36,7 +36,13 @@ turn (--steps pairs), for the "none over torch" ratio without the spread between
 
 --bf16, --optimizer-state and --no-master set the engine configurations' parameter dtype and
 `infinity.optimizer_state` (docs/engine.md "Optimizer state formats"); the torch ones keep
-fp32 AdamW.
+fp32 AdamW. "nvme-fp32" is "nvme" with the default state (fp32 moments and master) whatever
+they say: the compressed state's baseline in the same run. Each of "nvme" and "nvme-fp32" is
+also reported against its own I/O floor (its bytes / the raw stream of its child), and with
+both, the speedup (paired per round) beside the ratio of their bytes per step:
+
+    python -m tools.bench_step --path /nvme --bf16 --optimizer-state int8 --no-master \
+        --configs nvme,nvme-fp32 --rounds 3
 """
 
 from __future__ import annotations
@@ -54,8 +60,9 @@ import time
 
 from infinity.memory import peak_rss_bytes
 
-CONFIGS = ("nvme", "nvme-clip", "nvme-rollback", "nvme-clip-after", "none", "torch",
-           "torch-default", "pair")
+CONFIGS = ("nvme", "nvme-clip", "nvme-rollback", "nvme-clip-after", "nvme-fp32", "none",
+           "torch", "torch-default", "pair")
+FLOORED = ("nvme", "nvme-fp32")  # configs measured against their own I/O floor
 DEFAULT_CONFIGS = ("nvme", "none", "torch")
 CLIPPED = ("nvme-clip", "nvme-rollback", "nvme-clip-after")
 ALWAYS_ACTS = 1e-9  # the gradient_clipping of "nvme-rollback": below any gradient norm
@@ -79,15 +86,16 @@ def engine_config(args: argparse.Namespace, config: str, directory: str) -> dict
     device = {"device": offload, **({"nvme_path": directory} if offload == "nvme" else {})}
     clip = {"nvme-clip": args.clip, "nvme-clip-after": args.clip, "nvme-rollback": ALWAYS_ACTS}
     overlap = {"overlap_optimizer": False} if config == "nvme-clip-after" else {}
+    state = {"moments": args.optimizer_state, "master": "none" if args.no_master else "fp32"}
+    if config == "nvme-fp32":  # the uncompressed baseline of the same parameters
+        state = {"moments": "fp32", "master": "fp32"}
     return {"train_micro_batch_size_per_gpu": args.batch,
             "gradient_clipping": clip.get(config, 0.0),
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
             "zero_optimization": {"stage": 3, "offload_param": device, "offload_optimizer": device,
                                   "sub_group_size": args.sub_group_size},
             "bf16": {"enabled": args.bf16},
-            "infinity": {"optimizer_state": {"moments": args.optimizer_state,
-                                             "master": "none" if args.no_master else "fp32"},
-                         **overlap}}
+            "infinity": {"optimizer_state": state, **overlap}}
 
 
 def _nvme_bytes(stats: dict) -> int:
@@ -177,7 +185,7 @@ def run_child(args: argparse.Namespace, config: str, directory: str) -> dict:
         options = {**engine.config.aio.handle_options(),
                    "backend": engine.config.infinity.aio_backend}
         engine.close(restore_params=False)
-        if config == "nvme":
+        if config in FLOORED:
             def per_timed_step(key: str) -> float:
                 return (counts[-1][key] - counts[args.warmup][key]) / (args.steps - args.warmup)
             result["bytes_per_step"] = per_timed_step("bytes")
@@ -239,20 +247,26 @@ def report(runs: dict[str, list[dict]]) -> dict:
             "ratio": med("pair", "ratio"), "cpu_ratio": med("pair", "cpu_ratio"),
             "none_step_s": med("pair", "none_step_s"), "torch_step_s": med("pair", "torch_step_s"),
             "pair_ratio_range": ",".join(r["ratio_range"] for r in runs["pair"])}
-    if "nvme" in runs:
-        nvme = out["nvme"]
-        nvme.update(bytes_per_step_gb=med("nvme", "bytes_per_step") / GB,
-                    raw_gbps=med("nvme", "raw_gbps"),
+    for config in (c for c in FLOORED if c in runs):
+        nvme = out[config]
+        nvme.update(bytes_per_step_gb=med(config, "bytes_per_step") / GB,
+                    raw_gbps=med(config, "raw_gbps"),
                     on_demand_nvme_after_step_1=max(r["on_demand_nvme_after_step_1"]
-                                                    for r in runs["nvme"]),
-                    compactions_per_step=med("nvme", "compactions_per_step"),
-                    compaction_s_per_step=med("nvme", "compaction_s_per_step"))
+                                                    for r in runs[config]),
+                    compactions_per_step=med(config, "compactions_per_step"),
+                    compaction_s_per_step=med(config, "compaction_s_per_step"))
         io_s = nvme["bytes_per_step_gb"] / nvme["raw_gbps"]
+        out[f"{config} over its I/O floor"] = {"io_s": io_s, "ratio": nvme["step_s"] / io_s}
         for base in ("none", "torch"):
             if base in out:
                 floor = max(out[base]["step_s"], io_s)
-                out[f"nvme over floor ({base} compute)"] = {"floor_s": floor, "io_s": io_s,
-                                                            "ratio": nvme["step_s"] / floor}
+                out[f"{config} over floor ({base} compute)"] = {"floor_s": floor, "io_s": io_s,
+                                                               "ratio": nvme["step_s"] / floor}
+    if "nvme" in runs and "nvme-fp32" in runs:
+        speedup, speedup_range = paired_ratio(runs["nvme-fp32"], runs["nvme"], "step_s")
+        out["nvme-fp32 over nvme"] = {
+            "speedup": speedup, "range": speedup_range,
+            "byte_ratio": out["nvme-fp32"]["bytes_per_step_gb"] / out["nvme"]["bytes_per_step_gb"]}
     for clipped in (c for c in CLIPPED if c in runs and "nvme" in runs):
         step, step_range = paired_ratio(runs[clipped], runs["nvme"], "step_s")
         cpu, cpu_range = paired_ratio(runs[clipped], runs["nvme"], "cpu_s")

@@ -75,8 +75,8 @@ class RankedUnits:
         """The unit's gradient buffer (None: the coordinator makes a RAM one when needed)."""
         scatter = self.ranks if self.partition.grads else None
         numel = self.ranks.shard(unit.numel).numel if scatter is not None else unit.numel
-        if grads_tier is not None:
-            return StoredGrad(f"grad/{unit.key}", numel, unit.compute_dtype, store, grads_tier,
+        if grads_tier is not None:  # in the values' dtype: see [Note: memory plan]
+            return StoredGrad(f"grad/{unit.key}", numel, unit.dtype, store, grads_tier,
                               scatter=scatter, name=unit.key)
         if self.ranks.world > 1:  # made now, so zeros take part in the average too
             return RamGrad(numel, unit.compute_dtype, scatter=scatter, name=unit.key)

@@ -9,9 +9,13 @@ plus the Adam state (8 B/element, 12 with the fp32 master of a low-precision uni
 compressed `infinity.optimizer_state`: `StateFormat.bytes_per_element`) for
 offload_optimizer "cpu" or "none" (the optimizer runs on the CPU either way), else a few
 optimizer tiles. NVMe holds parameters and/or optimizer state per the offload devices, with
-slack for alignment. When `host_memory_budget` cannot hold the gradient buffers beside the
+a little slack (1/64). When `host_memory_budget` cannot hold the gradient buffers beside the
 smallest host tier, they go to the store too (at home on NVMe, two of the largest passing
-through the host tier): each micro-batch then reads and writes them. A speculated step
+through the host tier): each micro-batch then reads and writes them. There they are kept in the
+dtype of the unit's values, not the compute dtype: bf16 values computed in fp32 (a CPU
+without bf16 units) keep bf16 gradients on NVMe, half the bytes on disk and per micro-batch
+(a 7 B model: 13.5 GB, not 27), rounded once per micro-batch as bf16 compute would be (sums
+over micro-batches are rounded at each add). A speculated step
 (`speculates`: the optimizer overlapped, docs/engine.md "The speculative step") keeps
 the old state beside the new until the step is validated: room for a second copy of the state
 and of the trained values on the state's tier (NVMe: the swap file grows by it; the host: a
@@ -56,6 +60,10 @@ _PAGE = 4096
 _TILE_SLACK = 64 << 10  # per optimizer tile: alignment and row padding
 _MIN_TILE_NUMEL = 1 << 18  # the smallest optimizer tile the plan picks (3 MiB with a master row)
 _TILE_ALIGN = 4096  # elements: a tile size the plan picks is a multiple of it
+# The swap file beyond what the plan counts (already page-aligned): its extents are taken once
+# (values at placement, state at its first step, gradients at initialize) and rewritten in
+# place, so it does not fragment; an eighth was 5 GB of a 7 B model's 46 GB file, unused.
+_NVME_SLACK = 64
 
 
 def _aligned(nbytes: int) -> int:
@@ -78,8 +86,11 @@ class _Share:
     def state_numel(self, unit: FetchUnit) -> int:
         return self._numel(unit, self.partition.state)
 
-    def grad_nbytes(self, unit: FetchUnit) -> int:
-        return self._numel(unit, self.partition.grads) * unit.compute_dtype.itemsize
+    def grad_nbytes(self, unit: FetchUnit, *, stored: bool = False) -> int:
+        """A gradient buffer's bytes: in RAM in the compute dtype, in the store (`stored`) in
+        the values' dtype."""
+        dtype = unit.dtype if stored else unit.compute_dtype
+        return self._numel(unit, self.partition.grads) * dtype.itemsize
 
     def collective_nbytes(self, units: Sequence[FetchUnit]) -> int:
         """Whole-unit buffers the collectives need outside the store."""
@@ -149,7 +160,8 @@ def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optim
     elt = max((u.nbytes // max(u.numel, 1) for u in units), default=4)
     working = min(everything, resident + 3 * largest + _aligned(prefetch_numel * elt))
     grads = sum(_aligned(share.grad_nbytes(u)) for u in trained)
-    largest_grad = max((_aligned(share.grad_nbytes(u)) for u in trained), default=0)
+    stored_grads = sum(_aligned(share.grad_nbytes(u, stored=True)) for u in trained)
+    largest_grad = max((_aligned(share.grad_nbytes(u, stored=True)) for u in trained), default=0)
     collectives = share.collective_nbytes(units)
     has_nvme = Tier.NVME in (param_home, state_tier)  # a swap file to put gradients in
 
@@ -210,9 +222,9 @@ def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optim
     nvme = (everything if param_home == Tier.NVME else 0) + \
         (state + kept if state_tier == Tier.NVME else 0)
     if grads_on_nvme:
-        nvme += grads
+        nvme += stored_grads
     if nvme:
-        budgets[Tier.NVME] = nvme + nvme // 8 + (16 << 20)
+        budgets[Tier.NVME] = nvme + nvme // _NVME_SLACK + (16 << 20)
     return MemoryPlan(fetch_tier, param_home, state_tier, budgets, outside,
                       Tier.NVME if grads_on_nvme else None, prefetch_numel, min_budget, tile_numel)
 

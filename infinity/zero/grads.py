@@ -89,8 +89,9 @@ class GradBuffer(ABC):
 
 
 class FlatGrad(GradBuffer):
-    """The gradient summed into one flat buffer (the unit's compute dtype): what collectives
-    over ranks and the store need."""
+    """The gradient summed into one flat buffer (in RAM the unit's compute dtype, in the store
+    its values' dtype: [Note: memory plan] in infinity/engine/_plan.py): what collectives over
+    ranks and the store need."""
 
     def __init__(self, numel: int, dtype: torch.dtype, *, scatter: Ranks | None = None,
                  name: str = "") -> None:
@@ -122,8 +123,9 @@ class FlatGrad(GradBuffer):
         self.has_grad = True
 
     def _accumulate_shard(self, slots: Sequence[ParamSlot], ranks: Ranks) -> None:
-        device = next(s.param.grad.device for s in slots if s.param.grad is not None)
-        full = torch.zeros(self.numel * ranks.world, dtype=self.dtype, device=device)  # padded
+        first = next(s.param.grad for s in slots if s.param.grad is not None)
+        # reduced in the gradients' own dtype, whatever the buffer keeps (padded)
+        full = torch.zeros(self.numel * ranks.world, dtype=first.dtype, device=first.device)
         for s in slots:
             g = s.param.grad
             if g is not None:

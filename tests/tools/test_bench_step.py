@@ -66,6 +66,33 @@ def test_floor_is_the_slower_of_compute_and_io():
     assert slow["nvme over floor (none compute)"]["floor_s"] == 2.5  # compute-bound
 
 
+def test_nvme_fp32_is_the_uncompressed_baseline_of_the_same_parameters(tmp_path):
+    args = bench_step.parse_args(["--path", str(tmp_path), *TINY, "--steps", "2", "--warmup", "1",
+                                  "--bf16", "--optimizer-state", "int8", "--no-master"])
+    compressed = bench_step.engine_config(args, "nvme", str(tmp_path))
+    baseline = bench_step.engine_config(args, "nvme-fp32", str(tmp_path))
+    assert compressed["infinity"]["optimizer_state"] == {"moments": "int8", "master": "none"}
+    assert baseline["infinity"]["optimizer_state"] == {"moments": "fp32", "master": "fp32"}
+    assert baseline["bf16"] == {"enabled": True}
+    assert baseline["zero_optimization"]["offload_optimizer"]["device"] == "nvme"
+    fp32 = bench_step.run_child(args, "nvme-fp32", str(tmp_path))
+    int8 = bench_step.run_child(args, "nvme", str(tmp_path))
+    assert fp32["raw_gbps"] > 0 and fp32["bytes_per_step"] > int8["bytes_per_step"] > 0
+
+
+def test_each_floored_config_is_reported_against_its_own_io_floor():
+    def run(config, step_s, bytes_per_step, raw_gbps):
+        return [{"config": config, "step_s": step_s, "cpu_s": step_s, "peak_rss": 1e9,
+                 "bytes_per_step": bytes_per_step, "raw_gbps": raw_gbps,
+                 "on_demand_nvme_after_step_1": 0, "compactions_per_step": 0.0,
+                 "compaction_s_per_step": 0.0}]
+    results = bench_step.report({"nvme": run("nvme", 3.0, 4e9, 2.0),
+                                 "nvme-fp32": run("nvme-fp32", 12.0, 16e9, 1.6)})
+    assert results["nvme over its I/O floor"] == {"io_s": 2.0, "ratio": 1.5}
+    assert results["nvme-fp32 over its I/O floor"] == {"io_s": 10.0, "ratio": 1.2}
+    assert results["nvme-fp32 over nvme"] == {"speedup": 4.0, "range": "4-4", "byte_ratio": 4.0}
+
+
 def test_bad_arguments_are_refused(tmp_path):
     with pytest.raises(SystemExit):
         bench_step.parse_args(["--path", str(tmp_path), "--configs", "nvme,cuda"])
