@@ -13,12 +13,14 @@ tiers); the store's budgets stay those of the load.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 from dataclasses import dataclass
 
 import torch
 
 from infinity.config import Config
-from infinity.engine._plan import MemoryPlan, plan_memory
+from infinity.engine._plan import MemoryPlan, fit_nvme_budget, plan_memory
 from infinity.engine._precision import Precision, choose_precision, cpu_has_bf16_units
 from infinity.errors import ConfigError
 from infinity.optim import StateFormat
@@ -127,7 +129,18 @@ def open_store(layout: Layout, config: Config, *, rank: int = 0) -> TensorStore:
     nvme_path = zero.offload_param.nvme_path if layout.plan.param_home == Tier.NVME else None
     nvme_path = nvme_path or zero.offload_optimizer.nvme_path
     aio_options = {**config.aio.handle_options(), "backend": config.infinity.aio_backend}
-    return TensorStore(layout.plan.budgets, nvme_path=nvme_path, device=layout.device,
+    budgets = dict(layout.plan.budgets)
+    if Tier.NVME in budgets and nvme_path is not None and os.path.isdir(nvme_path):
+        # ranks share one node's disk (this engine's setting), each opening its own swap file
+        free = shutil.disk_usage(nvme_path).free // config.world_size
+        fitted = fit_nvme_budget(budgets[Tier.NVME], layout.plan.nvme_kept_nbytes, free)
+        if fitted != budgets[Tier.NVME]:
+            logger.warning("engine: the disk under nvme_path %s has %d bytes free, not the %d a "
+                           "speculated step's kept state needs beside the rest; units without "
+                           "room are stepped after validation", nvme_path, free,
+                           budgets[Tier.NVME])
+            budgets[Tier.NVME] = fitted
+    return TensorStore(budgets, nvme_path=nvme_path, device=layout.device,
                        aio_options=aio_options, rank=rank)
 
 

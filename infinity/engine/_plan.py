@@ -120,6 +120,9 @@ class MemoryPlan:
     prefetch_numel: int = 0  # elements the coordinator may prefetch (the config's, or less)
     min_host_budget: int = 0  # the smallest host_memory_budget this model and offload accept
     tile_numel: int = 1 << 30  # elements per optimizer tile (sub_group_size with state on NVMe)
+    # Of budgets[NVME], the room for a speculated step's kept copy: a disk without it still
+    # trains (units without room are stepped after validation); see fit_nvme_budget
+    nvme_kept_nbytes: int = 0
 
     @property
     def uses_nvme(self) -> bool:
@@ -219,14 +222,16 @@ def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optim
     if fetch_tier == Tier.HOST:  # read-ahead takes only what the smallest working set leaves
         spare = host - host_minimum(tile_numel, grads_on_nvme)
         prefetch_numel = min(prefetch_numel, max(0, spare) // elt)
+    nvme_kept = kept if state_tier == Tier.NVME else 0
     nvme = (everything if param_home == Tier.NVME else 0) + \
-        (state + kept if state_tier == Tier.NVME else 0)
+        (state + nvme_kept if state_tier == Tier.NVME else 0)
     if grads_on_nvme:
         nvme += stored_grads
     if nvme:
         budgets[Tier.NVME] = nvme + nvme // _NVME_SLACK + (16 << 20)
     return MemoryPlan(fetch_tier, param_home, state_tier, budgets, outside,
-                      Tier.NVME if grads_on_nvme else None, prefetch_numel, min_budget, tile_numel)
+                      Tier.NVME if grads_on_nvme else None, prefetch_numel, min_budget, tile_numel,
+                      nvme_kept)
 
 
 def _fitting_tiles(budget: int, needs: Callable[[int, bool], int], grads_on_nvme: bool,
@@ -259,3 +264,14 @@ def _log_choice(budget: int, asked_tiles: int, tiles: int, grads_on_nvme: bool) 
         chose.append("the gradients on NVMe (read and written every micro-batch)")
     logger.info("memory plan: host_memory_budget %d bytes fits with %s", budget,
                 " and ".join(chose))
+
+
+def fit_nvme_budget(budget: int, kept: int, free: int) -> int:
+    """The NVMe budget for a disk with `free` bytes: the plan's `budget` where it fits, else
+    less of the speculated step's `kept` room (down to none: every unit is then stepped after
+    validation), leaving 1/64 of the disk free; `budget` unchanged when even the rest does not
+    fit (opening the swap file then fails, naming the disk)."""
+    room = free - free // _NVME_SLACK
+    if budget <= room or budget - kept > room:
+        return budget
+    return room

@@ -273,3 +273,36 @@ def test_a_rollback_that_fails_breaks_the_engine_until_a_checkpoint_load(tmp_pat
         assert engine.phase is StepPhase.IDLE
         more, values = _train(engine, batches[2:])
     _identical((losses + more, values), expected)
+
+
+def test_fit_nvme_budget_gives_up_only_the_kept_room():
+    from infinity.engine._plan import fit_nvme_budget
+    assert fit_nvme_budget(1000, 300, free=6400) == 1000  # fits: unchanged
+    assert fit_nvme_budget(1000, 300, free=960) == 945  # the disk less 1/64, above the rest
+    assert fit_nvme_budget(1000, 300, free=640) == 1000  # not even the rest: opening fails
+
+
+def test_a_disk_without_room_for_the_kept_state_still_trains_the_same(tmp_path, patient_worker,
+                                                                     monkeypatch, caplog):
+    """nvme_path's disk cannot hold the swap file with a speculated step's kept copy: the
+    engine opens a smaller one (saying so) and trains as the stepped-after-backward engine,
+    a refused NaN step included."""
+    from infinity.engine import _placement
+    seen = {}
+
+    def small_disk(budget, kept, free):
+        seen.update(budget=budget, kept=kept)
+        return fit(budget, kept, free=budget - kept // 2 + (budget - kept // 2) // 63 + 64)
+
+    fit = _placement.fit_nvme_budget
+    monkeypatch.setattr(_placement, "fit_nvme_budget", small_disk)
+    batches = mlp_batches(4)
+    runs = {}
+    for overlap in (False, True):
+        with caplog.at_level(logging.WARNING, logger="infinity.engine._placement"), \
+                _engine(tmp_path, ("nvme", "nvme"), overlap, gradient_clipping=1e3) as engine:
+            runs[overlap] = _train(engine, batches, nan_at={1})
+            nvme_budget = engine.store.budgets[infinity.store.Tier.NVME]
+    _identical(runs[True], runs[False])
+    assert seen["kept"] > 0 and seen["budget"] - seen["kept"] < nvme_budget < seen["budget"]
+    assert "units without room are stepped after validation" in caplog.text
