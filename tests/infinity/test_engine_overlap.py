@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import infinity
+from infinity.engine import StepPhase
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_engine import (  # noqa: E402
@@ -179,30 +180,62 @@ def test_overlap_optimizer_steps_the_same_during_or_after_backward(tmp_path):
         assert_identical(*runs[asked], (after_losses, dict(after.named_parameters())))
 
 
-def _hold_the_worker(engine, fail=()):
-    """The optimizer worker is slower than backward, deterministically: it steps no unit of a
-    step before the next forward begins (or something waits for the step: synchronize). So
-    step() returns with every unit of the step still to step, the first one held in its step
-    while the next forward starts. The units in `fail` raise OSError on their first step."""
+def _hold_the_worker(engine, fail=(), *, tail_started=False):
+    """The optimizer worker is slower than backward, deterministically: it starts no unit
+    while backward runs, so step() withdraws every unit backward handed over (none is running)
+    and returns with all of them still to step, the first one held in its step until the next
+    forward begins (or something waits for the step: synchronize). The units in `fail` raise
+    OSError on their first step. `tail_started`: step() returns once the worker holds the
+    tail's first unit (its optimizer region open before the next forward starts)."""
     step_unit, failing = engine.optimizer.step_unit, set(fail)
-    go = threading.Event()
-    synchronize = engine.synchronize
+    go = threading.Event()  # the tail may step
+    started = threading.Event()  # the worker may start a unit: backward is over
+    holding = threading.Event()  # the worker holds the tail's first unit, in its step
+    synchronize, overlapped, step = engine.synchronize, engine._stepper, engine.step
+    run_next, end_speculation = overlapped._stepper._run_next, overlapped.end_speculation
+
+    def held_run_next():
+        assert started.wait(timeout=60), "step() never came to end the speculation"
+        run_next()
 
     def held_step_unit(u, grad, **kw):
-        assert go.wait(timeout=60), "neither a forward nor synchronize came to release the worker"
+        if not kw.get("speculative"):
+            holding.set()
+            assert go.wait(timeout=60), "neither a forward nor synchronize released the worker"
         if u in failing:
             failing.discard(u)
             raise OSError(f"injected failure stepping unit {u}")
         return step_unit(u, grad, **kw)
 
-    def synchronize_then_hold():  # backward calls it first: its step's units are held again
+    def end_speculation_then_start():
+        try:
+            return end_speculation()
+        finally:
+            holding.clear()
+            started.set()
+
+    def step_then_wait_for_the_hold():  # step() returns; its tail's first unit is held
+        step()
+        if engine.phase is StepPhase.TAIL_OPEN:
+            assert holding.wait(timeout=60), "the worker never started the step's tail"
+
+    def release():
         go.set()
+        started.set()
+
+    def synchronize_then_hold():  # backward calls it first: its step's units are held again
+        release()
         synchronize()
         go.clear()
+        started.clear()
 
     engine.optimizer.step_unit = held_step_unit
     engine.synchronize = synchronize_then_hold
-    engine.module.register_forward_pre_hook(lambda module, args: go.set(), prepend=True)
+    if tail_started:
+        engine.step = step_then_wait_for_the_hold
+    overlapped._stepper._run_next = held_run_next
+    overlapped.end_speculation = end_speculation_then_start
+    engine.module.register_forward_pre_hook(lambda module, args: release(), prepend=True)
 
 
 def test_the_steps_tail_runs_into_the_next_forward(tmp_path):
@@ -213,7 +246,7 @@ def test_the_steps_tail_runs_into_the_next_forward(tmp_path):
     schedule = {"type": "WarmupLR", "params": {"warmup_min_lr": LR / 10, "warmup_max_lr": LR,
                                                "warmup_num_steps": 3, "warmup_type": "linear"}}
     engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme", scheduler=schedule))
-    _hold_the_worker(engine)
+    _hold_the_worker(engine, tail_started=True)
     losses, lrs = [], []
     for args, kwargs in data:
         lrs.append(engine.get_lr()[0])
