@@ -94,12 +94,13 @@ def _median_after_first(times: list[float]) -> float:
 
 def default_round(scratch: pathlib.Path, steps: int) -> dict[str, float]:
     """One default run through the engine and one in plain PyTorch: their median steps."""
+    from infinity.train.report import read_history  # torch loads only where a round runs
+
     out = pathlib.Path(tempfile.mkdtemp(prefix="run-", dir=scratch))
     try:
         _run(["-m", "infinity.cli.train", "--steps", str(steps), "--output", str(out / "run"),
               "--nvme-path", str(out / "nvme")], cwd=scratch)
-        lines = (out / "run" / "metrics.jsonl").read_text().splitlines()
-        engine = [json.loads(line)["step_s"] for line in lines if '"step"' in line]
+        engine = [r["step_s"] for r in read_history(out / "run" / "metrics.jsonl")]
     finally:
         shutil.rmtree(out, ignore_errors=True)
     torch = json.loads(_run(["-c", _DEFAULT_TORCH, str(steps)], cwd=scratch).splitlines()[-1])

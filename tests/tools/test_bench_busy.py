@@ -54,6 +54,23 @@ def test_rounds_alternate_and_report_the_medians_ratios(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == ["busy.json"]  # the scratch folder is gone
 
 
+def test_a_failed_round_is_one_line_and_leaves_no_spinner_or_scratch(tmp_path, monkeypatch,
+                                                                      capsys):
+    before = _children()
+
+    def failing_round(scratch, steps):
+        if _children() - before:  # in the busy half
+            raise RuntimeError("python -m infinity.cli.train failed:\nboom")
+        return {"default": 1.0, "default-torch": 1.0}
+
+    monkeypatch.setattr(bench_busy, "default_round", failing_round)
+    assert bench_busy.main(["--path", str(tmp_path), "--workloads", "default", "--rounds", "1",
+                            "--busy", "2"]) == 1
+    assert "error: python -m infinity.cli.train failed" in capsys.readouterr().err
+    assert not (_children() - before)
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("args", [["--workloads", "nope"], ["--rounds", "0"], ["--busy", "0"]])
 def test_bad_arguments_are_refused(tmp_path, args):
     with pytest.raises(SystemExit):
