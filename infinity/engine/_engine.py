@@ -37,7 +37,7 @@ from infinity.config import AdamParams, Config, OptimizerConfig
 from infinity.engine import _checkpoint
 from infinity.engine._client import LRSource
 from infinity.engine._grad_checks import clip_factor, global_norm, grad_square, refuse_non_finite
-from infinity.engine._overlap import OverlappedStep
+from infinity.engine._overlap import OverlappedStep, StepUndoError
 from infinity.engine._partition import RankedUnits
 from infinity.engine._placement import (
     choose_model_precision,
@@ -51,7 +51,7 @@ from infinity.engine._plan import MemoryPlan
 from infinity.engine._schedule import build_lr_schedule
 from infinity.engine._step_state import StepCounters, StepPhase, check_move
 from infinity.engine._timeline import Timeline
-from infinity.errors import ClosedError, ConfigError, NonFiniteGradientError, described
+from infinity.errors import ClosedError, ConfigError, NonFiniteGradientError
 from infinity.memory import peak_rss_bytes, set_mmap_threshold
 from infinity.optim import DynamicLossScaler, SwappedOptimizer
 from infinity.zero import (
@@ -163,8 +163,8 @@ class Engine:
         self._boundary: bool | None = None  # set_gradient_accumulation_boundary
         self.last_grad_norm: float | None = None
         if self.overlap:
-            self._stepper = OverlappedStep(self.ranked.trained, self._step_at, self._prefetch_state,
-                                           self.coordinator.next_use)
+            self._stepper = OverlappedStep(self.ranked.trained, self._step_at, self._settle,
+                                           self._prefetch_state, self.coordinator.next_use)
         self._pending_save: Future[Path] | None = None  # a background checkpoint save
 
     def _make_optimizer(self) -> SwappedOptimizer:
@@ -370,7 +370,16 @@ class Engine:
         (see [Note: the step's tail in the next forward])."""
         self._move(StepPhase.VALIDATING)
         stepper = self._stepper
-        decided = self._validate_speculation()
+        try:
+            decided = stepper.decide(
+                lambda i: grad_square(self.ranked.trained[i]),
+                lambda squares, undo: self._validate(global_norm(self.ranked, squares), undo))
+        except StepUndoError:
+            self._move(StepPhase.BROKEN)
+            raise
+        except BaseException:  # refused (NonFiniteGradientError), or failed and rolled back
+            self._move(StepPhase.IDLE)
+            raise
         if decided is None:  # skipped (fp16 overflow): nothing changed
             self._move(StepPhase.IDLE)
             return
@@ -387,55 +396,11 @@ class Engine:
             self._stepper.leave_to_forward(forward_order)
         self._log_and_schedule()
 
-    def _validate_speculation(self) -> tuple[float, list[int]] | None:
-        """Backward is over: stop speculating, validate the step from the global norm and
-        commit the speculated units, or roll them back (clipping acts: they are stepped again
-        with the clip factor; a refused or skipped step: it changes nothing). Returns the
-        gradient scale of the units still to step and the units committed, or None for a
-        skipped step; raises NonFiniteGradientError for a refused one (phase IDLE), any
-        other error after rolling back (BROKEN if the rollback fails too)."""
-        stepper = self._stepper
-        speculated, failed = stepper.end_speculation()
-
-        def undo() -> None:
-            self._roll_back(speculated)
-            stepper.rollbacks += bool(speculated)
-            stepper.units_rolled_back += len(speculated)
-
-        try:
-            self._roll_back(failed)  # stepped again, as a unit whose step failed is
-            squares = stepper.squares(lambda i: grad_square(self.ranked.trained[i]))
-            grad_scale = self._validate(global_norm(self.ranked, squares), undo=undo)
-            if grad_scale is None:
-                return None
-            if grad_scale != stepper.grad_scale:  # clipping acts: redo them with its factor
-                undo()
-                speculated = []
-            for i in speculated:  # the scale they were stepped with: they stand
-                j = self.ranked.optimizer_index.get(i)
-                if j is not None:
-                    self.optimizer.commit_unit(j)
-            return grad_scale, speculated
-        except NonFiniteGradientError:
-            self._move(StepPhase.IDLE)
-            raise
-        except BaseException:
-            try:
-                self._roll_back(speculated + failed)
-            except BaseException as error:
-                self._move(StepPhase.BROKEN)
-                raise RuntimeError(
-                    f"the step could not be undone ({described(error)}): the engine is broken, "
-                    "load a checkpoint (engine.load_checkpoint) to go on") from error
-            self._move(StepPhase.IDLE)
-            raise
-
-    def _roll_back(self, units: list[int]) -> None:
-        """Undo the speculative steps of these trained units."""
-        for i in units:
-            j = self.ranked.optimizer_index.get(i)
-            if j is not None:
-                self.optimizer.rollback_unit(j)
+    def _settle(self, i: int, commit: bool) -> None:
+        """Commit or roll back the speculative step of trained unit i (this rank's part)."""
+        j = self.ranked.optimizer_index.get(i)
+        if j is not None:
+            (self.optimizer.commit_unit if commit else self.optimizer.rollback_unit)(j)
 
     def _grads_final(self, unit: FetchUnit) -> None:
         """Coordinator callback: average the unit's gradient over the ranks at the boundary

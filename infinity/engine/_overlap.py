@@ -69,7 +69,9 @@ tail first.
 `OverlappedStep` owns what one such step needs besides the engine: the worker, the step's
 learning rate and gradient scale, whether it speculates (and the counts of what it speculated
 and rolled back), each unit's gradient sum of squares as its gradient becomes final (the global
-norm's terms), and the tail (units still being stepped after step() returned). `UnitStepper` is
+norm's terms), the decision at step() (`decide`: commit or roll back the speculated units;
+the engine's `_validate` supplies the rule, shared with the step after backward), and the tail
+(units still being stepped after step() returned). `UnitStepper` is
 the worker: units are queued as their gradients become final and stepped one at a time, in
 queue order, on one thread; each queued unit has a future, and the queue can be re-sorted while
 it runs.
@@ -84,10 +86,15 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from infinity.errors import NonFiniteGradientError, described
 from infinity.zero import FetchUnit
 from infinity.zero.next_use import NextUseClock
 
 logger = logging.getLogger(__name__)
+
+
+class StepUndoError(RuntimeError):
+    """Rolling a speculated step back failed: the engine's state is half-stepped (BROKEN)."""
 
 
 class OverlappedStep:
@@ -100,14 +107,18 @@ class OverlappedStep:
             must be retry-safe); speculative: see [Note: speculative steps] in
             infinity/optim/_kept.py. Returns False where a speculative step found no room to
             keep the old state (nothing changed).
+        settle: `settle(i, commit)` commits (True) or rolls back (False) unit i's speculative
+            step.
         read_ahead: starts reading unit i's optimizer state without waiting (a hint).
         next_use: the units' next-use clock (infinity.zero.next_use).
     """
 
     def __init__(self, units: Sequence[FetchUnit],
                  step: Callable[[int, float, float, bool], bool],
-                 read_ahead: Callable[[int], None], next_use: NextUseClock) -> None:
-        self._units, self._step, self._next_use = list(units), step, next_use
+                 settle: Callable[[int, bool], None], read_ahead: Callable[[int], None],
+                 next_use: NextUseClock) -> None:
+        self._units, self._step, self._decide_unit = list(units), step, settle
+        self._next_use = next_use
         self._stepper = UnitStepper(self._run, read_ahead)
         self.lr = 0.0  # of the step being built: taken when its backward started
         self.grad_scale = 1.0  # of the step being built (speculated, then the validated one)
@@ -163,7 +174,51 @@ class OverlappedStep:
         self.units_speculated += len(stepped)
         return stepped, failed
 
-    def squares(self, square_of: Callable[[int], float]) -> list[float]:
+    def decide(self, square_of: Callable[[int], float],
+               validate: Callable[[list[float], Callable[[], None]], float | None]
+               ) -> tuple[float, list[int]] | None:
+        """Backward is over: stop speculating and decide the step. `validate(squares, undo)`
+        (every unit's gradient sum of squares, `square_of(i)` for those backward did not hand
+        over) returns the step's gradient scale, or None for a skipped step, or raises for a
+        refused one, calling `undo()` (roll the speculated units back) first. The speculated
+        units are committed where that scale is the one they were stepped with, else rolled
+        back (clipping acts: they are stepped again with it). Returns (the scale, the units
+        committed) or None. Any other error rolls every speculated unit back and is raised;
+        StepUndoError where that rollback fails too."""
+        speculated, failed = self.end_speculation()
+
+        def undo() -> None:
+            self._roll_back(speculated)
+            self.rollbacks += bool(speculated)
+            self.units_rolled_back += len(speculated)
+
+        try:
+            self._roll_back(failed)  # stepped again, as a unit whose step failed is
+            grad_scale = validate(self._all_squares(square_of), undo)
+            if grad_scale is None:
+                return None
+            if grad_scale != self.grad_scale:  # clipping acts: redo them with its factor
+                undo()
+                speculated = []
+            for i in speculated:  # the scale they were stepped with: they stand
+                self._decide_unit(i, True)
+            return grad_scale, speculated
+        except NonFiniteGradientError:
+            raise  # validate rolled them back
+        except BaseException:
+            try:
+                self._roll_back(speculated + failed)
+            except BaseException as error:
+                raise StepUndoError(
+                    f"the step could not be undone ({described(error)}): the engine is broken, "
+                    "load a checkpoint (engine.load_checkpoint) to go on") from error
+            raise
+
+    def _roll_back(self, units: list[int]) -> None:
+        for i in units:
+            self._decide_unit(i, False)
+
+    def _all_squares(self, square_of: Callable[[int], float]) -> list[float]:
         """Every unit's gradient sum of squares, in unit order: those backward did not hand over
         (resident ones, units that got no gradient) taken now (`square_of(i)`)."""
         for i in range(len(self._units)):
