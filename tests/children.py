@@ -27,3 +27,11 @@ def python_child(args: list[str], *, env: dict[str, str] | None = None,
     """Run `python *args` to the end in the repository root; output captured as text."""
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=child_env(env),
                           capture_output=True, text=True, **kwargs)
+
+
+def torchrun(world: int) -> list[str]:
+    """`python` arguments that start torchrun with `world` local ranks on a port the rendezvous
+    binds itself (`--standalone`): a port picked by the test and bound later by torchrun can be
+    taken in between by another test's connection (seen once under pytest-xdist)."""
+    return ["-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1",
+            "--nproc_per_node", str(world)]

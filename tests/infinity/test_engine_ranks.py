@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from children import ROOT, child_env
+from children import ROOT, child_env, torchrun
 
 import infinity
 
@@ -67,9 +67,7 @@ def _torchrun(tmp_path, cases, timeout_s, world=WORLD):
     """Run the child on `world` ranks with torchrun; returns (its exit code and output, per-rank
     results)."""
     spec, out = _spec(tmp_path, cases)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
-               "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-               str(CHILD), str(spec)]
+    command = [sys.executable, *torchrun(world), str(CHILD), str(spec)]
     env = child_env(OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))  # TMPDIR: torchrun's log dirs
     run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=timeout_s)

@@ -7,14 +7,13 @@ engine's checkpoints on several ranks are test_ranks_checkpoint.py's. One torchr
 all (hf_ranks_child.py)."""
 
 import os
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
-from children import python_child
+from children import python_child, torchrun
 
 from infinity.checkpoint import latest_tag
 
@@ -24,25 +23,8 @@ from hf_case import SAVE_AT, STEPS  # noqa: E402
 CHILD = Path(__file__).parent / "hf_ranks_child.py"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_the_trainer_on_two_ranks_at_stage_3(tmp_path):
-    command = [
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(_free_port()),
-        str(CHILD),
-        str(tmp_path),
-    ]
+    command = [*torchrun(2), str(CHILD), str(tmp_path)]
     run = python_child(
         command, env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}, timeout=900
     )
