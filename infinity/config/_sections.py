@@ -392,18 +392,25 @@ class InfinityConfig(Section):
     optimizer_state: OptimizerStateConfig = field(default_factory=OptimizerStateConfig)
     """How the Adam state is stored: see OptimizerStateConfig. Default fp32 moments and
     master."""
+    nvme_keep_free: ByteSize = 0
+    """Bytes of the disk under nvme_path that the swap file leaves free beside its 1/64 slack,
+    for what the run writes next to it (infinity-train sets the size of its export when
+    --output is on that disk): only the room a speculated step keeps its old state in gives
+    way. Default 0."""
     overlap_optimizer: bool | Literal["auto"] = "auto"
     """Step each unit's optimizer on a worker as soon as its gradients are final, while
-    backward goes on (needs gradient_clipping 0 and fp16 off: those need every gradient
-    first). Default "auto": where the step waits on something other than the cores backward
-    computes on (NVMe, an accelerator); with CPU compute and everything in RAM the two would
-    only take turns on the same cores (measured slower, docs/performance.md)."""
+    backward goes on, speculatively (with clipping or fp16 too: the step is validated when
+    backward ends, then committed or rolled back). Default "auto": where the step waits on
+    something other than the cores backward computes on (NVMe, an accelerator); with CPU
+    compute and everything in RAM the two would only take turns on the same cores (measured
+    slower, docs/performance.md)."""
 
     def __post_init__(self) -> None:
         budget = self.host_memory_budget
         check(budget is None or budget > 0, "host_memory_budget", budget, "a byte count > 0")
         check(self.collective_timeout > 0, "collective_timeout", self.collective_timeout,
               "seconds > 0")
+        check(self.nvme_keep_free >= 0, "nvme_keep_free", self.nvme_keep_free, "a byte count >= 0")
         threshold = self.mmap_threshold
         check(threshold in (None, "auto") or 0 < threshold <= 32 << 20, "mmap_threshold", threshold,
               'a byte count in (0, "32MiB"], "auto" or null')

@@ -133,12 +133,14 @@ def open_store(layout: Layout, config: Config, *, rank: int = 0) -> TensorStore:
     if Tier.NVME in budgets and nvme_path is not None and os.path.isdir(nvme_path):
         # ranks share one node's disk (this engine's setting), each opening its own swap file
         free = shutil.disk_usage(nvme_path).free // config.world_size
-        fitted = fit_nvme_budget(budgets[Tier.NVME], layout.plan.nvme_kept_nbytes, free)
+        keep_free = config.infinity.nvme_keep_free // config.world_size
+        fitted = fit_nvme_budget(budgets[Tier.NVME], layout.plan.nvme_kept_nbytes, free,
+                                 keep_free)
         if fitted != budgets[Tier.NVME]:
             logger.warning("engine: the disk under nvme_path %s has %d bytes free, not the %d a "
-                           "speculated step's kept state needs beside the rest; units without "
-                           "room are stepped after validation", nvme_path, free,
-                           budgets[Tier.NVME])
+                           "speculated step's kept state needs beside the rest and the %d of "
+                           "infinity.nvme_keep_free; units without room are stepped after "
+                           "validation", nvme_path, free, budgets[Tier.NVME], keep_free)
             budgets[Tier.NVME] = fitted
     return TensorStore(budgets, nvme_path=nvme_path, device=layout.device,
                        aio_options=aio_options, rank=rank)

@@ -266,12 +266,13 @@ def _log_choice(budget: int, asked_tiles: int, tiles: int, grads_on_nvme: bool) 
                 " and ".join(chose))
 
 
-def fit_nvme_budget(budget: int, kept: int, free: int) -> int:
+def fit_nvme_budget(budget: int, kept: int, free: int, keep_free: int = 0) -> int:
     """The NVMe budget for a disk with `free` bytes: the plan's `budget` where it fits, else
     less of the speculated step's `kept` room (down to none: every unit is then stepped after
-    validation), leaving 1/64 of the disk free; `budget` unchanged when even the rest does not
-    fit (opening the swap file then fails, naming the disk)."""
+    validation), leaving 1/64 of the disk and `keep_free` bytes free (what the run writes
+    beside the swap file); `budget` unchanged when even the rest does not fit (opening the swap
+    file then fails, naming the disk)."""
     room = free - free // _NVME_SLACK
-    if budget <= room or budget - kept > room:
+    if budget - kept > room:
         return budget
-    return room
+    return max(budget - kept, min(budget, room - keep_free))

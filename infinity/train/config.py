@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import pathlib
 from collections.abc import Callable
 from typing import Any
@@ -200,3 +201,25 @@ def take_monitors(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
     warn about); the engine has no metrics writer."""
     return {k: config.pop(k) for k in MONITORS
             if isinstance(config.get(k), dict) and config[k].get("enabled") is True}
+
+
+def keep_room_for_export(config: dict[str, Any], output: pathlib.Path, nbytes: int) -> None:
+    """Where --output is on the disk of an nvme_path, the swap file leaves the export's `nbytes`
+    free there (infinity.nvme_keep_free, unless the config sets it): a run that trains for hours
+    must not then find no room for its model."""
+    keep = config.setdefault("infinity", {})
+    if "nvme_keep_free" in keep:
+        return
+    zero = config.get("zero_optimization", {})
+    for key in ("offload_param", "offload_optimizer"):
+        section = zero.get(key)
+        if not (isinstance(section, dict) and section.get("device") == "nvme"
+                and section.get("nvme_path")):
+            continue
+        try:
+            same_disk = os.stat(section["nvme_path"]).st_dev == output.stat().st_dev
+        except OSError:  # not made yet: the engine names a bad nvme_path
+            continue
+        if same_disk:
+            keep["nvme_keep_free"] = nbytes
+            return

@@ -29,6 +29,16 @@ PEFT_PREFIX = "base_model.model."
 MAX_SHARD_BYTES = 2 << 30
 
 
+def export_nbytes(model_dir: str | None, model: torch.nn.Module | None) -> int:
+    """About what the export will write: the weight files of `model_dir` (--model: the export
+    has its names and dtypes), else the built-in `model`'s tensors."""
+    if model_dir is None:
+        assert model is not None
+        return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    return sum(f.stat().st_size for f in pathlib.Path(model_dir).iterdir()
+               if f.suffix in (".safetensors", ".bin"))
+
+
 def _is_adapter(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 

@@ -22,7 +22,7 @@ from infinity.engine import initialize
 from infinity.errors import BudgetError, CheckpointError, ConfigError, InputError
 from infinity.models import INDEX_FILE
 from infinity.train import cache, checkpoints, export, models, report
-from infinity.train.config import MICRO, ds_config, take_monitors
+from infinity.train.config import MICRO, ds_config, keep_room_for_export, take_monitors
 from infinity.train.data import Batches, Rows, load_rows, pack, split_rows
 from infinity.train.loop import GracefulStop, StepRecord, evaluate, perplexity, train
 from infinity.train.outputs import (
@@ -275,6 +275,8 @@ def _run(options: TrainOptions, on_step: Callable[[StepRecord], None]) -> JobRes
         nvme_dir = stack.enter_context(scratch_dir(options.nvme_path))
         out = stack.enter_context(staged_output(options.output, resume=point is not None))
         config = ds_config(options, nvme_dir)
+        if out is not None:
+            keep_room_for_export(config, out.path, export.export_nbytes(options.model, model))
         writers = _monitor_writers(options, take_monitors(config), out and out.path)
         for writer in writers:
             stack.callback(writer.close)

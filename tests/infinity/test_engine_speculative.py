@@ -280,6 +280,11 @@ def test_fit_nvme_budget_gives_up_only_the_kept_room():
     assert fit_nvme_budget(1000, 300, free=6400) == 1000  # fits: unchanged
     assert fit_nvme_budget(1000, 300, free=960) == 945  # the disk less 1/64, above the rest
     assert fit_nvme_budget(1000, 300, free=640) == 1000  # not even the rest: opening fails
+    # room kept free for what the run writes beside the swap file: only the kept room gives way
+    assert fit_nvme_budget(1000, 300, free=6400, keep_free=5000) == 1000
+    assert fit_nvme_budget(1000, 300, free=6400, keep_free=5400) == 900
+    assert fit_nvme_budget(1000, 300, free=6400, keep_free=6000) == 700
+    assert fit_nvme_budget(1000, 300, free=640, keep_free=100) == 1000
 
 
 def test_a_disk_without_room_for_the_kept_state_still_trains_the_same(tmp_path, patient_worker,
@@ -290,8 +295,8 @@ def test_a_disk_without_room_for_the_kept_state_still_trains_the_same(tmp_path, 
     from infinity.engine import _placement
     seen = {}
 
-    def small_disk(budget, kept, free):
-        seen.update(budget=budget, kept=kept)
+    def small_disk(budget, kept, free, keep_free):
+        seen.update(budget=budget, kept=kept, keep_free=keep_free)
         return fit(budget, kept, free=budget - kept // 2 + (budget - kept // 2) // 63 + 64)
 
     fit = _placement.fit_nvme_budget
@@ -305,4 +310,5 @@ def test_a_disk_without_room_for_the_kept_state_still_trains_the_same(tmp_path, 
             nvme_budget = engine.store.budgets[infinity.store.Tier.NVME]
     _identical(runs[True], runs[False])
     assert seen["kept"] > 0 and seen["budget"] - seen["kept"] < nvme_budget < seen["budget"]
+    assert seen["keep_free"] == 0
     assert "units without room are stepped after validation" in caplog.text

@@ -225,3 +225,38 @@ def test_the_report_history_skips_what_is_not_a_step_record(tmp_path):
     metrics.write_bytes(b'{"step": 1, "loss": 2.0}\ngarbage\n[1]\n{"step": "2"}\n\xff\xfe\n'
                         b'{"step": 3, "loss": 1.5}\n{"step": 4, "lo')
     assert report.read_history(metrics) == [{"step": 1, "loss": 2.0}, {"step": 3, "loss": 1.5}]
+
+
+def test_the_swap_file_leaves_room_for_the_export_on_its_disk(tmp_path, monkeypatch):
+    """--output on the disk of the swap file: the engine is told about what the export will
+    write (infinity.nvme_keep_free), so the speculated step's room gives way to it."""
+    from infinity.engine import _placement
+    seen = []
+    fit = _placement.fit_nvme_budget
+
+    def spy(budget, kept, free, keep_free=0):
+        seen.append(keep_free)
+        return fit(budget, kept, free, keep_free)
+
+    monkeypatch.setattr(_placement, "fit_nvme_budget", spy)
+    out = tmp_path / "out"
+    run(TrainOptions(steps=1, output=str(out), nvme_path=str(tmp_path / "nvme")))
+    written = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    assert len(seen) == 1 and 0 < seen[0] <= written < seen[0] + (64 << 10)  # + the header
+
+
+def test_room_for_the_export_is_kept_only_on_the_swap_files_disk(tmp_path):
+    from infinity.train.config import keep_room_for_export
+    (tmp_path / "nvme").mkdir()
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path / "nvme")}
+    config = {"zero_optimization": {"offload_param": {"device": "cpu"},
+                                    "offload_optimizer": nvme}}
+    keep_room_for_export(config, tmp_path, 1234)
+    assert config["infinity"] == {"nvme_keep_free": 1234}
+    keep_room_for_export(config, tmp_path, 99)  # the config's own value stands
+    assert config["infinity"] == {"nvme_keep_free": 1234}
+    for zero in ({}, {"offload_optimizer": {"device": "cpu"}},
+                 {"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "no")}}):
+        config = {"zero_optimization": zero}
+        keep_room_for_export(config, tmp_path, 1234)
+        assert "nvme_keep_free" not in config["infinity"]
