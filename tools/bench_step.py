@@ -2,8 +2,9 @@
 
 Configurations, each in a fresh child process (so its peak RSS is its own), alternating in
 rounds: "nvme" (the engine, params and optimizer on NVMe under --path), "nvme-clip" (the same
-with gradient_clipping --clip: the speculative overlapped step, docs/engine.md), "nvme-rollback"
-(clipping that always acts: every speculated unit rolled back and stepped again),
+with gradient_clipping --clip: the overlapped step, speculative unless clipping acted at the step
+before, docs/engine.md), "nvme-rollback" (clipping that always acts, `infinity.speculate`
+"always": every speculated unit rolled back and stepped again),
 "nvme-clip-after" (gradient_clipping --clip stepped after backward, overlap_optimizer false: the
 step without speculation), "none" (the engine,
 offload none), "torch" (plain PyTorch + torch.optim.AdamW(fused=True): PyTorch's fastest AdamW
@@ -86,6 +87,8 @@ def engine_config(args: argparse.Namespace, config: str, directory: str) -> dict
     device = {"device": offload, **({"nvme_path": directory} if offload == "nvme" else {})}
     clip = {"nvme-clip": args.clip, "nvme-clip-after": args.clip, "nvme-rollback": ALWAYS_ACTS}
     overlap = {"overlap_optimizer": False} if config == "nvme-clip-after" else {}
+    if config == "nvme-rollback":  # every step speculated, then rolled back
+        overlap = {"speculate": "always"}
     state = {"moments": args.optimizer_state, "master": "none" if args.no_master else "fp32"}
     if config == "nvme-fp32":  # the uncompressed baseline of the same parameters
         state = {"moments": "fp32", "master": "fp32"}
@@ -273,7 +276,9 @@ def report(runs: dict[str, list[dict]]) -> dict:
         out[f"{clipped} over nvme"] = {
             "ratio": step, "range": step_range, "cpu_ratio": cpu, "cpu_range": cpu_range,
             "rollbacks": [r["optimizer"]["rollbacks"] for r in runs[clipped]],
-            "units_speculated": [r["optimizer"]["units_speculated"] for r in runs[clipped]]}
+            "units_speculated": [r["optimizer"]["units_speculated"] for r in runs[clipped]],
+            "steps_not_speculated": [r["optimizer"]["steps_not_speculated"]
+                                     for r in runs[clipped]]}
     for base in ("torch", "torch-default"):
         if "none" in out and base in out:
             step, step_range = paired_ratio(runs["none"], runs[base], "step_s")

@@ -392,6 +392,11 @@ class InfinityConfig(Section):
     optimizer_state: OptimizerStateConfig = field(default_factory=OptimizerStateConfig)
     """How the Adam state is stored: see OptimizerStateConfig. Default fp32 moments and
     master."""
+    speculate: Literal["auto", "always"] = "auto"
+    """When the overlapped optimizer steps units during backward speculatively: "auto" skips
+    the step after one where clipping acted (it would most likely be rolled back and redone;
+    the units are stepped once the step is validated, in the tail), "always" every step. The
+    results are the same bit for bit. Default "auto"."""
     nvme_keep_free: ByteSize = 0
     """Bytes of the disk under nvme_path that the swap file leaves free beside its 1/64 slack,
     for what the run writes next to it (infinity-train sets the size of its export when

@@ -163,8 +163,10 @@ class Engine:
         self._boundary: bool | None = None  # set_gradient_accumulation_boundary
         self.last_grad_norm: float | None = None
         if self.overlap:
-            self._stepper = OverlappedStep(self.ranked.trained, self._step_at, self._settle,
-                                           self._prefetch_state, self.coordinator.next_use)
+            self._stepper = OverlappedStep(
+                self.ranked.trained, self._step_at, self._settle, self._prefetch_state,
+                self.coordinator.next_use,
+                always_speculate=self.config.infinity.speculate == "always")
         self._pending_save: Future[Path] | None = None  # a background checkpoint save
 
     def _make_optimizer(self) -> SwappedOptimizer:
@@ -558,7 +560,9 @@ class Engine:
                       "forward_wait_s": 0.0 if stepper is None else stepper.forward_wait_s,
                       "units_speculated": 0 if stepper is None else stepper.units_speculated,
                       "rollbacks": 0 if stepper is None else stepper.rollbacks,
-                      "units_rolled_back": 0 if stepper is None else stepper.units_rolled_back}
+                      "units_rolled_back": 0 if stepper is None else stepper.units_rolled_back,
+                      "steps_not_speculated":
+                          0 if stepper is None else stepper.steps_not_speculated}
         return {"store": self.store.stats(), "prefetch": asdict(self.coordinator.stats),
                 "global_steps": self.global_steps, "skipped_steps": self.skipped_steps,
                 "optimizer": {"overlap": self.overlap, **overlapped,

@@ -66,6 +66,18 @@ rollbacks are counted in `Engine.stats()["optimizer"]`. Checkpoints see only com
 a save between a boundary backward and its step() is refused, and a save after it settles the
 tail first.
 
+[Note: when not to speculate] Where clipping acts at every step (a fresh model, a fine-tune
+whose gradient norm stays above max_grad_norm), each speculated unit is rolled back and stepped
+again: the speculated pass's state writes are wasted and compete with backward for the disk and
+the cores (measured: the 294M GPT's clipped step 1.44x the unclipped one, docs/performance.md).
+So a step after one where clipping acted is not speculated (`infinity.speculate` "auto"): its
+units are handed to the worker only once the step is decided, like the units backward did not
+hand over, and go on into the next forward (the tail). The first step where clipping does not
+act is then not overlapped with backward, and speculation resumes at the next; a step skipped
+or refused (NaN, fp16 overflow) leaves the prediction as it was. Results are the same bit for
+bit either way (the same kernel calls on the same state); `stats()` counts the steps not
+speculated. "always" speculates every step.
+
 `OverlappedStep` owns what one such step needs besides the engine: the worker, the step's
 learning rate and gradient scale, whether it speculates (and the counts of what it speculated
 and rolled back), each unit's gradient sum of squares as its gradient becomes final (the global
@@ -116,8 +128,10 @@ class OverlappedStep:
     def __init__(self, units: Sequence[FetchUnit],
                  step: Callable[[int, float, float, bool], bool],
                  settle: Callable[[int, bool], None], read_ahead: Callable[[int], None],
-                 next_use: NextUseClock) -> None:
+                 next_use: NextUseClock, *, always_speculate: bool = False) -> None:
         self._units, self._step, self._decide_unit = list(units), step, settle
+        self._always_speculate = always_speculate
+        self._clipping_acted = False  # at the last decided step ([Note: when not to speculate])
         self._next_use = next_use
         self._stepper = UnitStepper(self._run, read_ahead)
         self.lr = 0.0  # of the step being built: taken when its backward started
@@ -133,6 +147,7 @@ class OverlappedStep:
         self.units_speculated = 0  # units stepped speculatively (then committed or rolled back)
         self.rollbacks = 0  # speculated steps rolled back (clipping acted, or refused/skipped)
         self.units_rolled_back = 0
+        self.steps_not_speculated = 0  # clipping had acted at the step before
 
     # -- during backward ----------------------------------------------------------------------
 
@@ -141,7 +156,8 @@ class OverlappedStep:
         moves on at step(), before the tail is done) and `grad_scale` (the scale of a step that
         stands unclipped: 1 / loss scale) until the step is validated."""
         self.lr, self.grad_scale = lr, grad_scale
-        self.speculating = True
+        self.speculating = self._always_speculate or not self._clipping_acted
+        self.steps_not_speculated += not self.speculating
         self._unspeculated = set()
         self._squares = [None] * len(self._units)
 
@@ -149,7 +165,7 @@ class OverlappedStep:
         """Unit i's gradient is final, with sum of squares `square`; `hand_over`: step it on the
         worker now."""
         self._squares[i] = square
-        if hand_over:
+        if hand_over and self.speculating:
             # The worker reads these values again soon (not at the next forward, as the trace
             # says): keep the copy backward used in RAM.
             ahead = [self._units[k].key for k in self._stepper.queued()]
@@ -197,7 +213,8 @@ class OverlappedStep:
             grad_scale = validate(self._all_squares(square_of), undo)
             if grad_scale is None:
                 return None
-            if grad_scale != self.grad_scale:  # clipping acts: redo them with its factor
+            self._clipping_acted = grad_scale != self.grad_scale
+            if self._clipping_acted:  # redo them with its factor
                 undo()
                 speculated = []
             for i in speculated:  # the scale they were stepped with: they stand

@@ -32,6 +32,9 @@ STEPS = 10
 LR, WEIGHT_DECAY, CLIP = 1e-2, 0.01, 0.05  # CLIP is below the gradient norm: every step clips
 
 
+ALWAYS = {"infinity": {"collective_timeout": 60, "speculate": "always"}}
+
+
 def _config(stage, *, nvme=None, clip=0.0, gas=1, **extra):
     zero = {"stage": stage, "stage3_param_persistence_threshold": 10, "sub_group_size": 32}
     if nvme is not None:
@@ -132,9 +135,10 @@ PARITY = {  # name -> config(nvme path)
     "stage3": lambda nvme: _config(3),
     "stage3-clip": lambda nvme: _config(3, clip=CLIP),
     "stage3-nvme-gas2": lambda nvme: _config(3, nvme=nvme, gas=2),
-    # overlapped with clipping: speculated, then rolled back and redone (clipping acts)
-    "stage2-nvme-clip-gas2": lambda nvme: _config(2, nvme=nvme, clip=CLIP, gas=2),
-    "stage3-nvme-clip": lambda nvme: _config(3, nvme=nvme, clip=CLIP),
+    # overlapped with clipping: speculated at every step ("always"; "auto" would not speculate
+    # after a step where clipping acted), then rolled back and redone (clipping acts)
+    "stage2-nvme-clip-gas2": lambda nvme: _config(2, nvme=nvme, clip=CLIP, gas=2, **ALWAYS),
+    "stage3-nvme-clip": lambda nvme: _config(3, nvme=nvme, clip=CLIP, **ALWAYS),
 }
 
 

@@ -115,7 +115,7 @@ def test_speculated_steps_equal_the_step_after_backward(tmp_path, patient_worker
     runs, stats = {}, None
     for overlap in (False, True):
         engine = _engine(tmp_path, offload, overlap, gradient_clipping=clip,
-                         gradient_accumulation_steps=gas)
+                         gradient_accumulation_steps=gas, infinity={"speculate": "always"})
         runs[overlap] = _train(engine, batches)
         stats = engine.stats()["optimizer"]
         engine.close()
@@ -130,6 +130,31 @@ def test_speculated_steps_equal_the_step_after_backward(tmp_path, patient_worker
     model = mlp()
     model.load_state_dict(runs[True][1])
     assert_parity(model, reference, runs[True][0], ref_losses)
+
+
+@pytest.mark.parametrize("offload", OFFLOADS)
+def test_a_step_after_one_where_clipping_acted_is_not_speculated(tmp_path, patient_worker,
+                                                                 offload):
+    """speculate "auto": clipping acts at step 1 (its loss scaled up), so step 2 is stepped
+    once validated, not during backward; clipping does not act there, so step 3 speculates
+    again. Bit for bit the stepped-after-backward engine all along."""
+    batches = mlp_batches(4)
+    big = {1}
+    runs = {}
+    for overlap in (False, True):
+        with _engine(tmp_path, offload, overlap, gradient_clipping=1e3) as engine:
+            losses = []
+            for k, ((x,), _) in enumerate(batches):
+                loss = loss_of(engine(x)) * (1e6 if k in big else 1.0)
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            runs[overlap] = losses, dict(engine.named_parameters())
+            stats = engine.stats()["optimizer"]
+    _identical(runs[True], runs[False])
+    assert stats["steps_not_speculated"] == 1 and stats["rollbacks"] == 1
+    assert stats["units_speculated"] == stats["units_stepped_in_backward"] == 3 * 3
+    assert stats["units_rolled_back"] == 3
 
 
 def test_a_worker_behind_backward_speculates_what_it_started(tmp_path):
@@ -170,7 +195,8 @@ def test_an_fp16_overflow_rolls_the_step_back_and_skips_it(tmp_path, patient_wor
     batches = mlp_batches(4)
     runs = {}
     for overlap in (False, True):
-        with _engine(tmp_path, offload, overlap, fp16=FP16, gradient_clipping=0.05) as engine:
+        with _engine(tmp_path, offload, overlap, fp16=FP16, gradient_clipping=0.05,
+                     infinity={"speculate": "always"}) as engine:
             losses, scales = [], []
             for k, ((x,), _) in enumerate(batches):
                 handle = None

@@ -130,15 +130,19 @@ def test_the_clipped_configs_speculate_roll_back_or_step_after_backward(tmp_path
     assert [c["gradient_clipping"] for c in configs.values()] == [0.0, 1.0, 1e-9, 1.0]
     assert [c["infinity"].get("overlap_optimizer") for c in configs.values()] == \
         [None, None, None, False]
+    assert [c["infinity"].get("speculate") for c in configs.values()] == \
+        [None, None, "always", None]
     assert all(c["zero_optimization"]["offload_optimizer"]["device"] == "nvme"
                for c in configs.values())
 
     def rounds(config, *steps):
         return [{"config": config, "step_s": t, "cpu_s": t, "peak_rss": 1e9,
-                 "optimizer": {"rollbacks": 3, "units_speculated": 9}, "bytes_per_step": 1e9,
+                 "optimizer": {"rollbacks": 3, "units_speculated": 9, "steps_not_speculated": 0},
+                 "bytes_per_step": 1e9,
                  "raw_gbps": 1.0, "on_demand_nvme_after_step_1": 0, "compactions_per_step": 0,
                  "compaction_s_per_step": 0.0} for t in steps]
     results = bench_step.report({"nvme": rounds("nvme", 1.0, 2.0),
                                  "nvme-rollback": rounds("nvme-rollback", 1.5, 2.4)})
     assert results["nvme-rollback over nvme"]["ratio"] == pytest.approx(1.35)
     assert results["nvme-rollback over nvme"]["rollbacks"] == [3, 3]
+    assert results["nvme-rollback over nvme"]["steps_not_speculated"] == [0, 0]
