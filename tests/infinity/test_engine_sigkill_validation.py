@@ -2,8 +2,8 @@
 commit/rollback decision, inside a speculated unit's rollback, between two units' commits,
 with the plain overlapped step and with clipping (which rolls every step back and redoes it),
 a refused NaN step among them. Each attempt resumes from the last checkpoint saved before it
-and the last one trains to the end: bit for bit the uninterrupted run, itself bit for bit the
-stepped-after-backward engine.
+and the last one trains to the end: bit for bit the uninterrupted run (which saves nothing),
+itself bit for bit the stepped-after-backward engine.
 
 One child process imports torch and infinity once and forks a grandchild per run (before any
 engine thread exists in the child). Each kill is deterministic: the grandchild SIGKILLs itself
@@ -87,7 +87,7 @@ def config(clip, overlap):
                                   "offload_optimizer": {"device": "nvme", "nvme_path": swap}},
             "infinity": {"host_memory_budget": "1GB", "overlap_optimizer": overlap}}
 
-def train(run, out, clip, overlap, kill):
+def train(run, out, clip, overlap, kill, save):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     poisoned = [False]  # the last Linear's weight: its unit's gradient is final first
@@ -110,19 +110,19 @@ def train(run, out, clip, overlap, kill):
         except infinity.NonFiniteGradientError:
             assert batch == NAN_BATCH
             engine.zero_grad()
-        if batch % 2 == 1:
+        if save and batch % 2 == 1 and batch + 1 < BATCHES:  # (saves cost fsyncs)
             engine.save_checkpoint(run, tag=f"batch{batch + 1}", client_state={"batch": batch + 1})
     torch.save(dict(engine.named_parameters()), out)
     speculated = engine.stats()["optimizer"]["units_speculated"]
     engine.close()
     return speculated
 
-def attempt(run, out, clip, overlap=True, kill=None):
+def attempt(run, out, clip, overlap=True, kill=None, save=True):
     pid = os.fork()
     if pid == 0:
         code = 0
         try:
-            speculated = train(run, out, clip, overlap, kill)
+            speculated = train(run, out, clip, overlap, kill, save)
             log({"run": os.path.basename(run), "speculated": speculated})
         except BaseException:
             import traceback; traceback.print_exc()
@@ -135,8 +135,8 @@ statuses = {}
 for clip, plan in PLANS.items():
     name = f"clip{clip}"
     path = lambda what: os.path.join(ROOT, f"{name}-{what}")
-    after = attempt(path("after"), path("after.pt"), clip, overlap=False)
-    reference = attempt(path("reference"), path("reference.pt"), clip)
+    after = attempt(path("after"), path("after.pt"), clip, overlap=False, save=False)
+    reference = attempt(path("reference"), path("reference.pt"), clip, save=False)
     resumed = [attempt(path("run"), path("resumed.pt"), clip, kill=tuple(kill)) for kill in plan]
     resumed.append(attempt(path("run"), path("resumed.pt"), clip))
     statuses[name] = {"after": after, "reference": reference, "resumed": resumed}
