@@ -277,18 +277,24 @@ class Engine:
         self._boundary = is_boundary
 
     def step(self) -> None:
-        """Call after every backward; updates the parameters at accumulation boundaries."""
+        """Call after every backward; updates the parameters at accumulation boundaries. A step
+        refused for a non-finite gradient (NonFiniteGradientError) ends its accumulation all
+        the same: after `zero_grad()` the next micro-batch starts a new one."""
         self._check_open()
         self._refuse_if_broken()
         if self.is_gradient_accumulation_boundary():
-            with self.timeline.region("step", "compute"):
-                self.coordinator.release_all()
-                self.ranked.average_rest()
-                if self.phase is StepPhase.STEPPING:
-                    self._end_overlapped_step()
-                else:  # (step() twice without a backward between: the last step comes first)
-                    self.synchronize()
-                    self._step_after_backward()
+            try:
+                with self.timeline.region("step", "compute"):
+                    self.coordinator.release_all()
+                    self.ranked.average_rest()
+                    if self.phase is StepPhase.STEPPING:
+                        self._end_overlapped_step()
+                    else:  # (step() twice without a backward between: the last step first)
+                        self.synchronize()
+                        self._step_after_backward()
+            except NonFiniteGradientError:
+                self.counters.micro_steps += 1  # as a skipped fp16 step's, its window is over
+                raise
         self.counters.micro_steps += 1
 
     def synchronize(self) -> None:

@@ -19,11 +19,17 @@ from the loaded step to `steps` (the parameters right after loading are recorded
 `save`+`save_after`: save there after that many steps (parameters then recorded as "saved").
 Both record "draw", four numbers from torch's RNG right after the save / the load. Every case
 records "grad_norms", `engine.last_grad_norm` after each step.
+`nan`: {"step", "micro", "param", "ranks"}: the gradient of `param` (a name in the model) is
+multiplied by NaN in that micro-batch on those ranks; the step's boundary step() must refuse it:
+recorded as "refused" (the error, the phase after it, and what the step changes, before that
+step's first micro-batch and after the refusal), then zero_grad() drops the batch and training
+goes on. `skip_steps`: steps whose data is never seen. Losses are recorded before step().
 `data_world` (default: the world) is the number of ranks whose rows the whole job trains on,
 split over this job's ranks (a 1-rank job resuming a 2-rank run takes both ranks' rows).
 `hidden` (default HIDDEN): the width of the model's hidden layer.
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -62,8 +68,12 @@ def run_case(case: dict, rank: int, world: int) -> dict:
         model = make_model(case.get("seed", 0) + rank, case.get("hidden", HIDDEN))
     # Layer 0's bias lies in the second half of its unit: in rank 1's shard. An overflow there
     # on rank 1 alone reaches no other rank's shard; only the all-reduced norm tells them.
-    overflow = [False]
+    overflow, poisoned = [False], [False]
     model[0].bias.register_hook(lambda g: g * float("inf") if overflow[0] else g)
+    nan = case.get("nan")
+    if nan is not None:
+        model.get_parameter(nan["param"]).register_hook(
+            lambda g: g * float("nan") if poisoned[0] else g)
     engine = infinity.initialize(model, case["config"])
     gas = engine.config.gradient_accumulation_steps
     data_world = case.get("data_world", world)
@@ -77,19 +87,27 @@ def run_case(case: dict, rank: int, world: int) -> dict:
             record["loaded"] = dict(engine.named_parameters())
             record["draw"] = torch.rand(4)  # the RNG state comes back with the checkpoint
         for step in range(engine.global_steps, case["steps"]):
+            if step in case.get("skip_steps", ()):
+                continue
+            refusing = nan is not None and step == nan["step"]
+            before = _snapshot(engine) if refusing else None
             for micro in range(gas):
                 x, y = global_batch(step, micro, data_world)
                 dtype = torch.float16 if engine.config.fp16.enabled else torch.float32
                 loss = torch.nn.functional.mse_loss(engine(x[rows].to(dtype)), y[rows].to(dtype))
                 overflow[0] = step == case.get("overflow_at_step") and rank == 1
+                poisoned[0] = refusing and micro == nan["micro"] and rank in nan["ranks"]
                 if step == case.get("die_at_step") and rank == 1:
                     os._exit(17)
                 if step == case.get("stall_at_step") and rank == 1:
                     time.sleep(case["stall_s"])
                     os._exit(18)
                 engine.backward(loss)
-                engine.step()
                 losses.append(float(loss))
+                if refusing and micro == gas - 1:
+                    record["refused"] = _refuse(engine, before)
+                else:
+                    engine.step()
             record.setdefault("grad_norms", []).append(engine.last_grad_norm)
             if step + 1 == case.get("save_after"):
                 engine.save_checkpoint(case["save"])
@@ -107,6 +125,32 @@ def run_case(case: dict, rank: int, world: int) -> dict:
         engine.close()
     return {"losses": losses, "params": params, "optimizer": stats, "owned": owned,
             "grads": grads, **record}
+
+
+def _snapshot(engine) -> dict:
+    """What a step changes on this rank: the values, the optimizer's state (moments, Adam's
+    step), the counters and the learning rate (the schedule's position is in the counters),
+    and the overlapped step's counts of units speculated and rolled back."""
+    values = dict(engine.named_parameters())
+    state = [(u, {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()})
+             for u, s in engine.optimizer.iter_state()]
+    optimizer = engine.stats()["optimizer"]
+    return {"values": values, "state": state, "counters": dataclasses.asdict(engine.counters),
+            "lr": engine.get_lr(), "speculation": {
+                k: optimizer[k] for k in ("units_speculated", "rollbacks", "units_rolled_back")}}
+
+
+def _refuse(engine, before: dict) -> dict:
+    """step() at a boundary whose gradients hold a NaN (on some rank): how it failed, and what
+    the step changes before (`before`) and after it; then zero_grad() drops the batch."""
+    error = None
+    try:
+        engine.step()
+    except infinity.NonFiniteGradientError as exc:
+        error = [type(exc).__name__, str(exc)]
+    phase = engine.phase.value
+    engine.zero_grad()
+    return {"error": error, "phase": phase, "before": before, "after": _snapshot(engine)}
 
 
 def main() -> int:

@@ -166,21 +166,27 @@ def test_a_nan_in_an_early_micro_batch_fails_the_accumulated_step(tmp_path, wher
     engine.close()
 
 
-def test_zero_grad_after_a_refused_step_skips_the_batch(tmp_path):
-    """A step refused for a NaN changed nothing; zero_grad drops the NaN gradients and training
-    goes on as if that batch had never been seen."""
+@pytest.mark.parametrize("gas", [1, 2])
+def test_zero_grad_after_a_refused_step_skips_the_batch(tmp_path, gas):
+    """A step refused for a NaN changed nothing but ended its accumulation; zero_grad drops
+    the NaN gradients and training goes on as if that accumulation's micro-batches had never
+    been seen (with gas 2 the next micro-batch starts a new accumulation, not ends one)."""
     model = mlp()
-    engine = infinity.initialize(model, config(tmp_path))
-    data = mlp_batches(4)
-    train_engine(engine, data[:1])
-    (x,), _ = data[1]
+    engine = infinity.initialize(model, config(tmp_path, gradient_accumulation_steps=gas))
+    data = mlp_batches(4 * gas)
+    train_engine(engine, data[:gas])
+    refused = data[gas:2 * gas]
+    train_engine(engine, refused[:-1])
+    (x,), _ = refused[-1]
     _nan_step(engine, model[4].weight, x, "the step was not taken")
     engine.zero_grad()
-    losses = train_engine(engine, data[2:])
+    assert (engine.global_steps, engine.micro_steps) == (1, 2 * gas)
+    losses = train_engine(engine, data[2 * gas:])
+    assert engine.global_steps == 3
     engine.close()
     reference = mlp()
-    ref_losses = train_reference(reference, data[:1] + data[2:])
-    assert_parity(model, reference, losses, ref_losses[1:])
+    ref_losses = train_reference(reference, data[:gas] + data[2 * gas:], gas=gas)
+    assert_parity(model, reference, losses, ref_losses[gas:])
 
 
 @pytest.mark.parametrize("offload", ["none", "nvme"])

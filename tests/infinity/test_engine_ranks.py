@@ -2,7 +2,9 @@
 offload none / nvme train exactly as one process on the concatenated batch (plain PyTorch +
 AdamW, <= 1e-5 relative on losses and parameters, fp32, 10 steps), with clipping and gradient
 accumulation; mismatched configs and a batch size that ignores the world are refused on every
-rank; a killed rank ends the other with RankError naming it, not a hang.
+rank; a killed rank ends the other with RankError naming it, not a hang. A NaN in one unit's
+gradient (on both ranks, or on one) is refused on every rank with nothing changed, the
+speculated units rolled back, and training goes on as if the batch had never been seen.
 
 All parity cases run in one torchrun launch (one child process per rank runs them in turn; see
 _ranks_child.py) to pay the processes' start once. The lost-rank tests start the ranks with
@@ -103,13 +105,20 @@ def _launch(tmp_path, cases, timeout_s, wait_for=WORLD):
     return done + [p.returncode for p in procs[wait_for:]]
 
 
-def _reference(config, steps):
-    """Plain PyTorch on the concatenated batch of every rank: (micro-batch losses, params)."""
+def _reference(config, steps, skip=()):
+    """Plain PyTorch on the concatenated batch of every rank, never seeing the data of the
+    steps in `skip`, with the config's WarmupLR: (micro-batch losses, params)."""
     model = make_model(0)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    schedule = config.get("scheduler")
+    schedule = schedule and infinity.optim.WarmupLR(**schedule["params"])
     gas = config["gradient_accumulation_steps"]
     losses = []
     for step in range(steps):
+        if step in skip:
+            continue
+        if schedule:  # the engine's: the schedule moves on after each applied step
+            opt.param_groups[0]["lr"] = schedule.lr_at(len(losses) // gas - 1)
         for micro in range(gas):
             x, y = global_batch(step, micro, WORLD)
             loss = torch.nn.functional.mse_loss(model(x), y)
@@ -147,6 +156,24 @@ SPECULATED_TWINS = ["stage2-nvme-clip-gas2", "stage3-nvme-clip"]
 STEPPED_AFTER = {"infinity": {"collective_timeout": 60, "overlap_optimizer": False}}
 
 
+# A NaN in one unit's gradient at step NAN_STEP, parameters and optimizer on NVMe, the plain
+# overlapped step (no clipping), accumulation, a WarmupLR schedule still warming up. At stage 3
+# two units are handed over in backward: layer 2's weight, then layer 0 (weight and bias).
+NAN_STEPS, NAN_STEP = 6, 2
+NAN_CONFIG = lambda nvme: _config(  # noqa: E731
+    3, nvme=nvme, gas=2, scheduler={"type": "WarmupLR", "params": {
+        "warmup_min_lr": LR / 10, "warmup_max_lr": LR, "warmup_num_steps": 4,
+        "warmup_type": "linear"}})
+NANS = {  # name -> (the NaN, per rank: the units speculated then rolled back in its step)
+    # on both ranks, in the first micro-batch: both shards of layer 2's weight hold it (their
+    # step fails on the worker), layer 0 is speculated
+    "nan": ({"step": NAN_STEP, "micro": 0, "param": "2.weight", "ranks": [0, 1]}, [1, 1]),
+    # on rank 1 only, in layer 0's bias (rank 1's shard): rank 0's gradients are all finite,
+    # both its units are speculated; only the all-reduced count tells it to refuse
+    "nan-on-rank-1": ({"step": NAN_STEP, "micro": 1, "param": "0.bias", "ranks": [1]}, [2, 1]),
+}
+
+
 @pytest.fixture(scope="module")
 def ranks_run(tmp_path_factory):
     """One launch of every case below on 2 ranks, with torchrun."""
@@ -170,6 +197,12 @@ def ranks_run(tmp_path_factory):
               for name in NORM_TWINS]
     cases += [{"name": f"{name}-after", "steps": STEPS,
                "config": PARITY[name](nvme) | STEPPED_AFTER} for name in SPECULATED_TWINS]
+    cases += [{"name": name + suffix, "steps": NAN_STEPS, "patient_worker": True, "nan": nan,
+               "config": NAN_CONFIG(nvme) | extra}
+              for name, (nan, _) in NANS.items()
+              for suffix, extra in (("", {}), ("-after", STEPPED_AFTER))]
+    cases.append({"name": "nan-never-seen", "steps": NAN_STEPS, "patient_worker": True,
+                  "skip_steps": [NAN_STEP], "config": NAN_CONFIG(nvme)})
     (code, output), results = _torchrun(tmp_path, cases, timeout_s=240)
     assert code == 0, f"torchrun exited {code}:\n{output[-3000:]}"
     return results, nvme
@@ -335,3 +368,68 @@ def test_the_overlapped_step_reports_the_norm_over_every_ranks_shard(ranks_run, 
         opt.step()
         opt.zero_grad()
     torch.testing.assert_close(results[0][name]["grad_norms"], reference, rtol=1e-5, atol=0)
+
+
+def _assert_same(a, b, what):
+    """Two snapshots of what a step changes (_ranks_child._snapshot) are equal, bit for bit."""
+    assert a["values"].keys() == b["values"].keys()
+    for key, value in a["values"].items():
+        assert torch.equal(value, b["values"][key]), (what, key)
+    for (u, state_a), (_, state_b) in zip(a["state"], b["state"], strict=True):
+        assert state_a.keys() == state_b.keys()
+        for key, value in state_a.items():
+            same = torch.equal(value, state_b[key]) if torch.is_tensor(value) else \
+                value == state_b[key]
+            assert same, (what, u, key)
+    assert (a["counters"], a["lr"]) == (b["counters"], b["lr"]), what
+
+
+@pytest.mark.parametrize("name", list(NANS))
+def test_a_nan_on_two_ranks_changes_nothing_and_training_goes_on(ranks_run, name):
+    """The boundary step() raises NonFiniteGradientError on every rank (also on rank 0 when
+    only rank 1's gradient holds the NaN), with every speculated unit rolled back: values,
+    moments, Adam's step, counters (the refused step() only ends its accumulation), learning
+    rate as before the step's first micro-batch. After zero_grad() training goes on: bit for
+    bit the stepped-after-backward engine, and the run that never saw that step's batch, and
+    plain PyTorch on the concatenated batch without it within 1e-5."""
+    results, nvme = ranks_run
+    rolled_back = NANS[name][1]
+    for rank, r in enumerate(results):
+        run, after, unseen = r[name], r[f"{name}-after"], r["nan-never-seen"]
+        for record in (run, after, unseen):
+            assert "error" not in record, record
+        assert run["optimizer"]["overlap"] and not after["optimizer"]["overlap"]
+        for record in (run, after):
+            refused = record["refused"]
+            assert refused["error"] is not None, (rank, "step() took the NaN step")
+            kind, message = refused["error"]
+            assert kind == "NonFiniteGradientError" and refused["phase"] == "idle"
+            if name == "nan-on-rank-1" and rank == 0:  # its own gradients are all finite
+                assert "in another rank: the step was not taken" in message
+            before = refused["before"]
+            ended = {**before, "counters": {**before["counters"],
+                                            "micro_steps": before["counters"]["micro_steps"] + 2}}
+            _assert_same(refused["after"], ended, (rank, "the refused step changed something"))
+        _assert_same(run["refused"]["after"], after["refused"]["after"], (rank, "after backward"))
+        # every unit speculated in the refused step was rolled back; the other steps committed
+        spec_before, spec_after = (run["refused"][k]["speculation"] for k in ("before", "after"))
+        moved = {k: spec_after[k] - spec_before[k] for k in spec_before}
+        assert moved == {"units_speculated": rolled_back[rank], "rollbacks": 1,
+                         "units_rolled_back": rolled_back[rank]}, rank
+        assert run["optimizer"]["rollbacks"] == 1
+        assert run["optimizer"]["units_speculated"] == 2 * (NAN_STEPS - 1) + rolled_back[rank]
+        # training went on: the stepped-after-backward engine, the run without the batch
+        assert run["losses"] == after["losses"]
+        seen = [loss for k, loss in enumerate(run["losses"]) if k // 2 != NAN_STEP]
+        assert seen == unseen["losses"]
+        for key, value in run["params"].items():
+            assert torch.equal(value, after["params"][key]), (rank, key)
+            assert torch.equal(value, unseen["params"][key]), (rank, key)
+    for key, value in results[0][name]["params"].items():
+        assert torch.equal(value, results[1][name]["params"][key]), key
+    config = NAN_CONFIG(nvme)
+    ref_losses, ref_params = _reference(config, NAN_STEPS, skip={NAN_STEP})
+    losses = torch.tensor([r["nan-never-seen"]["losses"] for r in results]).mean(0)
+    assert _relative(losses, torch.tensor(ref_losses)) <= 1e-5
+    for key, ref in ref_params.items():
+        assert _relative(results[0][name]["params"][key], ref.detach()) <= 1e-5, key
