@@ -85,7 +85,10 @@ def config(clip, overlap):
                                   "sub_group_size": 64,
                                   "offload_param": {"device": "nvme", "nvme_path": swap},
                                   "offload_optimizer": {"device": "nvme", "nvme_path": swap}},
-            "infinity": {"host_memory_budget": "1GB", "overlap_optimizer": overlap}}
+            # "always": with clipping acting at every step, every step still speculates (and
+            # rolls back), so each has a validation and a rollback to be killed in
+            "infinity": {"host_memory_budget": "1GB", "overlap_optimizer": overlap,
+                         "speculate": "always"}}
 
 def train(run, out, clip, overlap, kill, save):
     torch.manual_seed(0)
