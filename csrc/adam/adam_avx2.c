@@ -86,7 +86,6 @@ typedef __m256 vec_mask;  /* all-ones lanes where true */
 #define vec_i32_slli(x, n) _mm256_slli_epi32(x, n)
 #define vec_iota() _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)
 #define vec_lt(x, y) _mm256_cmp_ps(x, y, _CMP_LT_OQ)
-#define vec_gt(x, y) _mm256_cmp_ps(x, y, _CMP_GT_OQ)
 #define vec_not_le(x, y) _mm256_cmp_ps(x, y, _CMP_NLE_UQ)
 #define vec_is_nan(x) _mm256_cmp_ps(x, x, _CMP_UNORD_Q)
 #define vec_mask_any(x) (_mm256_movemask_ps(x) != 0)
@@ -96,6 +95,11 @@ typedef __m256 vec_mask;  /* all-ones lanes where true */
 INF_ADAM__SIMD_INLINE vec_i32 vec_load_u8(const uint8_t *src)
 {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)src));
+}
+
+INF_ADAM__SIMD_INLINE vec_i32 vec_load_s8(const uint8_t *src)
+{
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)src));
 }
 
 INF_ADAM__SIMD_INLINE void vec_store_u8(uint8_t *dst, vec_i32 x)

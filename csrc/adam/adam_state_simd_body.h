@@ -12,12 +12,13 @@
  *   vec_i32_hmax              the largest lane (signed)
  *   vec_i32_srli, _slli       shift each lane by a constant (logical)
  *   vec_iota                  0, 1, 2, ... one per lane
- *   vec_lt, vec_gt            ordered float comparisons
+ *   vec_lt                    ordered float comparison
  *   vec_not_le(x, y)          !(x <= y): true for a NaN lane
  *   vec_is_nan(x)
  *   vec_mask_any
  *   vec_select, vec_i32_select (mask, where true, where false)
  *   vec_load_u8, vec_store_u8 as many bytes as lanes, widened / narrowed (values <= 255)
+ *   vec_load_s8               as many bytes as lanes, sign-extended
  *   vec_bf16_bits             32-bit lanes of the bf16 rounding of [Note: lowp rounding]
  *   vec_pack_u16              narrow 32-bit lanes (values <= 0xffff) to a vec_u16
  *   INF_ADAM__SIMD_FN         `static` with the ISA's target attribute
@@ -53,14 +54,19 @@ INF_ADAM__SIMD_INLINE vec_f32 q8_magnitude(vec_i32 mag, int man, int bias)
                    vec_set1(inf_adam__bits_f32((uint32_t)(127 + 127 - bias) << 23)));
 }
 
+/* The code sign-extended and shifted so its magnitude bits land where q8_magnitude puts them
+ * has its sign bit copied into every bit above them: the mask keeps the float's sign bit and
+ * the magnitude. Scaling by a power of two is exact and symmetric in the sign, so this is
+ * -magnitude for a negative code (-0 for 0x80), as inf_adam__q8_decode_m says. */
 INF_ADAM__SIMD_INLINE vec_f32 q8_decode_m(const uint8_t *src, vec_f32 scale)
 {
-    vec_i32 code = vec_load_u8(src);
-    vec_f32 mag = q8_magnitude(vec_i32_and(code, vec_i32_set1(0x7f)), INF_ADAM__QM_MAN,
-                               INF_ADAM__QM_BIAS);
-    vec_i32 sign = vec_i32_slli(vec_i32_and(code, vec_i32_set1(0x80)), 24);
+    const int shift = 23 - INF_ADAM__QM_MAN;
+    vec_i32 bits = vec_i32_and(vec_i32_slli(vec_load_s8(src), shift),
+                               vec_i32_set1((int32_t)(0x80000000u | 0x7fu << shift)));
+    vec_f32 signed_mag = vec_mul(vec_as_f32(bits), vec_set1(inf_adam__bits_f32(
+        (uint32_t)(127 + 127 - INF_ADAM__QM_BIAS) << 23)));
 
-    return vec_mul(vec_as_f32(vec_i32_or(vec_as_i32(mag), sign)), scale);
+    return vec_mul(signed_mag, scale);
 }
 
 INF_ADAM__SIMD_INLINE vec_f32 q8_decode_v(const uint8_t *src, vec_f32 scale)
@@ -105,16 +111,16 @@ INF_ADAM__SIMD_INLINE void encode_m(uint8_t *dst, const float *src, size_t n, fl
 INF_ADAM__SIMD_INLINE void encode_v(uint8_t *dst, const float *src, size_t n, float scale,
                                     float inv, int use_inv)
 {
-    const vec_f32 s = vec_set1(scale), r = vec_set1(inv), zero = vec_set1(0.0f);
-    const vec_i32 one = vec_i32_set1(1), none = vec_i32_set1(0);
+    const vec_f32 s = vec_set1(scale), r = vec_set1(inv);
+    const vec_i32 one = vec_i32_set1(1);
     size_t k = 0;
 
     for (; k + INF_ADAM__SIMD_WIDTH <= n; k += INF_ADAM__SIMD_WIDTH) {
         vec_f32 mag = vec_abs(q8_normalize(vec_loadu(src + k), s, r, use_inv));
         vec_i32 code = q8_encode_magnitude(mag, INF_ADAM__QV_MAN, INF_ADAM__QV_BIAS, 0xff);
 
-        /* a positive value never codes as 0 */
-        code = vec_i32_max(code, vec_i32_select(vec_gt(mag, zero), one, none));
+        /* a positive value never codes as 0: min(bits, 1) is 1 for |y| > 0, else 0 */
+        code = vec_i32_max(code, vec_i32_min(vec_as_i32(mag), one));
         vec_store_u8(dst + k, code);
     }
     for (; k < n; k++)
