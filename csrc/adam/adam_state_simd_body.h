@@ -9,8 +9,8 @@
  *   vec_abs                   |x|
  *   vec_as_i32, vec_as_f32    the same bits as the other type
  *   vec_i32_set1, _add, _and, _or, _xor, _mullo (low 32 bits), _min, _max (signed),
- *   vec_i32_hmax              the largest lane (signed)
  *   vec_i32_srli, _slli       shift each lane by a constant (logical)
+ *   vec_i32_hmax              the largest lane (signed)
  *   vec_iota                  0, 1, 2, ... one per lane
  *   vec_lt                    ordered float comparison
  *   vec_not_le(x, y)          !(x <= y): true for a NaN lane
@@ -31,7 +31,6 @@
 #endif
 
 #include "adam_state_kernel.h"
-
 
 INF_ADAM__SIMD_INLINE vec_f32 st_load_16(const void *src, int dtype, size_t i)
 {
@@ -62,7 +61,7 @@ INF_ADAM__SIMD_INLINE vec_f32 q8_decode_m(const uint8_t *src, vec_f32 scale)
 {
     const int shift = 23 - INF_ADAM__QM_MAN;
     vec_i32 bits = vec_i32_and(vec_i32_slli(vec_load_s8(src), shift),
-                               vec_i32_set1((int32_t)(0x80000000u | 0x7fu << shift)));
+                               vec_i32_set1((int32_t)(0x80000000u | (0x7fu << shift))));
     vec_f32 signed_mag = vec_mul(vec_as_f32(bits), vec_set1(inf_adam__bits_f32(
         (uint32_t)(127 + 127 - INF_ADAM__QM_BIAS) << 23)));
 
