@@ -71,7 +71,6 @@ INF_ADAM__AVX2 void inf_adam__range_avx2(const struct inf_adam__coef *c,
 typedef __m256i vec_i32;
 typedef __m256 vec_mask;  /* all-ones lanes where true */
 
-#define vec_max(x, y) _mm256_max_ps(x, y)
 #define vec_abs(x) _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x)
 #define vec_as_i32(x) _mm256_castps_si256(x)
 #define vec_as_f32(x) _mm256_castsi256_ps(x)
@@ -87,26 +86,20 @@ typedef __m256 vec_mask;  /* all-ones lanes where true */
 #define vec_i32_slli(x, n) _mm256_slli_epi32(x, n)
 #define vec_iota() _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)
 #define vec_lt(x, y) _mm256_cmp_ps(x, y, _CMP_LT_OQ)
-#define vec_gt(x, y) _mm256_cmp_ps(x, y, _CMP_GT_OQ)
 #define vec_not_le(x, y) _mm256_cmp_ps(x, y, _CMP_NLE_UQ)
 #define vec_is_nan(x) _mm256_cmp_ps(x, x, _CMP_UNORD_Q)
-#define vec_mask_or(x, y) _mm256_or_ps(x, y)
 #define vec_mask_any(x) (_mm256_movemask_ps(x) != 0)
 #define vec_select(m, t, f) _mm256_blendv_ps(f, t, m)
 #define vec_i32_select(m, t, f) _mm256_blendv_epi8(f, t, _mm256_castps_si256(m))
 
-/* x < y as unsigned: flip the sign bits and compare signed. */
-INF_ADAM__SIMD_INLINE vec_mask vec_u32_lt(vec_i32 x, vec_i32 y)
-{
-    const __m256i flip = _mm256_set1_epi32((int32_t)0x80000000u);
-
-    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_xor_si256(y, flip),
-                                                  _mm256_xor_si256(x, flip)));
-}
-
 INF_ADAM__SIMD_INLINE vec_i32 vec_load_u8(const uint8_t *src)
 {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)src));
+}
+
+INF_ADAM__SIMD_INLINE vec_i32 vec_load_s8(const uint8_t *src)
+{
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)src));
 }
 
 INF_ADAM__SIMD_INLINE void vec_store_u8(uint8_t *dst, vec_i32 x)
@@ -116,13 +109,13 @@ INF_ADAM__SIMD_INLINE void vec_store_u8(uint8_t *dst, vec_i32 x)
     _mm_storel_epi64((__m128i *)dst, _mm_packus_epi16(words, words));
 }
 
-INF_ADAM__SIMD_INLINE float vec_hmax(vec_f32 x)
+INF_ADAM__SIMD_INLINE int32_t vec_i32_hmax(vec_i32 x)
 {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    __m128i m = _mm_max_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
 
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-    return _mm_cvtss_f32(m);
+    m = _mm_max_epi32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(1, 0, 3, 2)));
+    m = _mm_max_epi32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(m);
 }
 
 #include "adam_state_simd_body.h"

@@ -69,7 +69,6 @@ INF_ADAM__AVX512 void inf_adam__range_avx512(const struct inf_adam__coef *c,
 typedef __m512i vec_i32;
 typedef __mmask16 vec_mask;
 
-#define vec_max(x, y) _mm512_max_ps(x, y)
 #define vec_abs(x) _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), \
                                                         _mm512_set1_epi32(0x7fffffff)))
 #define vec_as_i32(x) _mm512_castps_si512(x)
@@ -86,17 +85,15 @@ typedef __mmask16 vec_mask;
 #define vec_i32_slli(x, n) _mm512_slli_epi32(x, n)
 #define vec_iota() _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
 #define vec_lt(x, y) _mm512_cmp_ps_mask(x, y, _CMP_LT_OQ)
-#define vec_gt(x, y) _mm512_cmp_ps_mask(x, y, _CMP_GT_OQ)
 #define vec_not_le(x, y) _mm512_cmp_ps_mask(x, y, _CMP_NLE_UQ)
 #define vec_is_nan(x) _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q)
-#define vec_u32_lt(x, y) _mm512_cmplt_epu32_mask(x, y)
-#define vec_mask_or(x, y) ((__mmask16)((x) | (y)))
 #define vec_mask_any(x) ((x) != 0)
 #define vec_select(m, t, f) _mm512_mask_blend_ps(m, f, t)
 #define vec_i32_select(m, t, f) _mm512_mask_blend_epi32(m, f, t)
 #define vec_load_u8(src) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src)))
+#define vec_load_s8(src) _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src)))
 #define vec_store_u8(dst, x) _mm_storeu_si128((__m128i *)(dst), _mm512_cvtepi32_epi8(x))
-#define vec_hmax(x) _mm512_reduce_max_ps(x)
+#define vec_i32_hmax(x) _mm512_reduce_max_epi32(x)
 
 #include "adam_state_simd_body.h"
 

@@ -224,8 +224,8 @@ static void inf_adam__store_block(const struct inf_adam__state_job *job, size_t 
 {
     const struct inf_adam_segment *s = job->seg;
     size_t blk = lo / job->unit;
-    float m_scale = inf_adam__q8_scale(amax->m, amax->m_bad);
-    float v_scale = inf_adam__q8_scale(amax->v, amax->v_bad);
+    float m_scale = inf_adam__q8_scale(amax->m);
+    float v_scale = inf_adam__q8_scale(amax->v);
     uint8_t *m_codes = (uint8_t *)s->exp_avg + lo, *v_codes = (uint8_t *)s->exp_avg_sq + lo;
 
     s->exp_avg_scale[blk] = m_scale;
@@ -238,37 +238,6 @@ static void inf_adam__store_block(const struct inf_adam__state_job *job, size_t 
         job->isa->encode_v(v_codes, v, hi - lo, v_scale, inf_adam__q8_inverse(v_scale));
     else
         memset(v_codes, 0, hi - lo);
-}
-
-/* Ask for the cache lines of bytes [from, from + bytes) of an array. A prefetch never faults;
- * the addresses are formed as integers because such pointers need not be valid C. */
-static void inf_adam__prefetch_span(const void *base, size_t from, size_t bytes)
-{
-    uintptr_t at = (uintptr_t)base + from;
-
-    if (!base)
-        return;
-    for (uintptr_t line = at & ~(uintptr_t)63; line < at + bytes; line += 64)
-        __builtin_prefetch((const void *)line, 0, 3);
-}
-
-/* Ask for the next block's inputs, elements [lo, hi), while this one computes: with several
- * passes over each block the core would otherwise find each new block's lines missing (the
- * gradient's piece as the cursor stands: a guess where a piece ends in the block). */
-static void inf_adam__prefetch_block(const struct inf_adam__state_job *job,
-                                     const struct inf_adam__grad_cursor *cur, size_t lo,
-                                     size_t hi)
-{
-    const struct inf_adam_segment *s = job->seg;
-    size_t n = hi - lo, msize = s->moments == INF_ADAM_MOMENTS_F32 ? 4
-                                : s->moments == INF_ADAM_MOMENTS_BF16 ? 2 : 1;
-    size_t gsize = inf_adam__dtype_size(cur->piece->dtype);
-
-    inf_adam__prefetch_span(s->master, lo * 4, n * 4);
-    inf_adam__prefetch_span(s->values, lo * 2, n * 2);
-    inf_adam__prefetch_span(s->exp_avg, lo * msize, n * msize);
-    inf_adam__prefetch_span(s->exp_avg_sq, lo * msize, n * msize);
-    inf_adam__prefetch_span(cur->piece->data, (lo - cur->start) * gsize, n * gsize);
 }
 
 static void inf_adam__state_work(const void *ctx, size_t lo, size_t hi)
@@ -285,16 +254,13 @@ static void inf_adam__state_work(const void *ctx, size_t lo, size_t hi)
     for (size_t at = lo; at < hi; at += job->unit) {
         size_t end = hi - at < job->unit ? hi : at + job->unit;
         struct inf_adam__block block = {at, end, NULL, 0, m, v, 0.0f, 0.0f};
-        struct inf_adam__amax amax = {0.0f, 0.0f, 0, 0};
+        struct inf_adam__amax amax = {0, 0};
 
         if (q8) {
             block.m_scale = s->exp_avg_scale[at / job->unit];
             block.v_scale = s->exp_avg_sq_scale[at / job->unit];
         }
         inf_adam__gather(job, &cur, &block, g);
-        if (end < hi)
-            inf_adam__prefetch_block(job, &cur, end,
-                                     hi - end < job->unit ? hi : end + job->unit);
         job->isa->update(&job->coef, s, &block, &amax);
         if (q8)
             inf_adam__store_block(job, at, end, m, v, &amax);

@@ -82,12 +82,12 @@ struct inf_adam__block {
     float v_scale;
 };
 
-/* What an 8-bit block's update saw of its new moments. */
+/* What an 8-bit block's update saw of its new moments: the largest |m| and |v| as float bits.
+ * For non-negative floats the integer order is the float order, and every inf and NaN lies
+ * above every finite value, so one integer max tracks both the scale and a bad block. */
 struct inf_adam__amax {
-    float m;
-    float v;
-    int m_bad;               /* an inf or NaN among them */
-    int v_bad;
+    uint32_t m;
+    uint32_t v;
 };
 
 /* The loops of one instruction set. */
@@ -154,10 +154,16 @@ static inline uint16_t inf_adam__sr_f16(float p, uint32_t r)
     return inf_adam__f32_to_f16(copysignf(t, p));
 }
 
-/* A block's scale: its largest magnitude, NaN if it holds an inf or NaN. */
-static inline float inf_adam__q8_scale(float amax, int bad)
+/* A block's scale from its largest magnitude's bits: that magnitude, NaN if the block holds an
+ * inf or NaN. */
+static inline float inf_adam__q8_scale(uint32_t amax)
 {
-    return bad ? NAN : amax;
+    return amax >= 0x7f800000u ? NAN : inf_adam__bits_f32(amax);
+}
+
+static inline uint32_t inf_adam__max_u32(uint32_t a, uint32_t b)
+{
+    return a > b ? a : b;
 }
 
 /* Value of an 8-bit magnitude code with `man` mantissa bits and exponent bias `bias`. */
@@ -251,13 +257,14 @@ static inline float inf_adam__load_param(const struct inf_adam_segment *s, size_
 }
 
 /*
- * A block is updated in two passes, each over all its elements (short loop bodies let the core
- * overlap many elements' divide and square-root latencies): the moments, then the parameters
- * from the new moments. Elementwise, so the passes compute exactly the formula of inf_adam.h.
+ * An element's update in two pieces: its moments, then its parameter from the new moments.
+ * The scalar loop runs each piece over the whole block; the SIMD loops run both on each vector
+ * in one pass and these on their tails. Elementwise either way: the formula of inf_adam.h.
  */
 
-/* Pass 1, element i: the new m and v into b->m, b->v; stored as bf16 or float here (8-bit
- * ones are coded after the block), their maxima and inf/NaN noted in amax for 8-bit ones. */
+/* The moments of element i: the new m and v into b->m, b->v; stored as bf16 or float here
+ * (8-bit ones are coded after the block), their largest magnitude noted in amax for 8-bit
+ * ones. */
 static inline void inf_adam__moments_one(const struct inf_adam__state_coef *c,
                                          const struct inf_adam_segment *s,
                                          const struct inf_adam__block *b, size_t i,
@@ -290,14 +297,12 @@ static inline void inf_adam__moments_one(const struct inf_adam__state_coef *c,
         ((uint16_t *)s->exp_avg)[i] = inf_adam__f32_to_bf16(m);
         ((uint16_t *)s->exp_avg_sq)[i] = inf_adam__f32_to_bf16(v);
     } else {
-        amax->m = fmaxf(amax->m, fabsf(m));
-        amax->v = fmaxf(amax->v, fabsf(v));
-        amax->m_bad |= !(fabsf(m) <= FLT_MAX);
-        amax->v_bad |= !(fabsf(v) <= FLT_MAX);
+        amax->m = inf_adam__max_u32(amax->m, inf_adam__f32_bits(fabsf(m)));
+        amax->v = inf_adam__max_u32(amax->v, inf_adam__f32_bits(fabsf(v)));
     }
 }
 
-/* Pass 2, element i: the parameter from the new moments in b->m, b->v. */
+/* The parameter of element i from its new moments in b->m, b->v. */
 static inline void inf_adam__param_one(const struct inf_adam__state_coef *c,
                                        const struct inf_adam_segment *s,
                                        const struct inf_adam__block *b, size_t i)

@@ -6,21 +6,21 @@
  *
  *   vec_i32                   a vector of as many 32-bit integers as vec_f32 has floats
  *   vec_mask                  the result of a comparison, one flag per lane
- *   vec_max, vec_abs          float max (of non-NaN values) and |x|
+ *   vec_abs                   |x|
  *   vec_as_i32, vec_as_f32    the same bits as the other type
  *   vec_i32_set1, _add, _and, _or, _xor, _mullo (low 32 bits), _min, _max (signed),
  *   vec_i32_srli, _slli       shift each lane by a constant (logical)
+ *   vec_i32_hmax              the largest lane (signed)
  *   vec_iota                  0, 1, 2, ... one per lane
- *   vec_lt, vec_gt            ordered float comparisons
+ *   vec_lt                    ordered float comparison
  *   vec_not_le(x, y)          !(x <= y): true for a NaN lane
  *   vec_is_nan(x)
- *   vec_u32_lt                unsigned integer comparison
- *   vec_mask_or, vec_mask_any
+ *   vec_mask_any
  *   vec_select, vec_i32_select (mask, where true, where false)
  *   vec_load_u8, vec_store_u8 as many bytes as lanes, widened / narrowed (values <= 255)
+ *   vec_load_s8               as many bytes as lanes, sign-extended
  *   vec_bf16_bits             32-bit lanes of the bf16 rounding of [Note: lowp rounding]
  *   vec_pack_u16              narrow 32-bit lanes (values <= 0xffff) to a vec_u16
- *   vec_hmax                  the largest lane (of non-NaN lanes)
  *   INF_ADAM__SIMD_FN         `static` with the ISA's target attribute
  *
  * and gets the static state_convert, state_update, state_encode_m and state_encode_v that its
@@ -53,14 +53,19 @@ INF_ADAM__SIMD_INLINE vec_f32 q8_magnitude(vec_i32 mag, int man, int bias)
                    vec_set1(inf_adam__bits_f32((uint32_t)(127 + 127 - bias) << 23)));
 }
 
+/* The code sign-extended and shifted so its magnitude bits land where q8_magnitude puts them
+ * has its sign bit copied into every bit above them: the mask keeps the float's sign bit and
+ * the magnitude. Scaling by a power of two is exact and symmetric in the sign, so this is
+ * -magnitude for a negative code (-0 for 0x80), as inf_adam__q8_decode_m says. */
 INF_ADAM__SIMD_INLINE vec_f32 q8_decode_m(const uint8_t *src, vec_f32 scale)
 {
-    vec_i32 code = vec_load_u8(src);
-    vec_f32 mag = q8_magnitude(vec_i32_and(code, vec_i32_set1(0x7f)), INF_ADAM__QM_MAN,
-                               INF_ADAM__QM_BIAS);
-    vec_i32 sign = vec_i32_slli(vec_i32_and(code, vec_i32_set1(0x80)), 24);
+    const int shift = 23 - INF_ADAM__QM_MAN;
+    vec_i32 bits = vec_i32_and(vec_i32_slli(vec_load_s8(src), shift),
+                               vec_i32_set1((int32_t)(0x80000000u | (0x7fu << shift))));
+    vec_f32 signed_mag = vec_mul(vec_as_f32(bits), vec_set1(inf_adam__bits_f32(
+        (uint32_t)(127 + 127 - INF_ADAM__QM_BIAS) << 23)));
 
-    return vec_mul(vec_as_f32(vec_i32_or(vec_as_i32(mag), sign)), scale);
+    return vec_mul(signed_mag, scale);
 }
 
 INF_ADAM__SIMD_INLINE vec_f32 q8_decode_v(const uint8_t *src, vec_f32 scale)
@@ -105,16 +110,16 @@ INF_ADAM__SIMD_INLINE void encode_m(uint8_t *dst, const float *src, size_t n, fl
 INF_ADAM__SIMD_INLINE void encode_v(uint8_t *dst, const float *src, size_t n, float scale,
                                     float inv, int use_inv)
 {
-    const vec_f32 s = vec_set1(scale), r = vec_set1(inv), zero = vec_set1(0.0f);
-    const vec_i32 one = vec_i32_set1(1), none = vec_i32_set1(0);
+    const vec_f32 s = vec_set1(scale), r = vec_set1(inv);
+    const vec_i32 one = vec_i32_set1(1);
     size_t k = 0;
 
     for (; k + INF_ADAM__SIMD_WIDTH <= n; k += INF_ADAM__SIMD_WIDTH) {
         vec_f32 mag = vec_abs(q8_normalize(vec_loadu(src + k), s, r, use_inv));
         vec_i32 code = q8_encode_magnitude(mag, INF_ADAM__QV_MAN, INF_ADAM__QV_BIAS, 0xff);
 
-        /* a positive value never codes as 0 */
-        code = vec_i32_max(code, vec_i32_select(vec_gt(mag, zero), one, none));
+        /* a positive value never codes as 0: min(bits, 1) is 1 for |y| > 0, else 0 */
+        code = vec_i32_max(code, vec_i32_min(vec_as_i32(mag), one));
         vec_store_u8(dst + k, code);
     }
     for (; k < n; k++)
@@ -158,21 +163,10 @@ INF_ADAM__SIMD_INLINE vec_i32 mix32(vec_i32 x)
     return vec_i32_xor(x, vec_i32_srli(x, 16));
 }
 
-/* The random bits of element counters j, j + 1, ... (see inf_adam__random); `key` is
- * inf_adam__random_key of their high half when they all share it (block_key), else 0. */
-INF_ADAM__SIMD_INLINE vec_i32 random_bits(const struct inf_adam__state_coef *c, uint64_t j,
-                                          vec_i32 key, int block_key)
+/* The random bits of the elements whose counters' low halves are the lanes of lo and whose
+ * high half has the key `key` (inf_adam__random_key). */
+INF_ADAM__SIMD_INLINE vec_i32 random_bits(vec_i32 lo, vec_i32 key)
 {
-    vec_i32 lane = vec_iota();
-    vec_i32 lo = vec_i32_add(vec_i32_set1((int32_t)(uint32_t)j), lane);
-
-    if (!block_key) {  /* a lane whose low half wrapped past 2^32 carries one into its high half */
-        vec_i32 carry = vec_i32_select(vec_u32_lt(lo, lane), vec_i32_set1(1), vec_i32_set1(0));
-        vec_i32 hi = vec_i32_add(vec_i32_set1((int32_t)(uint32_t)(j >> 32)), carry);
-
-        key = vec_i32_xor(vec_i32_set1((int32_t)c->key0),
-                          mix32(vec_i32_xor(hi, vec_i32_set1((int32_t)c->key1))));
-    }
     return mix32(vec_i32_xor(lo, key));
 }
 
@@ -209,136 +203,154 @@ INF_ADAM__SIMD_INLINE vec_f32 load_param(const float *master, const void *values
     return has_master ? vec_loadu(master + i) : st_load_16(values, values_dtype, i);
 }
 
-/* Pass 1 over a block (see inf_adam__moments_one). moments, master and values_dtype are
- * constants at each call site: one loop each. */
-INF_ADAM__SIMD_INLINE void moments_pass(const struct inf_adam__state_coef *c,
-                                        const struct inf_adam_segment *s,
-                                        const struct inf_adam__block *b,
-                                        struct inf_adam__amax *amax, int moments, int master,
-                                        int values_dtype)
+INF_ADAM__SIMD_INLINE void load_moments(const void *exp_avg, const void *exp_avg_sq,
+                                         const struct inf_adam__block *b, size_t i, int moments,
+                                         vec_f32 *m, vec_f32 *v)
+{
+    if (moments == INF_ADAM_MOMENTS_F32) {
+        *m = vec_loadu((const float *)exp_avg + i);
+        *v = vec_loadu((const float *)exp_avg_sq + i);
+    } else if (moments == INF_ADAM_MOMENTS_BF16) {
+        *m = vec_load_bf16((const uint16_t *)exp_avg + i);
+        *v = vec_load_bf16((const uint16_t *)exp_avg_sq + i);
+    } else {
+        *m = q8_decode_m((const uint8_t *)exp_avg + i, vec_set1(b->m_scale));
+        *v = q8_decode_v((const uint8_t *)exp_avg_sq + i, vec_set1(b->v_scale));
+    }
+}
+
+/* The largest |x| so far as float bits (see struct inf_adam__amax). */
+INF_ADAM__SIMD_INLINE vec_i32 amax_bits(vec_i32 acc, vec_f32 x)
+{
+    return vec_i32_max(acc, vec_as_i32(vec_abs(x)));
+}
+
+/* Store the new moments: bf16 and float ones in place, 8-bit ones into the block's buffers
+ * (coded after the block, once its scales are known) with their running maxima. */
+INF_ADAM__SIMD_INLINE void store_moments(void *exp_avg, void *exp_avg_sq,
+                                         const struct inf_adam__block *b, size_t i, int moments,
+                                         vec_f32 m, vec_f32 v, vec_i32 *m_max, vec_i32 *v_max)
+{
+    if (moments == INF_ADAM_MOMENTS_F32) {
+        vec_storeu((float *)exp_avg + i, m);
+        vec_storeu((float *)exp_avg_sq + i, v);
+    } else if (moments == INF_ADAM_MOMENTS_BF16) {
+        st_store_16(exp_avg, i, m, INF_ADAM_DTYPE_BF16);
+        st_store_16(exp_avg_sq, i, v, INF_ADAM_DTYPE_BF16);
+    } else {
+        vec_storeu(b->m + (i - b->lo), m);
+        vec_storeu(b->v + (i - b->lo), v);
+        *m_max = amax_bits(*m_max, m);
+        *v_max = amax_bits(*v_max, v);
+    }
+}
+
+/* Ask for the cache lines of an array INF_ADAM__PREFETCH_AHEAD elements of `size` bytes past
+ * element i (see inf_adam__prefetch): a prefetch never faults, so running past the end is
+ * harmless, and the address is formed as an integer. */
+INF_ADAM__SIMD_INLINE void prefetch_ahead(const void *base, size_t i, size_t size)
+{
+    __builtin_prefetch((const void *)((uintptr_t)base + (i + INF_ADAM__PREFETCH_AHEAD) * size),
+                       0, 3);
+}
+
+/* One pass over a block: per element the new moments, then the parameter from them (see
+ * inf_adam__moments_one and inf_adam__param_one, which the tail runs). Every int argument is a
+ * constant at its call site: one loop each. Without a master the block's rounding counters
+ * must share their high half (update_block sends the rare block that crosses 2^32 to the
+ * scalar loop). */
+INF_ADAM__SIMD_INLINE void update(const struct inf_adam__state_coef *c,
+                                  const struct inf_adam_segment *s,
+                                  const struct inf_adam__block *b, struct inf_adam__amax *amax,
+                                  int moments, int master, int values_dtype, int grad_dtype)
 {
     const vec_f32 grad_scale = vec_set1(c->grad_scale);
     const vec_f32 weight_decay = vec_set1(c->weight_decay);
     const vec_f32 beta1 = vec_set1(c->beta1), one_minus_beta1 = vec_set1(c->one_minus_beta1);
     const vec_f32 beta2 = vec_set1(c->beta2), one_minus_beta2 = vec_set1(c->one_minus_beta2);
-    const vec_f32 m_scale = vec_set1(b->m_scale), v_scale = vec_set1(b->v_scale);
-    const vec_f32 fmax = vec_set1(FLT_MAX);
-    const float *params = s->master;
-    const void *g = b->grad;
-    const int grad_dtype = b->grad_dtype;
-    const void *values = s->values;
-    void *exp_avg = s->exp_avg, *exp_avg_sq = s->exp_avg_sq;
-    float *new_m = b->m, *new_v = b->v;
-    const size_t lo = b->lo;
-    const int l2 = c->l2;
-    vec_f32 m_max = vec_set1(0.0f), v_max = vec_set1(0.0f);
-    vec_mask m_bad = vec_not_le(m_max, fmax), v_bad = m_bad;  /* all false */
-    size_t i = b->lo;
-
-    for (; i + INF_ADAM__SIMD_WIDTH <= b->hi; i += INF_ADAM__SIMD_WIDTH) {
-        vec_f32 grad = vec_mul(load_grad(g, i - lo, grad_dtype), grad_scale);
-        vec_f32 m, v;
-
-        if (moments == INF_ADAM_MOMENTS_F32) {
-            m = vec_loadu((const float *)exp_avg + i);
-            v = vec_loadu((const float *)exp_avg_sq + i);
-        } else if (moments == INF_ADAM_MOMENTS_BF16) {
-            m = vec_load_bf16((const uint16_t *)exp_avg + i);
-            v = vec_load_bf16((const uint16_t *)exp_avg_sq + i);
-        } else {
-            m = q8_decode_m((const uint8_t *)exp_avg + i, m_scale);
-            v = q8_decode_v((const uint8_t *)exp_avg_sq + i, v_scale);
-        }
-        if (l2)
-            grad = vec_add(grad, vec_mul(weight_decay,
-                                         load_param(params, values, i, master, values_dtype)));
-        m = vec_add(vec_mul(beta1, m), vec_mul(one_minus_beta1, grad));
-        v = vec_add(vec_mul(beta2, v), vec_mul(vec_mul(one_minus_beta2, grad), grad));
-        vec_storeu(new_m + (i - lo), m);
-        vec_storeu(new_v + (i - lo), v);
-
-        if (moments == INF_ADAM_MOMENTS_F32) {
-            vec_storeu((float *)exp_avg + i, m);
-            vec_storeu((float *)exp_avg_sq + i, v);
-        } else if (moments == INF_ADAM_MOMENTS_BF16) {
-            st_store_16(exp_avg, i, m, INF_ADAM_DTYPE_BF16);
-            st_store_16(exp_avg_sq, i, v, INF_ADAM_DTYPE_BF16);
-        } else {
-            vec_f32 am = vec_abs(m), av = vec_abs(v);
-
-            m_max = vec_max(m_max, am);
-            v_max = vec_max(v_max, av);
-            m_bad = vec_mask_or(m_bad, vec_not_le(am, fmax));
-            v_bad = vec_mask_or(v_bad, vec_not_le(av, fmax));
-        }
-    }
-    if (moments == INF_ADAM_MOMENTS_Q8) {
-        /* NaN lanes may or may not win a max; the bad flags make such a block NaN anyway */
-        amax->m = fmaxf(amax->m, vec_hmax(m_max));
-        amax->v = fmaxf(amax->v, vec_hmax(v_max));
-        amax->m_bad |= vec_mask_any(m_bad);
-        amax->v_bad |= vec_mask_any(v_bad);
-    }
-    for (; i < b->hi; i++)
-        inf_adam__moments_one(c, s, b, i, amax);
-}
-
-/* Pass 2 over a block (see inf_adam__param_one). */
-INF_ADAM__SIMD_INLINE void param_pass(const struct inf_adam__state_coef *c,
-                                      const struct inf_adam_segment *s,
-                                      const struct inf_adam__block *b, int master,
-                                      int values_dtype)
-{
     const vec_f32 decay = vec_set1(c->decay);
     const vec_f32 inv_bc2_sqrt = vec_set1(c->inv_bc2_sqrt);
     const vec_f32 eps = vec_set1(c->eps);
     const vec_f32 step_size = vec_set1(c->step_size);
-    const float *new_m = b->m, *new_v = b->v;
-    const size_t lo = b->lo;
+    const size_t msize = moments == INF_ADAM_MOMENTS_F32 ? 4 : moments == INF_ADAM_MOMENTS_BF16
+                                                                 ? 2 : 1;
+    const size_t lo = b->lo, hi = b->hi;
+    /* the arrays in locals, which the stores cannot change (through s they could, as far as
+     * the compiler knows: it would load them again each iteration) */
+    const void *g = b->grad;
     float *params = s->master;
-    void *values = s->values;
-    const uint64_t index = s->index;
-    const int decoupled = c->decoupled;
-    /* the block's counters share their high half unless it crosses a multiple of 2^32 */
-    const int block_key = (index + lo) >> 32 == (index + b->hi - 1) >> 32;
-    const uint32_t hi_half = (uint32_t)((index + lo) >> 32);
-    const vec_i32 key = vec_i32_set1((int32_t)inf_adam__random_key(c, hi_half));
-    size_t i = b->lo;
+    void *values = s->values, *exp_avg = s->exp_avg, *exp_avg_sq = s->exp_avg_sq;
+    const int l2 = c->l2, decoupled = c->decoupled;
+    const vec_i32 key = vec_i32_set1((int32_t)inf_adam__random_key(
+        c, (uint32_t)((s->index + lo) >> 32)));
+    vec_i32 counter = vec_i32_add(vec_i32_set1((int32_t)(uint32_t)(s->index + lo)), vec_iota());
+    vec_i32 m_max = vec_i32_set1(0), v_max = m_max;
+    size_t i = lo;
 
-    for (; i + INF_ADAM__SIMD_WIDTH <= b->hi; i += INF_ADAM__SIMD_WIDTH) {
-        vec_f32 p = load_param(params, values, i, master, values_dtype);
-        vec_f32 d = vec_add(vec_mul(vec_sqrt(vec_loadu(new_v + (i - lo))), inv_bc2_sqrt), eps);
+    for (; i + INF_ADAM__SIMD_WIDTH <= hi; i += INF_ADAM__SIMD_WIDTH) {
+        vec_f32 grad, p, m, v, d;
 
+        prefetch_ahead(g, i - lo, grad_dtype == INF_ADAM_DTYPE_F32 ? 4 : 2);
+        prefetch_ahead(master ? (const void *)params : values, i, master ? 4 : 2);
+        prefetch_ahead(exp_avg, i, msize);
+        prefetch_ahead(exp_avg_sq, i, msize);
+        grad = vec_mul(load_grad(g, i - lo, grad_dtype), grad_scale);
+        p = load_param(params, values, i, master, values_dtype);
+        load_moments(exp_avg, exp_avg_sq, b, i, moments, &m, &v);
+        if (l2)
+            grad = vec_add(grad, vec_mul(weight_decay, p));
+        m = vec_add(vec_mul(beta1, m), vec_mul(one_minus_beta1, grad));
+        v = vec_add(vec_mul(beta2, v), vec_mul(vec_mul(one_minus_beta2, grad), grad));
+        store_moments(exp_avg, exp_avg_sq, b, i, moments, m, v, &m_max, &v_max);
+
+        d = vec_add(vec_mul(vec_sqrt(v), inv_bc2_sqrt), eps);
         if (decoupled)
             p = vec_mul(p, decay);
-        p = vec_sub(p, vec_div(vec_mul(step_size, vec_loadu(new_m + (i - lo))), d));
+        p = vec_sub(p, vec_div(vec_mul(step_size, m), d));
         if (master) {
             vec_storeu(params + i, p);
             if (values_dtype != INF_ADAM_DTYPE_NONE)
                 st_store_16(values, i, p, values_dtype);
         } else {
-            vec_i32 r = random_bits(c, index + i, key, block_key);
+            vec_i32 r = random_bits(counter, key);
             vec_u16 h = values_dtype == INF_ADAM_DTYPE_BF16 ? sr_bf16(p, r) : sr_f16(p, r);
 
             vec_u16_storeu((vec_u16 *)((uint16_t *)values + i), h);
+            counter = vec_i32_add(counter, vec_i32_set1(INF_ADAM__SIMD_WIDTH));
         }
     }
-    for (; i < b->hi; i++)
+    if (moments == INF_ADAM_MOMENTS_Q8) {
+        amax->m = inf_adam__max_u32(amax->m, (uint32_t)vec_i32_hmax(m_max));
+        amax->v = inf_adam__max_u32(amax->v, (uint32_t)vec_i32_hmax(v_max));
+    }
+    for (; i < hi; i++) {
+        inf_adam__moments_one(c, s, b, i, amax);
         inf_adam__param_one(c, s, b, i);
+    }
 }
 
-INF_ADAM__SIMD_INLINE void update(const struct inf_adam__state_coef *c,
-                                  const struct inf_adam_segment *s,
-                                  const struct inf_adam__block *b, struct inf_adam__amax *amax,
-                                  int moments, int master, int values_dtype)
+/* update with the block's gradient type as a constant, or the scalar loop for a block of
+ * master-free elements whose rounding counters cross a multiple of 2^32 (one in 2^32 / block:
+ * the SIMD loop keeps their high half, and its key, fixed). */
+INF_ADAM__SIMD_INLINE void update_block(const struct inf_adam__state_coef *c,
+                                        const struct inf_adam_segment *s,
+                                        const struct inf_adam__block *b,
+                                        struct inf_adam__amax *amax, int moments, int master,
+                                        int values_dtype)
 {
-    moments_pass(c, s, b, amax, moments, master, values_dtype);
-    param_pass(c, s, b, master, values_dtype);
+    if (!master && (s->index + b->lo) >> 32 != (s->index + b->hi - 1) >> 32)
+        inf_adam__state_scalar.update(c, s, b, amax);
+    else if (b->grad_dtype == INF_ADAM_DTYPE_BF16)
+        update(c, s, b, amax, moments, master, values_dtype, INF_ADAM_DTYPE_BF16);
+    else if (b->grad_dtype == INF_ADAM_DTYPE_F16)
+        update(c, s, b, amax, moments, master, values_dtype, INF_ADAM_DTYPE_F16);
+    else
+        update(c, s, b, amax, moments, master, values_dtype, INF_ADAM_DTYPE_F32);
 }
 
 #define INF_ADAM__STATE_CASE(mo, ma, vd)                                                    \
     case ((mo) * 2 + (ma)) * 4 + (vd):                                                      \
-        update(c, s, b, amax, (mo), (ma), (vd));                                            \
+        update_block(c, s, b, amax, (mo), (ma), (vd));                                      \
         break
 
 INF_ADAM__SIMD_FN void state_update(const struct inf_adam__state_coef *c,
