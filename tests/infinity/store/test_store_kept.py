@@ -3,6 +3,7 @@ as they were (on NVMe copy-on-write: no I/O, the next write-back to a fresh exte
 them go, rollback makes them the value again; after failed writes, when closed, when misused."""
 
 import errno
+import threading
 
 import pytest
 import torch
@@ -244,3 +245,30 @@ def test_a_store_closed_while_an_entry_is_kept_refuses_to_decide_it(tmp_path):
     for verb in (s.commit, s.rollback, s.keep):
         with pytest.raises(ClosedError, match="closed"):
             verb("a")
+
+
+def test_a_kept_block_counts_as_staying_when_a_tier_looks_for_room(tmp_path, in_thread):
+    """Host budget of 3 blocks: "a" held here, its kept block, "b" held by another thread. A
+    2-block request cannot fit even once "b" is released (the kept block stays): BudgetError
+    at once, no wait for that release."""
+    with _store(tmp_path, host=3 * 64 * KiB, room_wait_s=5) as s:
+        for key in "ab":
+            s.put(key, torch.full((N,), 1.0), "host")
+        s.keep("a")
+        s.evict("b", "host")  # to NVMe: the host tier holds "a" and its kept block
+        held, done = threading.Event(), threading.Event()
+
+        def hold_b():
+            with s.hold("b"):
+                held.set()
+                done.wait(30)
+
+        thread, outcome = in_thread(hold_b)
+        assert held.wait(30)
+        with s.hold("a"):
+            with pytest.raises(BudgetError, match="host tier cannot hold 'wide'"):
+                s.put("wide", torch.ones(2 * N), "host")
+        done.set()
+        thread.join(30)
+        assert "error" not in outcome and s.stats()["room"]["waits"] == 0
+        s.rollback("a")
