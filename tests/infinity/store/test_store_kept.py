@@ -117,17 +117,24 @@ def test_every_write_back_after_keep_goes_to_the_fresh_extent_eviction_included(
     handle.close()
 
 
+def _kept_then_failed(s, handle):
+    """"a" (1.0) kept, changed to 2.0, its write-back failing (flush raises it); returns the
+    NVMe bytes used before keep."""
+    s.put("a", torch.full((N,), 1.0), "nvme")
+    before = _used(s)
+    s.keep("a")
+    handle.inject(aio.Fault(op="write", nth=0, kind="errno", errno=errno.EIO))
+    _change(s, "a", 2.0)
+    with pytest.raises(aio.AIOError, match="EIO"):
+        s.flush()
+    return before
+
+
 def test_a_failed_write_back_leaves_the_kept_bytes_for_a_rollback(tmp_path):
     """The error surfaces (flush raises it); the kept extent was never written."""
     handle = aio.Handle(block_size=64 * KiB)
     with _store(tmp_path, handle) as s:
-        s.put("a", torch.full((N,), 1.0), "nvme")
-        before = _used(s)
-        s.keep("a")
-        handle.inject(aio.Fault(op="write", nth=0, kind="errno", errno=errno.EIO))
-        _change(s, "a", 2.0)
-        with pytest.raises(aio.AIOError, match="EIO"):
-            s.flush()
+        before = _kept_then_failed(s, handle)
         assert s.unsaved("a")
         s.rollback("a")
         assert not s.unsaved("a") and _used(s) == before
@@ -139,12 +146,7 @@ def test_a_commit_after_a_failed_write_back_keeps_the_new_value_unsaved(tmp_path
     """As any failed write-back: the changed host copy stays, a dirty release writes it."""
     handle = aio.Handle(block_size=64 * KiB)
     with _store(tmp_path, handle) as s:
-        s.put("a", torch.full((N,), 1.0), "nvme")
-        s.keep("a")
-        handle.inject(aio.Fault(op="write", nth=0, kind="errno", errno=errno.EIO))
-        _change(s, "a", 2.0)
-        with pytest.raises(aio.AIOError, match="EIO"):
-            s.flush()
+        _kept_then_failed(s, handle)
         s.commit("a")
         assert s.unsaved("a")
         with s.hold("a", dirty=True):
