@@ -44,7 +44,7 @@ With several ranks `step()` waits as before (stages 1-2 gather the values after 
 of every gradient are known only when backward ends. The worker steps each unit anyway, as if
 the step will stand unclipped and finite (gradient scale 1 / loss scale, the step's learning
 rate), speculatively: the optimizer keeps what the step overwrote ([Note: speculative steps] in
-infinity/optim/_kept.py: the new tiles go to fresh entries, the old values are put aside) and,
+infinity/optim/_kept.py: the store keeps the old tiles and values, on NVMe copy-on-write) and,
 with clipping (a redo may need it), the unit keeps its gradient. So a NaN found part-way
 changes nothing, with clipping or without. At step() (VALIDATING) the units queued but not
 started are taken out of the queue (stepped once the step is decided, never speculated), the

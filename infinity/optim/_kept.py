@@ -3,20 +3,24 @@
 [Note: speculative steps] A caller that steps units before it knows whether the step stands
 (the engine during backward, before the global norm and finiteness are known: issue 22) steps
 them speculatively: `step_unit(u, ..., speculative=True)`, then `commit_unit(u)` or
-`rollback_unit(u)`. Until then the optimizer keeps what the step overwrote. A tile's new state
-goes to a fresh store entry and its old entry stays (`TileSet.updating(..., aside=True)`; on
-NVMe the new state is written to fresh extents, the old ones are not touched). The unit's
-values entry belongs to the engine (its key is what the engine fetches), so it is updated in
-place as always and a copy of the old values is put aside first, in the state's tier
-(`KeptValues`). A commit drops the old entries (no I/O); a rollback drops the new tile entries,
-makes the old ones current again with the steps they held, and copies the old values back; a
-step of the same number then updates the unit again from exactly the state it started from.
-Where the store has no room for what a speculation keeps (BudgetError), the unit is rolled back
-at once and `step_unit` returns False: the caller steps it once the step is validated.
+`rollback_unit(u)`. Until then the store keeps what the step overwrites ([Note: kept versions]
+in infinity/store/_kept.py): each tile's bytes (`TileSet.updating(..., keep=True)`), and the
+unit's values entry. On NVMe that is copy-on-write: the old extents stay as they were and the
+new state and values are written back to fresh ones, asynchronously, as an unkept step's are;
+no byte is copied. In RAM the store copies the block. The values entry belongs to the engine
+(its key is what the engine fetches) and is updated in place as always; the store keeps it
+where it is at home on the state's tier (where the memory plan reserves the kept room) and the
+unit is its only one; otherwise a copy of the elements the unit steps is put aside on the
+state's tier (`KeptValues`). A commit lets the kept bytes go (no I/O); a rollback makes them
+the tiles' and values' bytes again, with the steps the tiles held; a step of the same number
+then updates the unit again from exactly the state it started from. Where the store has no
+room for what a speculation keeps (BudgetError), the unit is rolled back at once and
+`step_unit` returns False: the caller steps it once the step is validated.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -26,33 +30,54 @@ from infinity.store import TensorStore, Tier
 
 
 class KeptValues:
-    """Copies of units' values (the elements each unit steps) taken before a speculative step
-    changed them, each a store entry at home on `tier` until committed or rolled back."""
+    """Units' values as they were before a speculative step changed them, until committed or
+    rolled back: kept by the store where the values entry is at home on `tier` and stepped by
+    that unit alone, else a copy of the elements the unit steps put at home on `tier`."""
 
     def __init__(self, store: TensorStore, units: Sequence[UnitSpec], name: str,
                  tier: Tier) -> None:
         self._store, self._units, self._name, self._tier = store, units, name, tier
+        users = Counter(spec.values_key for spec in units)
+        self._shared = {key for key, n in users.items() if n > 1}
+        self._in_store: dict[int, bool] = {}  # unit -> kept by the store (else a copy aside)
 
     def _key(self, u: int) -> str:
         return f"{self._name}/kept-values{u}"
 
     def keep(self, u: int, values: torch.Tensor) -> None:
-        """Put unit u's values aside unless they are already (a retried pass: what was kept
-        first is the state before the step)."""
-        if self._key(u) not in self._store:
+        """Keep unit u's values (`values`: the elements it steps) unless they are already (a
+        retried pass: what was kept first is the state before the step)."""
+        if u in self._in_store:
+            return
+        key = self._units[u].values_key
+        if key not in self._shared and self._store.home(key) == self._tier:
+            self._store.keep(key)
+            self._in_store[u] = True
+        else:
             self._store.put(self._key(u), values, self._tier)
+            self._in_store[u] = False
 
     def commit(self, u: int) -> None:
-        if self._key(u) in self._store:
-            self._store.drop(self._key(u))
+        in_store = self._in_store.get(u)
+        if in_store is not None:
+            if in_store:
+                self._store.commit(self._units[u].values_key)
+            else:
+                self._store.drop(self._key(u))
+            del self._in_store[u]
 
     def roll_back(self, u: int) -> None:
-        """Copy unit u's kept values back into its values entry (written back dirty)."""
-        key = self._key(u)
-        if key not in self._store:
+        """Unit u's values as they were kept (a copy aside is copied back, written back
+        dirty)."""
+        in_store = self._in_store.get(u)
+        if in_store is None:
             return
         spec = self._units[u]
-        with self._store.hold(key, Tier.HOST) as kept, \
-                self._store.hold(spec.values_key, Tier.HOST, dirty=True) as values:
-            values.view(-1)[spec.offset:spec.offset + spec.numel].copy_(kept)
-        self._store.drop(key)
+        if in_store:
+            self._store.rollback(spec.values_key)
+        else:
+            with self._store.hold(self._key(u), Tier.HOST) as kept, \
+                    self._store.hold(spec.values_key, Tier.HOST, dirty=True) as values:
+                values.view(-1)[spec.offset:spec.offset + spec.numel].copy_(kept)
+            self._store.drop(self._key(u))
+        del self._in_store[u]

@@ -10,10 +10,10 @@ dirty once changed, and the store keeps a changed copy until its write-back succ
 [Note: where a step writes] A step changes the store in two places only: a tile, inside
 `TileSet.updating` (which records the step it then holds), and the unit's values, through
 `UnitValues` (released dirty once modified). A speculative step (one that may be undone, see
-[Note: speculative steps] in `_kept`) redirects the first: the tile's new state goes to a fresh
-entry (`updating(..., aside=True)`; on NVMe, fresh extents) and the old entry stays as it was
-until `commit(u)` drops it or `roll_back(u)` drops the new one and makes the old one current
-again, with the step it held. The values are kept aside by `_kept.KeptValues`.
+[Note: speculative steps] in `_kept`) has the store keep the tile's bytes first
+(`updating(..., keep=True)`: `TensorStore.keep`; on NVMe the new state is written back to a
+fresh extent, the old one untouched) until `commit(u)` lets them go or `roll_back(u)` makes
+them the tile's state again, with the step they held. The values are kept by `_kept.KeptValues`.
 """
 
 from __future__ import annotations
@@ -42,8 +42,7 @@ class TileSet:
         for t, tile in enumerate(self.tiles):
             self.of_unit[tile.unit].append(t)
         self.steps = [0] * len(self.tiles)  # See [Note: retry-safe steps]
-        self._flipped = [False] * len(self.tiles)  # the tile's current state is its second key
-        self._previous: dict[int, int] = {}  # tile -> step of its old entry, kept until validated
+        self._previous: dict[int, int] = {}  # tile -> the step of its kept bytes, until decided
 
     def __len__(self) -> int:
         return len(self.tiles)
@@ -52,12 +51,8 @@ class TileSet:
         return self.tiles[t]
 
     def key(self, t: int) -> str:
-        """The store key of tile t's current state (its newest, while a speculative step of its
-        unit is neither committed nor rolled back)."""
-        return self._key(t, self._flipped[t])
-
-    def _key(self, t: int, flipped: bool) -> str:
-        return f"{self.name}/tile{t}" + (".b" if flipped else "")
+        """The store key of tile t's state."""
+        return f"{self.name}/tile{t}"
 
     def format(self, t: int) -> TileFormat:
         return self.formats[self.tiles[t].unit]
@@ -116,41 +111,32 @@ class TileSet:
         return [t for t in self.of_unit[u] if self.steps[t] < step]
 
     @contextlib.contextmanager
-    def updating(self, t: int, step: int, *, aside: bool = False) -> Iterator[torch.Tensor]:
+    def updating(self, t: int, step: int, *, keep: bool = False) -> Iterator[torch.Tensor]:
         """Tile t's entry, to be updated in place to `step` by the block: it holds `step` once
         the block ends, and is released dirty on every path once its bytes were handed out
-        (see [Note: where a step writes]). With `aside` the block updates a copy, stored under
-        the tile's other key once the block ends (BudgetError: no room, the tile unchanged);
-        the old entry is kept until `commit` or `roll_back`."""
-        if not aside:
-            with self.store.hold(self.key(t), Tier.HOST, dirty=True) as tile:
-                yield tile
-                self.steps[t] = step
-            return
-        if t in self._previous:
-            raise RuntimeError(f"tile {t} is updated aside twice before a commit or roll_back")
-        with self.store.hold(self.key(t), Tier.HOST) as tile:
-            new = tile.clone()
-        yield new
-        self.store.put(self._key(t, not self._flipped[t]), new, self.tier)
-        self._previous[t] = self.steps[t]
-        self._flipped[t] = not self._flipped[t]
-        self.steps[t] = step
+        (see [Note: where a step writes]). With `keep` the store keeps the tile's bytes first
+        (BudgetError: no room, the tile unchanged), once per speculative step (a retried pass
+        finds them kept), until `commit` or `roll_back`."""
+        if keep and t not in self._previous:
+            self.store.keep(self.key(t))
+            self._previous[t] = self.steps[t]
+        with self.store.hold(self.key(t), Tier.HOST, dirty=True) as tile:
+            yield tile
+            self.steps[t] = step
 
     def commit(self, u: int) -> None:
-        """Unit u's tiles updated aside are final: their old entries are dropped."""
+        """Unit u's kept tiles are final: their kept bytes go (no I/O)."""
         for t in self.of_unit[u]:
             if t in self._previous:
-                self.store.drop(self._key(t, not self._flipped[t]))
+                self.store.commit(self.key(t))
                 del self._previous[t]
 
     def roll_back(self, u: int) -> None:
-        """Unit u's tiles updated aside go back to their old entries and the steps they held
-        (so the same step updates them again)."""
+        """Unit u's kept tiles go back to their kept bytes and the steps they held (so the same
+        step updates them again)."""
         for t in self.of_unit[u]:
             if t in self._previous:
-                self.store.drop(self.key(t))
-                self._flipped[t] = not self._flipped[t]
+                self.store.rollback(self.key(t))
                 self.steps[t] = self._previous.pop(t)
 
     def rewrite_if_unsaved(self, key: str) -> None:

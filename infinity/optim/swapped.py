@@ -282,7 +282,7 @@ class SwappedOptimizer:
                 if streamed and i + 1 < len(keys):
                     self.store.prefetch(keys[i + 1:i + 2])
                 tile = self.tiles[t]
-                with self.tiles.updating(t, target, aside=speculative) as entry:
+                with self.tiles.updating(t, target, keep=speculative) as entry:
                     self.tiles.format(t).step(kernels, entry, values.get(u)[tile.start:tile.stop],
                                               grad, tile.start, self._index(u, tile.start))
                     values.modified(u)

@@ -222,6 +222,9 @@ class Copies:
             self.need_idle(copy, quiet=True)  # its bytes are discarded: a failed move is logged
         for tier in list(entry.copies):
             self.tiers.free(entry, tier)
+        if entry.kept is not None:
+            self.tiers.free_kept(entry.kept)
+            entry.kept = None
         del self.entries[entry.key]
 
     # -- moves ---------------------------------------------------------------------------------
@@ -271,6 +274,8 @@ class Copies:
             move = PendingMove(entry, src, dst, start,
                                request=self.tiers.read(src.extent, dst.block.tensor))
         elif dst.tier == Tier.NVME:
+            if entry.kept is not None:  # the kept extent is never written
+                entry.kept.redirect(dst)
             dst.crc = aio.crc32c(src.block.tensor) if self.checksum else None
             move = PendingMove(entry, src, dst, start,
                                request=self.tiers.write(dst.extent, src.block.tensor))

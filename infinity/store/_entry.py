@@ -8,6 +8,7 @@ methods below, which check the transition (a wrong one is a bug in the store, na
     EMPTY --bytes copied at once (a memory copy, a put)--> VALID
     VALID --a move out starts--> DRAINING --settled--> VALID
     VALID --a faster copy was changed (dirty release)--> EMPTY
+    EMPTY or VALID --a kept version restored (rollback)--> VALID
 
 A move starts only between two idle copies (EMPTY or VALID), so a copy has at most one move
 running (`move`), in or out. A copy counts as the current value (`current`) from the start of
@@ -165,6 +166,31 @@ class Copy:
         self.expect(CopyState.VALID, CopyState.EMPTY)
         self.state = CopyState.EMPTY
 
+    def restore(self, crc: int | None) -> None:
+        """Its bytes are a kept version made current again (a rollback; see [Note: kept
+        versions] in `_kept`), whose crc32c was `crc`."""
+        self.expect(CopyState.EMPTY, CopyState.VALID)
+        self.state, self.crc = CopyState.VALID, crc
+
+
+@dataclass(slots=True, eq=False)
+class Kept:
+    """An entry's bytes as they were at `TensorStore.keep`, held until a commit or a rollback;
+    see [Note: kept versions] in `_kept`."""
+
+    tier: Tier  # the entry's home when it was kept
+    block: Block | None = None  # a memory home: a copy of the home block, taken at keep
+    extent: Extent | None = None  # NVMe: the home copy's extent at keep, never written again
+    crc: int | None = None  # NVMe with checksums on: the crc32c of `extent`'s bytes
+    shadow: Extent | None = None  # NVMe: reserved at keep for the home copy's next write; None
+    # once that write took it (until then the home copy's extent is `extent`)
+
+    def redirect(self, copy: Copy) -> None:
+        """A write into `copy` is about to start: the home copy's first one after keep goes to
+        the shadow extent, so the kept extent's bytes stay as they were."""
+        if self.shadow is not None and copy.tier is self.tier:
+            copy.extent, self.shadow = self.shadow, None
+
 
 @dataclass(slots=True, eq=False)
 class Entry:
@@ -177,6 +203,7 @@ class Entry:
     order: int  # creation order: the last tie-break among eviction candidates
     copies: dict[Tier, Copy] = field(default_factory=dict)
     next_use: float = math.inf  # store clock when it is needed next (farthest is evicted first)
+    kept: Kept | None = None  # the bytes `TensorStore.keep` holds until commit or rollback
 
     @property
     def home(self) -> Tier:

@@ -41,7 +41,7 @@ from aio.buffers import PAGE_NBYTES
 from infinity.errors import BudgetError
 from infinity.memory import Arena, Block
 from infinity.store._common import Tier
-from infinity.store._entry import Copy, Entry, PendingMove
+from infinity.store._entry import Copy, Entry, Kept, PendingMove
 from infinity.store._hints import UseClock
 from infinity.store._room import RoomWaits
 from infinity.store._runner import MustWait
@@ -90,6 +90,7 @@ class Tiers:
         self.arenas: dict[Tier, Arena] = {}
         self.victims: dict[Tier, VictimQueue] = {}
         self.placed: dict[Tier, dict[Copy, Entry]] = {tier: {} for tier in Tier}
+        self.kept_nbytes = {tier: 0 for tier in Tier}  # arena bytes of kept versions' blocks
         self.swap: aio.SwapFile | None = None
         self.handle = aio_handle
         self._own_handle = False
@@ -171,6 +172,36 @@ class Tiers:
         if copy.extent is not None:
             self.swap.free(copy.extent)
 
+    def adopt(self, entry: Entry, copy: Copy) -> None:
+        """Place a copy whose memory is already reserved (a kept version restored)."""
+        entry.copies[copy.tier] = copy
+        self.placed[copy.tier][copy] = entry
+        if copy.block is not None:
+            self.kept_nbytes[copy.tier] -= _span(self.arenas[copy.tier], copy.block.nbytes)
+
+    # -- kept versions; see [Note: kept versions] in `_kept` ------------------------------------
+
+    def shadow_extent(self, entry: Entry) -> aio.Extent:
+        """An extent for the next write of `entry`'s NVMe copy (BudgetError: none free)."""
+        return self._extent(entry)
+
+    def kept_block(self, entry: Entry, tier: Tier, copies: Evictor) -> Block:
+        """A block on `tier` for a kept copy of `entry`'s bytes, made room for as a copy's is;
+        it is nobody's copy: never evicted, but moved by compactions like any idle block."""
+        block = self._block(entry, tier, copies)
+        self.kept_nbytes[tier] += _span(self.arenas[tier], block.nbytes)
+        return block
+
+    def free_kept(self, kept: Kept) -> None:
+        """Give back what a kept version holds beyond the entry's copies: its block, or its
+        extent (or the unused shadow, while the home copy's extent is still the kept one)."""
+        if kept.block is not None:
+            self.kept_nbytes[kept.tier] -= _span(self.arenas[kept.tier], kept.block.nbytes)
+            self.arenas[kept.tier].free(kept.block)
+            self.room.changed()
+        else:
+            self.swap.free(kept.extent if kept.shadow is None else kept.shadow)
+
     def refresh(self, entry: Entry) -> None:
         """Bring the eviction queues up to date with the entry's copies."""
         for tier, copy in entry.copies.items():
@@ -251,8 +282,9 @@ class Tiers:
         in_use = [c for c in placed if c.uses]
         held_by_stuck = [c for c in in_use if any(h in stuck for h in c.holders)]
         releasable = len(held_by_stuck) < len(in_use)
-        staying = sum(_span(arena, c.block.nbytes) for c in placed  # pinned, or at home on the tier
-                      if not c.uses and (c.pins or tier not in self.victims))
+        staying = self.kept_nbytes[tier] + sum(  # kept versions, pinned, or at home on the tier
+            _span(arena, c.block.nbytes) for c in placed
+            if not c.uses and (c.pins or tier not in self.victims))
         now = time.monotonic()
         may_wait = self.room.may_wait(now)
         # On a tier that never evicts, a released copy stays: only free bytes can make room.

@@ -10,6 +10,7 @@ store's lock] in `_runner`):
 - `Tiers` (`_tiers`): each tier's budget and memory, the copies placed on it, and making room
   (compaction, eviction order, waits for another thread's release);
 - `Copies` (`_copies`): the entries by key, their copies, and the moves that fill them;
+- `KeptVersions` (`_kept`): entries' bytes kept until a commit or a rollback;
 - `UseClock` (`_hints`): the fetch clock of next-use hints and the touches of LRU; `MoveLog`
   (`moves`): what moved, for `stats()` and `write_trace`;
 - `Runner` (`_runner`): the lock and the loop that runs each step under it, waiting between
@@ -33,6 +34,7 @@ from infinity.store._common import Tier
 from infinity.store._copies import Copies
 from infinity.store._entry import Entry, PendingMove
 from infinity.store._hints import UseClock, check_distance
+from infinity.store._kept import KeptVersions
 from infinity.store._runner import Runner
 from infinity.store._tiers import Tiers
 from infinity.store.moves import MoveLog
@@ -131,6 +133,7 @@ class TensorStore:
                             aio_handle=aio_handle, aio_options=aio_options,
                             room_wait_s=room_wait_s)
         self._copies = Copies(self._tiers, self._clock, self.moves, device, checksum=checksum)
+        self._versions = KeptVersions(self._copies, self._tiers)
         self._runner = Runner(self._copies.settle, self._tiers.room)
 
     @property
@@ -310,6 +313,36 @@ class TensorStore:
         lock)."""
         self._runner.run(lambda: self._copies.drop(self._copies.entry(key)))
 
+    def keep(self, key: str) -> None:
+        """Hold `key`'s current bytes as they are until `commit(key)` or `rollback(key)`, while
+        the entry is used and changed as always: on NVMe its extent, the entry's next write-back
+        going to a fresh one (no I/O now); at home in memory a copy of its block. Waits (without
+        the lock) for a write-back of the key still running, raising its AIOError. BudgetError:
+        the home tier has no room for the second copy (nothing is kept). ValueError: already
+        kept. See [Note: kept versions] in `_kept`."""
+        self._runner.run(lambda: self._versions.keep(self._copies.entry(key)))
+
+    def commit(self, key: str) -> None:
+        """Let `key`'s kept bytes go (no I/O). ValueError: nothing kept (committed twice)."""
+        with self._runner.open():
+            self._versions.commit(self._copies.entry(key))
+
+    def rollback(self, key: str) -> None:
+        """Make `key`'s kept bytes its value again and drop every copy changed since (no
+        I/O; a write-back still running into one is waited for, without the lock, and its
+        failure only logged). ValueError: nothing kept, or the key in use or pinned."""
+        self._runner.run(lambda: self._versions.rollback(self._copies.entry(key)))
+
+    def is_kept(self, key: str) -> bool:
+        """Whether `key` has bytes kept (`keep`) and not yet committed or rolled back."""
+        with self._runner.lock:
+            return self._copies.entry(key).kept is not None
+
+    def home(self, key: str) -> Tier:
+        """The tier of `key`'s home copy (the slowest holding it)."""
+        with self._runner.lock:
+            return self._copies.entry(key).home
+
     def flush(self) -> None:
         """Wait for every move started before the call; raises the first I/O error."""
         with self._runner.open():
@@ -336,11 +369,14 @@ class TensorStore:
             return self._copies.unsaved(self._copies.entry(key))
 
     def stats(self) -> dict[str, Any]:
-        """Per-tier occupancy, per-direction move counters, and "room": waits for another
-        thread's release (count, seconds) and compactions per tier (count, seconds)."""
+        """Per-tier occupancy, per-direction move counters, "room": waits for another
+        thread's release (count, seconds) and compactions per tier (count, seconds), and
+        "kept": the entries with kept bytes (`keep`) and the bytes they hold besides."""
         with self._runner.lock:
+            kept = [e.nbytes for e in self._copies.entries.values() if e.kept is not None]
             return {"tiers": self._tiers.stats(), "moves": self.moves.summary(),
-                    "room": self._tiers.room_stats()}
+                    "room": self._tiers.room_stats(),
+                    "kept": {"entries": len(kept), "nbytes": sum(kept)}}
 
     def write_trace(self, path: str | os.PathLike[str]) -> None:
         """Save every move as a Chrome / Perfetto trace (JSON)."""

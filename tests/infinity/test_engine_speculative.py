@@ -266,8 +266,8 @@ def test_a_checkpoint_is_refused_while_units_are_speculated(tmp_path):
 
 def test_a_rollback_that_fails_breaks_the_engine_until_a_checkpoint_load(tmp_path,
                                                                          patient_worker):
-    """An I/O error reading the kept state back (injected on the store's aio handle, on the
-    rollback and its retry) while a NaN step is undone: the engine is BROKEN, the error names
+    """An I/O error in the store's rollback (patched in, on the rollback and its retry: on
+    NVMe a rollback does no I/O) while a NaN step is undone: the engine is BROKEN, the error names
     the cause in one line, backward and step refuse to go on, and a checkpoint load recovers:
     training goes on bit for bit as if the NaN batch had never been seen."""
     batches = mlp_batches(4)
@@ -281,11 +281,19 @@ def test_a_rollback_that_fails_breaks_the_engine_until_a_checkpoint_load(tmp_pat
         engine.backward(loss_of(engine(x)))
         handle.remove()
         futures = [engine._stepper.future(i) for i in range(len(engine.ranked.trained))]
-        concurrent.futures.wait([f for f in futures if f is not None])  # no read but the undo's
-        for nth in (0, 1):
-            engine.store._tiers.handle.inject(aio.Fault(op="read", nth=nth, errno=errno.EIO))
+        concurrent.futures.wait([f for f in futures if f is not None])  # the worker is done
+        rollback, failures = engine.store.rollback, [0]
+
+        def failing_twice(key):
+            failures[0] += 1
+            if failures[0] <= 2:
+                raise aio.AIOError(errno.EIO, "injected", "swap", op="read")
+            rollback(key)
+
+        engine.store.rollback = failing_twice
         with pytest.raises(RuntimeError) as error:
             engine.step()
+        assert failures[0] == 2
         message = str(error.value)
         assert "\n" not in message and isinstance(error.value.__cause__, aio.AIOError)
         assert message.startswith("the step could not be undone (AIOError: ") and "EIO" in message

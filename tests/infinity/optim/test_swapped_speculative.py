@@ -3,9 +3,12 @@ stepped speculatively and committed equals the plain step bit for bit; rolled ba
 before the step (tiles, values, step record) and a redo with another gradient scale equals that
 step taken plainly; without room to keep the old state nothing changes and step_unit says so."""
 
+import errno
+
 import pytest
 import torch
 
+import aio
 from infinity.optim import CPUAdam, SwappedOptimizer, UnitSpec
 from infinity.store import TensorStore, Tier
 
@@ -36,6 +39,11 @@ def _keys(store):
     return set(store._copies.entries)
 
 
+def _kept(store, keys):
+    """What the store holds of the old state: entries it keeps, and entries put aside."""
+    return store.stats()["kept"]["entries"] + len(_keys(store) - keys)
+
+
 @pytest.mark.parametrize("tier", [Tier.NVME, Tier.HOST])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_commit_keeps_and_rollback_undoes_a_speculative_step(tmp_path, put_units, values_of,
@@ -51,7 +59,7 @@ def test_commit_keeps_and_rollback_undoes_a_speculative_step(tmp_path, put_units
             before = _state(opt)
             for u in range(len(specs)):
                 assert opt.step_unit(u, grads[u], speculative=True)
-            assert len(_keys(store)) > len(keys)  # the old state is kept beside the new
+            assert _kept(store, keys) > 0  # the old state is kept beside the new
             if scale != 1.0:
                 for u in range(len(specs)):
                     opt.rollback_unit(u)
@@ -65,7 +73,7 @@ def test_commit_keeps_and_rollback_undoes_a_speculative_step(tmp_path, put_units
                 for u in range(len(specs)):
                     opt.commit_unit(u)
             opt.finish_step()
-            assert len(_keys(store)) == len(keys)  # nothing kept once decided
+            assert _keys(store) == keys and _kept(store, keys) == 0  # nothing kept once decided
             for m, g in zip(masters, grads):
                 m.grad = g.float() * scale
             opt_ref.step()
@@ -89,7 +97,8 @@ def test_no_room_to_keep_the_old_state_changes_nothing(tmp_path):
         keys, before = _keys(store), _state(opt)
         grad = _grads(specs, 0)[0]
         assert not opt.step_unit(0, grad, speculative=True)
-        assert _keys(store) == keys and _equal_states(_state(opt), before)
+        assert _kept(store, keys) == 0 and _keys(store) == keys
+        assert _equal_states(_state(opt), before)
         assert opt.step_unit(0, grad)  # stepped plainly, once the step is decided
         opt.finish_step()
 
@@ -106,3 +115,95 @@ def test_a_unit_spec_offset_is_rolled_back_in_its_slice_only(tmp_path, values_of
         assert not torch.equal(values_of(store, "unit"), whole)
         opt.rollback_unit(0)
         assert torch.equal(values_of(store, "unit"), whole)
+
+
+def _writes(store):
+    moves = store.stats()["moves"].get("host->nvme", {"moves": 0, "nbytes": 0})
+    return moves["moves"], moves["nbytes"]
+
+
+def _nvme_run(path, put_units, handle=None):
+    store = TensorStore({"host": 4 * MiB, "nvme": 8 * MiB}, nvme_path=path, aio_handle=handle,
+                        aio_options=None if handle else {"block_size": 64 << 10})
+    _, specs = put_units(store, [torch.float32] * len(NUMELS), NUMELS)
+    opt = SwappedOptimizer(specs, store, tile_numel=TILE, **HYPER)
+    store.flush()
+    return store, specs, opt
+
+
+def test_on_nvme_a_speculative_step_writes_what_a_plain_step_writes(tmp_path, put_units):
+    """The store keeps the old tiles and values copy-on-write: not a byte written more than by
+    the plain step (issue 22's cost), and the same state once committed."""
+    writes, states = {}, {}
+    for speculative in (False, True):
+        (tmp_path / str(speculative)).mkdir()
+        store, specs, opt = _nvme_run(tmp_path / str(speculative), put_units)
+        with store:
+            before = _writes(store)
+            for u, grad in enumerate(_grads(specs, 0)):
+                assert opt.step_unit(u, grad, speculative=speculative)
+            store.flush()
+            writes[speculative] = [a - b for a, b in zip(_writes(store), before)]
+            for u in range(len(specs)) if speculative else ():
+                opt.commit_unit(u)
+            opt.finish_step()
+            states[speculative] = _state(opt)
+    assert writes[True] == writes[False] and writes[True][0] == 5 + len(NUMELS)  # tiles, values
+    assert _equal_states(states[True], states[False])
+
+
+@pytest.mark.parametrize("decision", ["rollback", "commit"])
+def test_a_write_back_failing_in_a_speculative_step_loses_nothing(tmp_path, put_units,
+                                                                 decision):
+    """Each write of a speculative step fails in turn: the error surfaces (in a step or at the
+    flush); a rollback gives back the state before the step bit for bit (the kept extents were
+    never written); a commit, with a unit whose step failed rolled back and stepped plainly as
+    the engine does and the optimizer flushed, gives the plain step's state."""
+    (tmp_path / "plain").mkdir()
+    store, specs, opt = _nvme_run(tmp_path / "plain", put_units)
+    with store:
+        before = _state(opt)
+        for u, grad in enumerate(_grads(specs, 0)):
+            opt.step_unit(u, grad)
+        opt.finish_step()
+        plain = _state(opt)
+    for nth in range(5 + len(NUMELS)):  # every tile's and values' write-back
+        (tmp_path / str(nth)).mkdir()
+        handle = aio.Handle(block_size=64 << 10)
+        store, specs, opt = _nvme_run(tmp_path / str(nth), put_units, handle)
+        with store:
+            handle.inject(aio.Fault(op="write", nth=nth, kind="errno", errno=errno.EIO))
+            failed = _step_failing(store, specs, opt)
+            assert failed, f"write {nth} failed and nothing said so"
+            if decision == "rollback":
+                for u in range(len(specs)):
+                    opt.rollback_unit(u)
+                assert _equal_states(_state(opt), before), nth
+                assert not any(store.unsaved(key) for key in _keys(store)), nth
+            else:
+                for u in range(len(specs)):
+                    if u in failed:
+                        opt.rollback_unit(u)
+                        opt.step_unit(u, _grads(specs, 0)[u])
+                    else:
+                        opt.commit_unit(u)
+                opt.flush()  # rewrites what failed
+                opt.finish_step()
+                assert _equal_states(_state(opt), plain), nth
+        handle.close()
+
+
+def _step_failing(store, specs, opt):
+    """Step every unit speculatively, then flush; returns the units whose step raised an
+    AIOError (None: the flush raised it)."""
+    failed = []
+    for u, grad in enumerate(_grads(specs, 0)):
+        try:
+            assert opt.step_unit(u, grad, speculative=True)
+        except aio.AIOError:
+            failed.append(u)
+    try:
+        store.flush()
+    except aio.AIOError:
+        failed.append(None)
+    return failed
