@@ -38,3 +38,42 @@ def test_a_run_without_records_is_named(tmp_path):
     with pytest.raises(SystemExit, match="no step records in .*empty/metrics.jsonl"):
         plot_optimizer_state.main(["--out", str(tmp_path / "x.png"),
                                    "--run", "p", "l", str(tmp_path / "empty")])
+
+
+def test_summary_over_seeds_and_ratio_panel(tmp_path, capsys):
+    """Each label's per-seed gap, and its mean over the seeds that hold it against the first
+    label's mean over the same seeds (seed 1 has no int8 run: int8's mean is seed 0's only)."""
+    runs = ["--run", "seed 0", "fp32", str(_run(tmp_path / "a0", [2.0] * 80 + [1.0] * 20, 1)),
+            "--run", "seed 0", "int8", str(_run(tmp_path / "b0", [2.0] * 80 + [1.1] * 20, 1)),
+            "--run", "seed 0", "none", str(_run(tmp_path / "c0", [2.0] * 80 + [1.2] * 20, 1)),
+            "--run", "seed 1", "fp32", str(_run(tmp_path / "a1", [2.0] * 80 + [3.0] * 20, 1)),
+            "--run", "seed 1", "none", str(_run(tmp_path / "c1", [2.0] * 80 + [2.7] * 20, 1))]
+    out = tmp_path / "loss.png"
+    assert plot_optimizer_state.main(["--out", str(out), "--columns", "2", "--ratio-panel",
+                                      "mean over seeds", *runs]) == 0
+    text = capsys.readouterr().out
+    summary = text.split("\n\n")[1].splitlines()
+    assert summary[0] == "| moments / master | seed 0 | seed 1 | mean last-20 | vs first | n |"
+    assert summary[2] == "| fp32 | 1.0000 | 3.0000 | 2.0000 |  | 2 |"
+    assert summary[3] == "| int8 | +10.0% |  | 1.1000 | +10.0% | 1 |"
+    assert summary[4] == "| none | +20.0% | -10.0% | 1.9500 | -2.5% | 2 |"
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_mean_ratio_curves_average_over_panels():
+    def records(losses):
+        return [{"step": i + 1, "loss": x} for i, x in enumerate(losses)]
+    panels = {"s0": [("fp32", records([1.0, 2.0])), ("int8", records([1.5, 2.0]))],
+              "s1": [("fp32", records([2.0, 2.0])), ("int8", records([2.0, 1.0]))]}
+    curves = plot_optimizer_state.mean_ratio_curves(panels, window=1)
+    assert curves == {"int8": [pytest.approx(1.25), pytest.approx(0.75)]}
+
+
+@pytest.mark.parametrize("option", ["--window", "--columns"])
+def test_a_window_or_columns_below_one_is_refused(tmp_path, option, capsys):
+    run = _run(tmp_path / "a", [1.0] * 30, 1)
+    with pytest.raises(SystemExit) as exc:
+        plot_optimizer_state.main(["--out", str(tmp_path / "x.png"), option, "0",
+                                   "--run", "p", "l", str(run)])
+    assert exc.value.code == 2
+    assert "must be at least 1" in capsys.readouterr().err
