@@ -3,7 +3,7 @@
 Shared by the tests of every layer: pass `faults=[...]` to `aio.Handle` (or to anything that
 builds one) to rehearse the unhappy paths on real files. A fault leaves the handle once its
 piece has come; with none waiting, the engine's check costs a piece one atomic load (see
-[Note: fault injection costs nothing when off] in csrc/aio/handle.c).
+[Note: fault injection costs nothing when off] in csrc/aio/faults.c).
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ live in the tiered store (DeepSpeed's engine API), on one process or on data-par
 Order of one step (at a boundary): release every unit (the values are about to change), global
 gradient norm over the units' flat gradient buffers, fp16 overflow check (skip, lower the scale),
 clip factor (those checks: infinity/engine/_grad_checks.py), one optimizer step over the
-units, zero the gradient buffers, LR schedule. The step's phase (`engine.phase`,
-infinity/engine/_step_state.py) says where the step is.
+units, zero the gradient buffers, LR schedule (all of which OptimizerStep does,
+infinity/engine/_optimizer_step.py). The step's phase (`engine.phase`,
+infinity/engine/_step_state.py) says where the step is; the engine moves it.
 
 The optimizer overlapped with backward, and the tail of its step that runs into the next
 forward: [Note: optimizer overlapped with backward] and [Note: the step's tail in the next
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -36,7 +36,8 @@ import torch
 from infinity.config import AdamParams, Config, OptimizerConfig
 from infinity.engine import _checkpoint
 from infinity.engine._client import LRSource
-from infinity.engine._grad_checks import clip_factor, global_norm, grad_square, refuse_non_finite
+from infinity.engine._grad_checks import global_norm, grad_square
+from infinity.engine._optimizer_step import OptimizerStep
 from infinity.engine._overlap import OverlappedStep, StepUndoError
 from infinity.engine._partition import RankedUnits
 from infinity.engine._placement import (
@@ -66,7 +67,6 @@ from infinity.zero import (
     is_deferred,
     place_units,
 )
-from infinity.zero.grads import pieces_are_finite
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class Engine:
         self.phase = StepPhase.IDLE
         zero = config.zero_optimization
         adam = (config.optimizer or _DEFAULT_OPTIMIZER).params
-        self._schedule = None if config.scheduler is None else \
+        schedule = None if config.scheduler is None else \
             build_lr_schedule(config.scheduler, optimizer_lr=adam.lr)  # its errors come first
         self.ranks = Ranks.from_environment(timeout_s=config.infinity.collective_timeout)
         if self.ranks.world != config.world_size:
@@ -152,19 +152,13 @@ class Engine:
             # elsewhere (a rank-local failure), so stage 3 on several ranks leaves placeholders.
             self._teardown(restore_params=not self.partition.params)
             raise
-        fp16 = config.fp16
-        self.scaler = DynamicLossScaler(
-            scale=fp16.initial_scale, window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
-            min_scale=fp16.min_loss_scale) if fp16.enabled and fp16.dynamic else None
-        self._static_scale = fp16.initial_scale if fp16.enabled and not fp16.dynamic else 1.0
-        if self._schedule is not None:
-            self.optimizer.lr = self._schedule.lr_at(-1)
-        self.lr_source: LRSource | None = None  # a client's scheduler (infinity/engine/_client.py)
+        self._steps = OptimizerStep(config, self.ranked, self.optimizer, self.store,
+                                    self.coordinator, self.timeline, schedule)
         self._boundary: bool | None = None  # set_gradient_accumulation_boundary
-        self.last_grad_norm: float | None = None
         if self.overlap:
+            steps = self._steps
             self._stepper = OverlappedStep(
-                self.ranked.trained, self._step_at, self._settle, self._prefetch_state,
+                self.ranked.trained, steps.step_at, steps.settle, steps.prefetch_state,
                 self.coordinator.next_use,
                 always_speculate=self.config.infinity.speculate == "always")
         self._pending_save: Future[Path] | None = None  # a background checkpoint save
@@ -197,6 +191,24 @@ class Engine:
     @property
     def skipped_steps(self) -> int:
         return self.counters.skipped_steps
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        return self._steps.last_grad_norm
+
+    @property
+    def scaler(self) -> DynamicLossScaler | None:
+        """The fp16 dynamic loss scaler (None unless fp16 with a dynamic scale)."""
+        return self._steps.scaler
+
+    @property
+    def lr_source(self) -> LRSource | None:
+        """A client's scheduler (infinity/engine/_client.py), when one drives the lr."""
+        return self._steps.lr_source
+
+    @lr_source.setter
+    def lr_source(self, source: LRSource | None) -> None:
+        self._steps.lr_source = source
 
     @property
     def units_stepped_in_backward(self) -> int:
@@ -238,14 +250,14 @@ class Engine:
         if scale_wrt_gas and self.config.gradient_accumulation_steps > 1:
             scaled = scaled / self.config.gradient_accumulation_steps
         if self.config.fp16.enabled:
-            scaled = scaled * self._loss_scale()
+            scaled = scaled * self._steps.loss_scale()
         boundary = self.is_gradient_accumulation_boundary()
         for u in self.ranked.trained:  # inf/nan survive the sums: checked once, at the boundary
             if u.grad is not None:
                 u.grad.check_now = boundary
         if self._stepper is not None and boundary:
-            self._begin_optimizer_step()
-            self._stepper.begin(self.optimizer.lr, grad_scale=1.0 / self._loss_scale())
+            self._steps.begin()
+            self._stepper.begin(self.optimizer.lr, grad_scale=1.0 / self._steps.loss_scale())
             self._move(StepPhase.STEPPING)
         try:
             with self.timeline.region("backward", "compute"):
@@ -263,7 +275,7 @@ class Engine:
             raise RuntimeError("zero_grad() between a boundary backward and its step(): "
                                "call step() first")
         self.synchronize()
-        self._zero_grads()
+        self._steps.zero_grads()
 
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary is not None:
@@ -307,69 +319,18 @@ class Engine:
         finally:  # settled; or an error left the step unfinished, as a failed step() does
             if self.phase is StepPhase.TAIL_OPEN:
                 self._move(StepPhase.IDLE)
-        self._close_step()
+        self._steps.close()
 
     # -- the step --------------------------------------------------------------------------------
 
     def _step_after_backward(self) -> None:
-        """Every gradient is final: the global norm and finiteness decide the step, then every
-        unit is stepped (all or nothing: a refused step changes nothing, step count included)."""
+        """step() after a backward that stepped nothing: validate, then step every unit
+        (OptimizerStep.after_backward), the phase VALIDATING meanwhile."""
         self._move(StepPhase.VALIDATING)
         try:
-            # The norm is a pass over every gradient: taken when clipping or the fp16 overflow
-            # check needs it (last_grad_norm is None otherwise; overlapped, it comes with the
-            # gradients as they become final).
-            norm = None
-            if self.config.gradient_clipping > 0 or self.config.fp16.enabled:
-                norm = global_norm(self.ranked, [grad_square(u) for u in self.ranked.trained])
-            grad_scale = self._validate(norm)
-            if grad_scale is None:
-                return
-            self._begin_optimizer_step()
-            finite = norm is not None and math.isfinite(norm)
-            for i, unit in enumerate(self.ranked.trained):
-                self._step_unit(i, unit, grad_scale, finite=finite)
-            self._close_step()
-            self._log_and_schedule()
+            self._steps.after_backward(self.counters)
         finally:
             self._move(StepPhase.IDLE)
-
-    def _begin_optimizer_step(self) -> None:
-        """The update about to be built takes its learning rate from the client's scheduler,
-        when one was given (read per step, as torch's optimizer reads its param groups)."""
-        if self.lr_source is not None:
-            self.optimizer.lr = self.lr_source.lr()
-        self.optimizer.begin_step()
-
-    def _validate(self, norm: float | None,
-                  undo: Callable[[], None] = lambda: None) -> float | None:
-        """Decide the step from the global norm (of the scaled gradients; None: not taken):
-        returns its gradient scale (clip factor / loss scale), or None for an fp16 step skipped
-        on an overflow; raises NonFiniteGradientError for a refused step. `undo()` (the
-        speculated units rolled back) runs before a step is refused or skipped, so either
-        changes nothing."""
-        scale = self._loss_scale()
-        norm = None if norm is None else norm / scale
-        self.last_grad_norm = norm
-        if not self.config.fp16.enabled and (norm is None or not math.isfinite(norm)):
-            try:  # before any unit is stepped (a finite norm says all are finite)
-                refuse_non_finite(self.ranked)
-            except NonFiniteGradientError:
-                undo()
-                raise
-        self.counters.global_steps += 1
-        if self.config.fp16.enabled:
-            overflow = not math.isfinite(norm)
-            if self.scaler is not None:
-                self.scaler.update(overflow)
-            if overflow:
-                undo()
-                logger.info("step %d skipped: gradient overflow, loss scale now %g",
-                            self.global_steps, self._loss_scale())
-                self.counters.skipped_steps += 1
-                self._zero_grads()
-                return None
-        return clip_factor(norm, self.config.gradient_clipping) / scale
 
     def _end_overlapped_step(self) -> None:
         """step() after an overlapped backward: validate the speculated units (see [Note:
@@ -381,7 +342,8 @@ class Engine:
         try:
             decided = stepper.decide(
                 lambda i: grad_square(self.ranked.trained[i]),
-                lambda squares, undo: self._validate(global_norm(self.ranked, squares), undo))
+                lambda squares, undo: self._steps.validate(global_norm(self.ranked, squares),
+                                                           self.counters, undo))
         except StepUndoError:
             self._move(StepPhase.BROKEN)
             raise
@@ -402,13 +364,7 @@ class Engine:
                 return not trained[i].persistent, trained[i].index
 
             self._stepper.leave_to_forward(forward_order)
-        self._log_and_schedule()
-
-    def _settle(self, i: int, commit: bool) -> None:
-        """Commit or roll back the speculative step of trained unit i (this rank's part)."""
-        j = self.ranked.optimizer_index.get(i)
-        if j is not None:
-            (self.optimizer.commit_unit if commit else self.optimizer.rollback_unit)(j)
+        self._steps.log_and_schedule(self.counters)
 
     def _grads_final(self, unit: FetchUnit) -> None:
         """Coordinator callback: average the unit's gradient over the ranks at the boundary
@@ -432,84 +388,12 @@ class Engine:
             return True
         return self._stepper.ready(i, wait)
 
-    def _step_at(self, i: int, lr: float, grad_scale: float, speculative: bool) -> bool:
-        """Step trained unit i for the overlapped step (its learning rate and gradient scale):
-        speculatively during backward, else once the step was validated (its gradient known
-        finite). False: a speculative step found no room to keep the old state (nothing
-        changed)."""
-        return self._step_unit(i, self.ranked.trained[i], grad_scale, lr=lr,
-                               speculative=speculative, finite=not speculative)
-
-    def _prefetch_state(self, i: int) -> None:
-        j = self.ranked.optimizer_index.get(i)
-        if j is not None:  # this rank steps part of the unit
-            self.optimizer.prefetch_unit(j)
-
-    def _step_unit(self, i: int, unit: FetchUnit, grad_scale: float, *, finite: bool = False,
-                   lr: float | None = None, speculative: bool = False) -> bool:
-        """Step unit i; `finite`: its gradient is known to be free of inf/nan (a finite norm);
-        `lr`: the step's learning rate (default: the optimizer's); `speculative`: to be
-        committed or rolled back, its gradient kept for a redo when clipping may ask for one.
-        Returns what SwappedOptimizer.step_unit returns."""
-        j = self.ranked.optimizer_index.get(i)
-        if j is None:  # this rank steps no element of the unit
-            return True
-        with self.timeline.region(unit.key, "optimizer"):
-            if unit.grad is None:
-                return self.optimizer.step_unit(
-                    j, torch.zeros(unit.numel, dtype=unit.compute_dtype), grad_scale=grad_scale,
-                    lr=lr, speculative=speculative)
-            with unit.grad.read_pieces() as pieces:
-                # Speculated: not stepped (the validation refuses the step, rolling back the
-                # units speculated before it).
-                if not finite and (unit.grad.finite is False or
-                                   unit.grad.finite is None and not pieces_are_finite(pieces)):
-                    raise NonFiniteGradientError(
-                        f"the gradient of {unit.key} has non-finite values (inf/nan): the unit "
-                        f"was not stepped")
-                stepped = self.optimizer.step_unit(
-                    j, self.ranked.grad_part(i, pieces), grad_scale=grad_scale, check_finite=False,
-                    lr=lr, speculative=speculative)
-            if stepped and not (speculative and self.config.gradient_clipping > 0):
-                unit.grad.zero()  # used up (no redo): a gradient in RAM is freed while others step
-            return stepped
-
-    def _close_step(self) -> None:
-        """Every unit is stepped: the optimizer's step is complete, the gradients start over."""
-        self.optimizer.finish_step()
-        self.ranked.gather_values(self.store)
-        self._zero_grads()
-
-    def _log_and_schedule(self) -> None:
-        if self.global_steps % self.config.steps_per_print == 0:
-            p = self.coordinator.stats
-            logger.info("step %d: lr %.3g, grad norm %s, prefetch hits %d, on demand %d, "
-                        "stall %.2f s",
-                        self.global_steps, self.optimizer.lr,
-                        "n/a" if self.last_grad_norm is None else f"{self.last_grad_norm:.4g}",
-                        p.prefetch_hits, p.on_demand, p.stall_s)
-        if self._schedule is not None:  # as DeepSpeed: the schedule advances on applied steps
-            self.counters.schedule_steps += 1
-            self.optimizer.lr = self._schedule.lr_at(self.counters.schedule_steps - 1)
-        if self.lr_source is not None:
-            self.lr_source.advance()
-            self.optimizer.lr = self.lr_source.lr()
-
     def _refuse_if_broken(self) -> None:
         if self.phase is StepPhase.BROKEN:
             raise RuntimeError("the engine is broken: the last step could not undo the units it "
                                "had stepped during backward (a rollback failed), so the state is "
                                "half a step; load a checkpoint (engine.load_checkpoint) to go on "
                                "from a consistent state")
-
-    def _zero_grads(self) -> None:
-        self.ranked.new_step()
-        for u in self.ranked.trained:
-            if u.grad is not None:
-                u.grad.zero()
-
-    def _loss_scale(self) -> float:
-        return self.scaler.scale if self.scaler is not None else self._static_scale
 
     def _move(self, to: StepPhase) -> None:
         self.phase = check_move(self.phase, to)
@@ -575,7 +459,7 @@ class Engine:
                               "state_format": dataclasses.asdict(optimizer.state_format),
                               "state_bytes": optimizer.state_nbytes,
                               "state_bytes_per_param": optimizer.state_nbytes / stepped},
-                "loss_scale": self._loss_scale() if self.config.fp16.enabled else None,
+                "loss_scale": self._steps.loss_scale() if self.config.fp16.enabled else None,
                 "peak_rss_bytes": peak_rss_bytes()}
 
     def write_trace(self, path: str | os.PathLike[str]) -> None:
@@ -625,7 +509,7 @@ class Engine:
             self.synchronize()
         state = _checkpoint.load_checkpoint(self, load_dir, tag, values_only=values_only,
                                             load_optimizer_states=load_optimizer_states)
-        self._zero_grads()  # what was accumulated belongs to the state before the load
+        self._steps.zero_grads()  # what was accumulated belongs to the state before the load
         if self.phase is StepPhase.BROKEN:
             self._move(StepPhase.IDLE)
         return state

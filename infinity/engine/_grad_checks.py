@@ -1,6 +1,6 @@
 """What the step checks of this step's gradients before it is taken: each unit's sum of squares,
 the global norm over every rank's shard, finiteness, and the clip factor (DeepSpeed's). The
-engine decides the step from them (`Engine._validate`: refuse, skip on an fp16 overflow, or
+engine decides the step from them (`OptimizerStep.validate`: refuse, skip on an fp16 overflow, or
 step with this clip factor)."""
 
 from __future__ import annotations

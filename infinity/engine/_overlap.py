@@ -49,7 +49,7 @@ with clipping (a redo may need it), the unit keeps its gradient. So a NaN found 
 changes nothing, with clipping or without. At step() (VALIDATING) the units queued but not
 started are taken out of the queue (stepped once the step is decided, never speculated), the
 running one is waited for, and the norm (summed from the squares, over every rank's shard),
-the non-finite check and the fp16 overflow decide, on every rank alike (`Engine._validate`,
+the non-finite check and the fp16 overflow decide, on every rank alike (`OptimizerStep.validate`,
 the code the step after backward runs too):
 - the step stands at the scale the units were stepped with (clipping does not act, all finite,
   no overflow): commit, which drops what was kept; the rest of the units are queued (the tail);
@@ -82,7 +82,7 @@ speculated. "always" speculates every step.
 learning rate and gradient scale, whether it speculates (and the counts of what it speculated
 and rolled back), each unit's gradient sum of squares as its gradient becomes final (the global
 norm's terms), the decision at step() (`decide`: commit or roll back the speculated units;
-the engine's `_validate` supplies the rule, shared with the step after backward), and the tail
+`OptimizerStep.validate` supplies the rule, shared with the step after backward), and the tail
 (units still being stepped after step() returned). `UnitStepper` is
 the worker: units are queued as their gradients become final and stepped one at a time, in
 queue order, on one thread; each queued unit has a future, and the queue can be re-sorted while
