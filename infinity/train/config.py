@@ -142,6 +142,7 @@ def set_schedule(config: dict[str, Any], schedule: str | None, warmup: int | Non
         return  # the engine names what is wrong
     if warmup is not None:
         params["warmup_num_steps"] = warmup
+        params.setdefault("warmup_type", "linear")  # as --help says (DeepSpeed's default: log)
     if scheduler.get("type") != "WarmupLR" and params.get("total_num_steps") in (None, "auto"):
         params["total_num_steps"] = steps
 

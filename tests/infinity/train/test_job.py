@@ -152,11 +152,13 @@ def test_schedule_and_warmup_flags_build_the_scheduler(schedule, kind):
     config = ds_config(TrainOptions(steps=200, schedule=schedule, warmup="0.05"), str)
     assert config["scheduler"]["type"] == kind
     assert config["scheduler"]["params"]["warmup_num_steps"] == 10  # 5% of --steps
+    assert config["scheduler"]["params"]["warmup_type"] == "linear"  # what --help says
     total = config["scheduler"]["params"].get("total_num_steps")
     assert total == (None if kind == "WarmupLR" else 200)
     steps = ds_config(TrainOptions(steps=200, warmup="7"), str)  # a warmup alone: constant after it
     assert steps["scheduler"] == {"type": "WarmupLR", "params": {
-        "warmup_num_steps": 7, "warmup_min_lr": 0, "warmup_max_lr": "auto"}}  # up to the lr
+        "warmup_num_steps": 7, "warmup_type": "linear", "warmup_min_lr": 0,
+        "warmup_max_lr": "auto"}}  # up to the lr
 
 
 def test_a_config_schedule_with_auto_total_steps_takes_steps(tmp_path):
