@@ -4,8 +4,10 @@ finishes first)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
 import signal
 import threading
 import time
@@ -70,7 +72,11 @@ class GracefulStop:
         if self.requested:
             raise KeyboardInterrupt
         self.requested, self.by = True, signal.Signals(signum).name
-        logger.warning("%s: stopping after this step (again to abort)", self.by)
+        # Straight to the file descriptor: the signal may come in the middle of a write to
+        # sys.stderr (the progress bar), and a second write to that stream from here raises
+        # "reentrant call" (logging's handler included) and ends the run.
+        with contextlib.suppress(OSError):
+            os.write(2, f"\n{self.by}: stopping after this step (again to abort)\n".encode())
 
     def __exit__(self, *exc: object) -> None:
         for signum, previous in self._previous.items():

@@ -132,6 +132,29 @@ def test_a_second_ctrl_c_aborts_at_once_with_exit_130(capsys, monkeypatch):
     assert err.strip().splitlines()[-1] == "infinity-train: aborted", err
 
 
+def test_a_signal_during_a_write_to_stderr_still_asks_the_loop_to_stop(capfd, monkeypatch):
+    """SIGTERM lands while the progress bar is writing to sys.stderr: the handler writes its
+    line to the file descriptor, never to the stream (a second write into a buffered stream
+    from a signal handler raises "reentrant call", which once ended a run)."""
+    import sys
+
+    from infinity.train.loop import GracefulStop
+
+    class Busy:
+        def write(self, text):
+            raise RuntimeError("reentrant call inside <_io.BufferedWriter name='<stderr>'>")
+
+        def flush(self):
+            pass
+
+    with GracefulStop() as stop:
+        monkeypatch.setattr(sys, "stderr", Busy())
+        signal.raise_signal(signal.SIGTERM)
+        monkeypatch.undo()
+    assert stop.requested and stop.by == "SIGTERM"
+    assert "SIGTERM: stopping after this step (again to abort)" in capfd.readouterr().err
+
+
 @pytest.mark.parametrize("args, message", [
     (["--model", "{tmp}/nowhere"], "--model {tmp}/nowhere: no such directory"),
     (["--data", "{tmp}/empty.txt"], "--data {tmp}/empty.txt: no text"),
