@@ -35,8 +35,10 @@ def export_nbytes(model_dir: str | None, model: torch.nn.Module | None) -> int:
     if model_dir is None:
         assert model is not None
         return sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    return sum(f.stat().st_size for f in pathlib.Path(model_dir).iterdir()
-               if f.suffix in (".safetensors", ".bin"))
+    files = list(pathlib.Path(model_dir).iterdir())
+    weights = [f for f in files if f.suffix == ".safetensors"] or \
+        [f for f in files if f.suffix == ".bin"]  # a folder may ship both: the same weights
+    return sum(f.stat().st_size for f in weights)
 
 
 def _is_adapter(name: str) -> bool:

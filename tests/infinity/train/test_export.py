@@ -190,3 +190,17 @@ def test_lora_adapters_on_a_streamed_model_start_as_peft_initialises_them(tmp_pa
                                    rtol=1e-5, atol=1e-5)
     finally:
         engine.close()
+
+
+def test_the_export_size_counts_a_folders_weights_once(tmp_path):
+    """What infinity-train keeps free for the export: the model folder's safetensors files, or
+    its .bin files where it has no safetensors (never both: they hold the same weights)."""
+    from infinity.train.export import export_nbytes
+    (tmp_path / "config.json").write_bytes(b"x" * 1000)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"x" * 300)
+    assert export_nbytes(str(tmp_path), None) == 300
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"x" * 70)
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"x" * 30)
+    assert export_nbytes(str(tmp_path), None) == 100
+    model = torch.nn.Linear(4, 3)  # the built-in model: its tensors' bytes
+    assert export_nbytes(None, model) == (4 * 3 + 3) * 4
