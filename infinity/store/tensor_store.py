@@ -333,11 +333,6 @@ class TensorStore:
         failure only logged). ValueError: nothing kept, or the key in use or pinned."""
         self._runner.run(lambda: self._versions.rollback(self._copies.entry(key)))
 
-    def is_kept(self, key: str) -> bool:
-        """Whether `key` has bytes kept (`keep`) and not yet committed or rolled back."""
-        with self._runner.lock:
-            return self._copies.entry(key).kept is not None
-
     def home(self, key: str) -> Tier:
         """The tier of `key`'s home copy (the slowest holding it)."""
         with self._runner.lock:
