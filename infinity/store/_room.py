@@ -11,10 +11,11 @@ class MustWaitForRoom(Exception):
     """A step needs room that a use held by another thread may free. The calling thread is
     registered as waiting for room (`RoomWaits.must_wait`)."""
 
-    def __init__(self, seen: int, deadline: float) -> None:
+    def __init__(self, seen: int, deadline: float, since: float) -> None:
         super().__init__(seen)
         self.seen = seen  # the room counter when the step gave up: wait for it to change
         self.deadline = deadline  # monotonic time after which the step raises BudgetError
+        self.since = since  # monotonic time the thread was registered as waiting
 
 
 class _CallState(threading.local):
@@ -76,7 +77,7 @@ class RoomWaits:
             self._waiting.add(threading.get_ident())
             self._changes += 1  # threads waiting on what this one holds see that it waits too
             self._cond.notify_all()
-            return MustWaitForRoom(self._changes, call.room_deadline)
+            return MustWaitForRoom(self._changes, call.room_deadline, now)
 
     def wait(self, wait: MustWaitForRoom, deadline: float | None) -> None:
         """Block (without the store's lock) until room may have appeared or the wait ends;
@@ -84,7 +85,6 @@ class RoomWaits:
         end = wait.deadline if deadline is None else min(wait.deadline, deadline)
         if deadline is not None and deadline < wait.deadline:
             self._call.room_deadline = end
-        start = time.monotonic()
         with self._cond:
             try:
                 while self._changes == wait.seen:
@@ -95,7 +95,9 @@ class RoomWaits:
             finally:
                 self._waiting.discard(threading.get_ident())
                 self._waits += 1
-                self._wait_total_s += time.monotonic() - start
+                # from the registration on (the deadline's origin), so a wait that runs out
+                # counts its whole room_wait_s, the lock's hand-over included
+                self._wait_total_s += time.monotonic() - wait.since
 
     def stats(self) -> tuple[int, float]:
         """Waits so far and their total seconds."""
