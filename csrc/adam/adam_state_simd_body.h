@@ -17,7 +17,9 @@
  *   vec_is_nan(x)
  *   vec_mask_any
  *   vec_select, vec_i32_select (mask, where true, where false)
- *   vec_load_u8, vec_store_u8 as many bytes as lanes, widened / narrowed (values <= 255)
+ *   vec_load_u8               as many bytes as lanes, widened
+ *   vec_store_u8              lanes in [0, 2^31) narrowed to bytes, min(x, 255) (saturating)
+ *   vec_store_u8x4            the same for four vectors, stored one after the other
  *   vec_load_s8               as many bytes as lanes, sign-extended
  *   vec_bf16_bits             32-bit lanes of the bf16 rounding of [Note: lowp rounding]
  *   vec_pack_u16              narrow 32-bit lanes (values <= 0xffff) to a vec_u16
@@ -73,15 +75,17 @@ INF_ADAM__SIMD_INLINE vec_f32 q8_decode_v(const uint8_t *src, vec_f32 scale)
     return vec_mul(q8_magnitude(vec_load_u8(src), INF_ADAM__QV_MAN, INF_ADAM__QV_BIAS), scale);
 }
 
-/* See inf_adam__q8_encode_magnitude. */
-INF_ADAM__SIMD_INLINE vec_i32 q8_encode_magnitude(vec_f32 mag, int man, int bias, int max_code)
+/* See inf_adam__q8_encode_magnitude, without its clamp to max_code: the caller's saturating
+ * narrow to bytes (vec_store_u8) clamps to 0xff, and m's magnitude codes, from |y| <= 1 but
+ * for an ulp, never pass 0x7f (as the scalar clamp says: it bounds what the rules never make). */
+INF_ADAM__SIMD_INLINE vec_i32 q8_encode_magnitude(vec_f32 mag, int man, int bias)
 {
     const int shift = 23 - man;
     vec_i32 bits = vec_as_i32(vec_mul(mag, vec_set1(inf_adam__bits_f32((uint32_t)bias << 23))));
     vec_i32 odd = vec_i32_and(vec_i32_srli(bits, shift), vec_i32_set1(1));
     vec_i32 up = vec_i32_add(vec_i32_add(bits, vec_i32_set1((1 << (shift - 1)) - 1)), odd);
 
-    return vec_i32_min(vec_i32_srli(up, shift), vec_i32_set1(max_code));
+    return vec_i32_srli(up, shift);
 }
 
 /* y = x * inv, or x / scale when inv is 0 (inf_adam__q8_inverse): inv is one per block. */
@@ -90,58 +94,62 @@ INF_ADAM__SIMD_INLINE vec_f32 q8_normalize(vec_f32 x, vec_f32 scale, vec_f32 inv
     return use_inv ? vec_mul(x, inv) : vec_div(x, scale);
 }
 
-INF_ADAM__SIMD_INLINE void encode_m(uint8_t *dst, const float *src, size_t n, float scale,
-                                    float inv, int use_inv)
+/* The code of each moment x of a block (inf_adam__q8_encode_m or _v), before the narrow to
+ * bytes: m is at most 0xff, v's clamp to 0xff is the narrow's. */
+INF_ADAM__SIMD_INLINE vec_i32 q8_code(vec_f32 x, vec_f32 scale, vec_f32 inv, int use_inv,
+                                      int is_m)
 {
-    const vec_f32 s = vec_set1(scale), r = vec_set1(inv);
-    size_t k = 0;
+    vec_f32 y = q8_normalize(x, scale, inv, use_inv);
+    vec_i32 code;
 
-    for (; k + INF_ADAM__SIMD_WIDTH <= n; k += INF_ADAM__SIMD_WIDTH) {
-        vec_f32 y = q8_normalize(vec_loadu(src + k), s, r, use_inv);
-        vec_i32 code = q8_encode_magnitude(vec_abs(y), INF_ADAM__QM_MAN, INF_ADAM__QM_BIAS, 0x7f);
-        vec_i32 sign = vec_i32_and(vec_i32_srli(vec_as_i32(y), 24), vec_i32_set1(0x80));
-
-        vec_store_u8(dst + k, vec_i32_or(code, sign));
+    if (is_m) {
+        code = q8_encode_magnitude(vec_abs(y), INF_ADAM__QM_MAN, INF_ADAM__QM_BIAS);
+        return vec_i32_or(code, vec_i32_and(vec_i32_srli(vec_as_i32(y), 24),
+                                            vec_i32_set1(0x80)));
     }
-    for (; k < n; k++)
-        dst[k] = inf_adam__q8_encode_m(src[k], scale, inv);
+    y = vec_abs(y);
+    code = q8_encode_magnitude(y, INF_ADAM__QV_MAN, INF_ADAM__QV_BIAS);
+    /* a positive value never codes as 0: min(bits, 1) is 1 for |y| > 0, else 0 */
+    return vec_i32_max(code, vec_i32_min(vec_as_i32(y), vec_i32_set1(1)));
 }
 
-INF_ADAM__SIMD_INLINE void encode_v(uint8_t *dst, const float *src, size_t n, float scale,
-                                    float inv, int use_inv)
+/* Code n moments of one block: four vectors at a time (one narrow to bytes for all four), then
+ * one, then the scalar tail. */
+INF_ADAM__SIMD_INLINE void encode(uint8_t *dst, const float *src, size_t n, float scale,
+                                  float inv, int use_inv, int is_m)
 {
+    const size_t w = INF_ADAM__SIMD_WIDTH;
     const vec_f32 s = vec_set1(scale), r = vec_set1(inv);
-    const vec_i32 one = vec_i32_set1(1);
     size_t k = 0;
 
-    for (; k + INF_ADAM__SIMD_WIDTH <= n; k += INF_ADAM__SIMD_WIDTH) {
-        vec_f32 mag = vec_abs(q8_normalize(vec_loadu(src + k), s, r, use_inv));
-        vec_i32 code = q8_encode_magnitude(mag, INF_ADAM__QV_MAN, INF_ADAM__QV_BIAS, 0xff);
-
-        /* a positive value never codes as 0: min(bits, 1) is 1 for |y| > 0, else 0 */
-        code = vec_i32_max(code, vec_i32_min(vec_as_i32(mag), one));
-        vec_store_u8(dst + k, code);
-    }
+    for (; k + 4 * w <= n; k += 4 * w)
+        vec_store_u8x4(dst + k, q8_code(vec_loadu(src + k), s, r, use_inv, is_m),
+                       q8_code(vec_loadu(src + k + w), s, r, use_inv, is_m),
+                       q8_code(vec_loadu(src + k + 2 * w), s, r, use_inv, is_m),
+                       q8_code(vec_loadu(src + k + 3 * w), s, r, use_inv, is_m));
+    for (; k + w <= n; k += w)
+        vec_store_u8(dst + k, q8_code(vec_loadu(src + k), s, r, use_inv, is_m));
     for (; k < n; k++)
-        dst[k] = inf_adam__q8_encode_v(src[k], scale, inv);
+        dst[k] = is_m ? inf_adam__q8_encode_m(src[k], scale, inv)
+                      : inf_adam__q8_encode_v(src[k], scale, inv);
 }
 
 INF_ADAM__SIMD_FN void state_encode_m(uint8_t *dst, const float *src, size_t n, float scale,
                                       float inv)
 {
     if (inv != 0.0f)
-        encode_m(dst, src, n, scale, inv, 1);
+        encode(dst, src, n, scale, inv, 1, 1);
     else
-        encode_m(dst, src, n, scale, inv, 0);
+        encode(dst, src, n, scale, inv, 0, 1);
 }
 
 INF_ADAM__SIMD_FN void state_encode_v(uint8_t *dst, const float *src, size_t n, float scale,
                                       float inv)
 {
     if (inv != 0.0f)
-        encode_v(dst, src, n, scale, inv, 1);
+        encode(dst, src, n, scale, inv, 1, 0);
     else
-        encode_v(dst, src, n, scale, inv, 0);
+        encode(dst, src, n, scale, inv, 0, 0);
 }
 
 INF_ADAM__SIMD_FN void state_convert(float *dst, const void *src, int dtype, size_t n)
