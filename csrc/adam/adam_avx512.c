@@ -52,6 +52,9 @@ INF_ADAM__SIMD_INLINE __m512i vec_bf16_bits(vec_f32 p)
 /* Every lane is <= 0xffff, so truncating each to 16 bits only narrows. */
 #define vec_pack_u16(r) _mm512_cvtepi32_epi16(r)
 #define vec_to_bf16(p) vec_pack_u16(vec_bf16_bits(p))
+#define vec_store_u16x2(a, b, x, y)                                                          \
+    (_mm256_storeu_si256((__m256i *)(a), vec_pack_u16(x)),                                   \
+     _mm256_storeu_si256((__m256i *)(b), vec_pack_u16(y)))
 
 #include "adam_simd_body.h"
 

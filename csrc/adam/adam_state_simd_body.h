@@ -23,6 +23,7 @@
  *   vec_load_s8               as many bytes as lanes, sign-extended
  *   vec_bf16_bits             32-bit lanes of the bf16 rounding of [Note: lowp rounding]
  *   vec_pack_u16              narrow 32-bit lanes (values <= 0xffff) to a vec_u16
+ *   vec_store_u16x2(a, b, x, y) the same for two vectors, stored at a and at b
  *   INF_ADAM__SIMD_FN         `static` with the ISA's target attribute
  *
  * and gets the static state_convert, state_update, state_encode_m and state_encode_v that its
@@ -41,11 +42,17 @@ INF_ADAM__SIMD_INLINE vec_f32 st_load_16(const void *src, int dtype, size_t i)
     return vec_load_f16((const uint16_t *)src + i);
 }
 
-INF_ADAM__SIMD_INLINE void st_store_16(void *dst, size_t i, vec_f32 x, int dtype)
+/* The bf16 bits of x's lanes in 32-bit lanes, nearest even ([Note: lowp rounding] in
+ * inf_adam.h): `exact`, vec_bf16_bits; else right for every lane but a NaN, without the
+ * comparison and blend a NaN lane costs on every vector (the loop checks for NaN once). */
+INF_ADAM__SIMD_INLINE vec_i32 st_bf16_bits(vec_f32 x, int exact)
 {
-    vec_u16 h = dtype == INF_ADAM_DTYPE_BF16 ? vec_to_bf16(x) : vec_to_f16(x);
+    vec_i32 u = vec_as_i32(x);
+    vec_i32 odd = vec_i32_and(vec_i32_srli(u, 16), vec_i32_set1(1));
 
-    vec_u16_storeu((vec_u16 *)((uint16_t *)dst + i), h);
+    if (exact)
+        return vec_bf16_bits(x);
+    return vec_i32_srli(vec_i32_add(vec_i32_add(u, vec_i32_set1(0x7fff)), odd), 16);
 }
 
 /* Value of each 8-bit magnitude code; see inf_adam__q8_magnitude. */
@@ -178,16 +185,14 @@ INF_ADAM__SIMD_INLINE vec_i32 random_bits(vec_i32 lo, vec_i32 key)
     return mix32(vec_i32_xor(lo, key));
 }
 
-/* [Note: stochastic rounding] */
-INF_ADAM__SIMD_INLINE vec_u16 sr_bf16(vec_f32 p, vec_i32 r)
+/* [Note: stochastic rounding]; `exact`: some lane may be NaN, which rounds as the master's
+ * copy does. */
+INF_ADAM__SIMD_INLINE vec_i32 sr_bf16(vec_f32 p, vec_i32 r, int exact)
 {
     vec_i32 bits = vec_i32_srli(vec_i32_add(vec_as_i32(p), vec_i32_and(r, vec_i32_set1(0xffff))),
                                 16);
-    vec_mask nan = vec_is_nan(p);
 
-    if (vec_mask_any(nan))  /* rare: NaN rounds as the master's copy does */
-        bits = vec_i32_select(nan, vec_bf16_bits(p), bits);
-    return vec_pack_u16(bits);
+    return exact ? vec_i32_select(vec_is_nan(p), vec_bf16_bits(p), bits) : bits;
 }
 
 INF_ADAM__SIMD_INLINE vec_u16 sr_f16(vec_f32 p, vec_i32 r)
@@ -234,23 +239,45 @@ INF_ADAM__SIMD_INLINE vec_i32 amax_bits(vec_i32 acc, vec_f32 x)
 }
 
 /* Store the new moments: bf16 and float ones in place, 8-bit ones into the block's buffers
- * (coded after the block, once its scales are known) with their running maxima. */
+ * (coded after the block, once its scales are known) with their running maxima; `exact` as
+ * st_bf16_bits. */
 INF_ADAM__SIMD_INLINE void store_moments(void *exp_avg, void *exp_avg_sq,
                                          const struct inf_adam__block *b, size_t i, int moments,
-                                         vec_f32 m, vec_f32 v, vec_i32 *m_max, vec_i32 *v_max)
+                                         vec_f32 m, vec_f32 v, vec_i32 *m_max, vec_i32 *v_max,
+                                         int exact)
 {
     if (moments == INF_ADAM_MOMENTS_F32) {
         vec_storeu((float *)exp_avg + i, m);
         vec_storeu((float *)exp_avg_sq + i, v);
     } else if (moments == INF_ADAM_MOMENTS_BF16) {
-        st_store_16(exp_avg, i, m, INF_ADAM_DTYPE_BF16);
-        st_store_16(exp_avg_sq, i, v, INF_ADAM_DTYPE_BF16);
+        vec_store_u16x2((uint16_t *)exp_avg + i, (uint16_t *)exp_avg_sq + i,
+                        st_bf16_bits(m, exact), st_bf16_bits(v, exact));
     } else {
         vec_storeu(b->m + (i - b->lo), m);
         vec_storeu(b->v + (i - b->lo), v);
         *m_max = amax_bits(*m_max, m);
         *v_max = amax_bits(*v_max, v);
     }
+}
+
+/* Store the new parameter p: to the master and its copy, or stochastically rounded with the
+ * random bits r to the values; `exact` as st_bf16_bits. */
+INF_ADAM__SIMD_INLINE void store_param(float *params, void *values, size_t i, int master,
+                                       int values_dtype, vec_f32 p, vec_i32 r, int exact)
+{
+    vec_u16 h;
+
+    if (master) {
+        vec_storeu(params + i, p);
+        if (values_dtype == INF_ADAM_DTYPE_NONE)
+            return;
+        h = values_dtype == INF_ADAM_DTYPE_BF16 ? vec_pack_u16(st_bf16_bits(p, exact))
+                                                : vec_to_f16(p);
+    } else {
+        h = values_dtype == INF_ADAM_DTYPE_BF16 ? vec_pack_u16(sr_bf16(p, r, exact))
+                                                : sr_f16(p, r);
+    }
+    vec_u16_storeu((vec_u16 *)((uint16_t *)values + i), h);
 }
 
 /* Ask for the cache lines of an array INF_ADAM__PREFETCH_AHEAD elements of `size` bytes past
@@ -293,10 +320,12 @@ INF_ADAM__SIMD_INLINE void update(const struct inf_adam__state_coef *c,
         c, (uint32_t)((s->index + lo) >> 32)));
     vec_i32 counter = vec_i32_add(vec_i32_set1((int32_t)(uint32_t)(s->index + lo)), vec_iota());
     vec_i32 m_max = vec_i32_set1(0), v_max = m_max;
+    const int rounds_bf16 = moments == INF_ADAM_MOMENTS_BF16 || values_dtype == INF_ADAM_DTYPE_BF16;
     size_t i = lo;
 
     for (; i + INF_ADAM__SIMD_WIDTH <= hi; i += INF_ADAM__SIMD_WIDTH) {
         vec_f32 grad, p, m, v, d;
+        vec_i32 r;
 
         prefetch_ahead(g, i - lo, grad_dtype == INF_ADAM_DTYPE_F32 ? 4 : 2);
         prefetch_ahead(master ? (const void *)params : values, i, master ? 4 : 2);
@@ -309,22 +338,22 @@ INF_ADAM__SIMD_INLINE void update(const struct inf_adam__state_coef *c,
             grad = vec_add(grad, vec_mul(weight_decay, p));
         m = vec_add(vec_mul(beta1, m), vec_mul(one_minus_beta1, grad));
         v = vec_add(vec_mul(beta2, v), vec_mul(vec_mul(one_minus_beta2, grad), grad));
-        store_moments(exp_avg, exp_avg_sq, b, i, moments, m, v, &m_max, &v_max);
-
         d = vec_add(vec_mul(vec_sqrt(v), inv_bc2_sqrt), eps);
         if (decoupled)
             p = vec_mul(p, decay);
         p = vec_sub(p, vec_div(vec_mul(step_size, m), d));
-        if (master) {
-            vec_storeu(params + i, p);
-            if (values_dtype != INF_ADAM_DTYPE_NONE)
-                st_store_16(values, i, p, values_dtype);
-        } else {
-            vec_i32 r = random_bits(counter, key);
-            vec_u16 h = values_dtype == INF_ADAM_DTYPE_BF16 ? sr_bf16(p, r) : sr_f16(p, r);
-
-            vec_u16_storeu((vec_u16 *)((uint16_t *)values + i), h);
+        r = counter;  /* unused with a master */
+        if (!master) {
+            r = random_bits(counter, key);
             counter = vec_i32_add(counter, vec_i32_set1(INF_ADAM__SIMD_WIDTH));
+        }
+        /* a NaN m or v makes p NaN: one check of p decides every bf16 rounding's NaN case */
+        if (rounds_bf16 && vec_mask_any(vec_is_nan(p))) {
+            store_moments(exp_avg, exp_avg_sq, b, i, moments, m, v, &m_max, &v_max, 1);
+            store_param(params, values, i, master, values_dtype, p, r, 1);
+        } else {
+            store_moments(exp_avg, exp_avg_sq, b, i, moments, m, v, &m_max, &v_max, 0);
+            store_param(params, values, i, master, values_dtype, p, r, 0);
         }
     }
     if (moments == INF_ADAM_MOMENTS_Q8) {
