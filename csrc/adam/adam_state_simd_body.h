@@ -48,11 +48,11 @@ INF_ADAM__SIMD_INLINE vec_f32 st_load_16(const void *src, int dtype, size_t i)
 INF_ADAM__SIMD_INLINE vec_i32 st_bf16_bits(vec_f32 x, int exact)
 {
     vec_i32 u = vec_as_i32(x);
-    vec_i32 odd = vec_i32_and(vec_i32_srli(u, 16), vec_i32_set1(1));
 
     if (exact)
         return vec_bf16_bits(x);
-    return vec_i32_srli(vec_i32_add(vec_i32_add(u, vec_i32_set1(0x7fff)), odd), 16);
+    return vec_i32_srli(vec_i32_add(vec_i32_add(u, vec_i32_set1(0x7fff)),
+                                    vec_i32_and(vec_i32_srli(u, 16), vec_i32_set1(1))), 16);
 }
 
 /* Value of each 8-bit magnitude code; see inf_adam__q8_magnitude. */
