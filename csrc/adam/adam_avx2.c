@@ -57,6 +57,15 @@ INF_ADAM__SIMD_INLINE vec_u16 vec_pack_u16(__m256i r)
 
 #define vec_to_bf16(p) vec_pack_u16(vec_bf16_bits(p))
 
+/* Two vectors in one pack and one permute, instead of two shuffles each. */
+INF_ADAM__SIMD_INLINE void vec_store_u16x2(uint16_t *a, uint16_t *b, __m256i x, __m256i y)
+{
+    __m256i xy = _mm256_permute4x64_epi64(_mm256_packus_epi32(x, y), _MM_SHUFFLE(3, 1, 2, 0));
+
+    _mm_storeu_si128((__m128i *)a, _mm256_castsi256_si128(xy));
+    _mm_storeu_si128((__m128i *)b, _mm256_extracti128_si256(xy, 1));
+}
+
 #include "adam_simd_body.h"
 
 INF_ADAM__AVX2 void inf_adam__range_avx2(const struct inf_adam__coef *c,
@@ -102,11 +111,23 @@ INF_ADAM__SIMD_INLINE vec_i32 vec_load_s8(const uint8_t *src)
     return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)src));
 }
 
+/* Unsigned saturation: packus narrows lanes in [0, 2^31) to min(x, 255). */
 INF_ADAM__SIMD_INLINE void vec_store_u8(uint8_t *dst, vec_i32 x)
 {
     __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
 
     _mm_storel_epi64((__m128i *)dst, _mm_packus_epi16(words, words));
+}
+
+/* Four vectors in three packs and one permute (one pack per vector loses to the shuffles): the
+ * packs work per 128-bit half, leaving the 4-byte groups a0-3 b0-3 c0-3 d0-3 | a4-7 ... d4-7. */
+INF_ADAM__SIMD_INLINE void vec_store_u8x4(uint8_t *dst, vec_i32 a, vec_i32 b, vec_i32 c,
+                                          vec_i32 d)
+{
+    __m256i bytes = _mm256_packus_epi16(_mm256_packus_epi32(a, b), _mm256_packus_epi32(c, d));
+
+    _mm256_storeu_si256((__m256i *)dst, _mm256_permutevar8x32_epi32(
+        bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 
 INF_ADAM__SIMD_INLINE int32_t vec_i32_hmax(vec_i32 x)

@@ -52,6 +52,9 @@ INF_ADAM__SIMD_INLINE __m512i vec_bf16_bits(vec_f32 p)
 /* Every lane is <= 0xffff, so truncating each to 16 bits only narrows. */
 #define vec_pack_u16(r) _mm512_cvtepi32_epi16(r)
 #define vec_to_bf16(p) vec_pack_u16(vec_bf16_bits(p))
+#define vec_store_u16x2(a, b, x, y)                                                          \
+    (_mm256_storeu_si256((__m256i *)(a), vec_pack_u16(x)),                                   \
+     _mm256_storeu_si256((__m256i *)(b), vec_pack_u16(y)))
 
 #include "adam_simd_body.h"
 
@@ -92,8 +95,18 @@ typedef __mmask16 vec_mask;
 #define vec_i32_select(m, t, f) _mm512_mask_blend_epi32(m, f, t)
 #define vec_load_u8(src) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src)))
 #define vec_load_s8(src) _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src)))
-#define vec_store_u8(dst, x) _mm_storeu_si128((__m128i *)(dst), _mm512_cvtepi32_epi8(x))
+#define vec_store_u8(dst, x) _mm_storeu_si128((__m128i *)(dst), _mm512_cvtusepi32_epi8(x))
 #define vec_i32_hmax(x) _mm512_reduce_max_epi32(x)
+
+/* The packs that would narrow four vectors at once are AVX-512 BW: one narrow each. */
+INF_ADAM__SIMD_INLINE void vec_store_u8x4(uint8_t *dst, vec_i32 a, vec_i32 b, vec_i32 c,
+                                          vec_i32 d)
+{
+    vec_store_u8(dst, a);
+    vec_store_u8(dst + 16, b);
+    vec_store_u8(dst + 32, c);
+    vec_store_u8(dst + 48, d);
+}
 
 #include "adam_state_simd_body.h"
 

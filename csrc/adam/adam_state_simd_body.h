@@ -17,10 +17,13 @@
  *   vec_is_nan(x)
  *   vec_mask_any
  *   vec_select, vec_i32_select (mask, where true, where false)
- *   vec_load_u8, vec_store_u8 as many bytes as lanes, widened / narrowed (values <= 255)
+ *   vec_load_u8               as many bytes as lanes, widened
+ *   vec_store_u8              lanes in [0, 2^31) narrowed to bytes, min(x, 255) (saturating)
+ *   vec_store_u8x4            the same for four vectors, stored one after the other
  *   vec_load_s8               as many bytes as lanes, sign-extended
  *   vec_bf16_bits             32-bit lanes of the bf16 rounding of [Note: lowp rounding]
  *   vec_pack_u16              narrow 32-bit lanes (values <= 0xffff) to a vec_u16
+ *   vec_store_u16x2(a, b, x, y) the same for two vectors, stored at a and at b
  *   INF_ADAM__SIMD_FN         `static` with the ISA's target attribute
  *
  * and gets the static state_convert, state_update, state_encode_m and state_encode_v that its
@@ -39,11 +42,17 @@ INF_ADAM__SIMD_INLINE vec_f32 st_load_16(const void *src, int dtype, size_t i)
     return vec_load_f16((const uint16_t *)src + i);
 }
 
-INF_ADAM__SIMD_INLINE void st_store_16(void *dst, size_t i, vec_f32 x, int dtype)
+/* The bf16 bits of x's lanes in 32-bit lanes, nearest even ([Note: lowp rounding] in
+ * inf_adam.h): `exact`, vec_bf16_bits; else right for every lane but a NaN, without the
+ * comparison and blend a NaN lane costs on every vector (the loop checks for NaN once). */
+INF_ADAM__SIMD_INLINE vec_i32 st_bf16_bits(vec_f32 x, int exact)
 {
-    vec_u16 h = dtype == INF_ADAM_DTYPE_BF16 ? vec_to_bf16(x) : vec_to_f16(x);
+    vec_i32 u = vec_as_i32(x);
 
-    vec_u16_storeu((vec_u16 *)((uint16_t *)dst + i), h);
+    if (exact)
+        return vec_bf16_bits(x);
+    return vec_i32_srli(vec_i32_add(vec_i32_add(u, vec_i32_set1(0x7fff)),
+                                    vec_i32_and(vec_i32_srli(u, 16), vec_i32_set1(1))), 16);
 }
 
 /* Value of each 8-bit magnitude code; see inf_adam__q8_magnitude. */
@@ -73,15 +82,17 @@ INF_ADAM__SIMD_INLINE vec_f32 q8_decode_v(const uint8_t *src, vec_f32 scale)
     return vec_mul(q8_magnitude(vec_load_u8(src), INF_ADAM__QV_MAN, INF_ADAM__QV_BIAS), scale);
 }
 
-/* See inf_adam__q8_encode_magnitude. */
-INF_ADAM__SIMD_INLINE vec_i32 q8_encode_magnitude(vec_f32 mag, int man, int bias, int max_code)
+/* See inf_adam__q8_encode_magnitude, without its clamp to max_code: the caller's saturating
+ * narrow to bytes (vec_store_u8) clamps to 0xff, and m's magnitude codes, from |y| <= 1 but
+ * for an ulp, never pass 0x7f (as the scalar clamp says: it bounds what the rules never make). */
+INF_ADAM__SIMD_INLINE vec_i32 q8_encode_magnitude(vec_f32 mag, int man, int bias)
 {
     const int shift = 23 - man;
     vec_i32 bits = vec_as_i32(vec_mul(mag, vec_set1(inf_adam__bits_f32((uint32_t)bias << 23))));
     vec_i32 odd = vec_i32_and(vec_i32_srli(bits, shift), vec_i32_set1(1));
     vec_i32 up = vec_i32_add(vec_i32_add(bits, vec_i32_set1((1 << (shift - 1)) - 1)), odd);
 
-    return vec_i32_min(vec_i32_srli(up, shift), vec_i32_set1(max_code));
+    return vec_i32_srli(up, shift);
 }
 
 /* y = x * inv, or x / scale when inv is 0 (inf_adam__q8_inverse): inv is one per block. */
@@ -90,58 +101,62 @@ INF_ADAM__SIMD_INLINE vec_f32 q8_normalize(vec_f32 x, vec_f32 scale, vec_f32 inv
     return use_inv ? vec_mul(x, inv) : vec_div(x, scale);
 }
 
-INF_ADAM__SIMD_INLINE void encode_m(uint8_t *dst, const float *src, size_t n, float scale,
-                                    float inv, int use_inv)
+/* The code of each moment x of a block (inf_adam__q8_encode_m or _v), before the narrow to
+ * bytes: m is at most 0xff, v's clamp to 0xff is the narrow's. */
+INF_ADAM__SIMD_INLINE vec_i32 q8_code(vec_f32 x, vec_f32 scale, vec_f32 inv, int use_inv,
+                                      int is_m)
 {
-    const vec_f32 s = vec_set1(scale), r = vec_set1(inv);
-    size_t k = 0;
+    vec_f32 y = q8_normalize(x, scale, inv, use_inv);
+    vec_i32 code;
 
-    for (; k + INF_ADAM__SIMD_WIDTH <= n; k += INF_ADAM__SIMD_WIDTH) {
-        vec_f32 y = q8_normalize(vec_loadu(src + k), s, r, use_inv);
-        vec_i32 code = q8_encode_magnitude(vec_abs(y), INF_ADAM__QM_MAN, INF_ADAM__QM_BIAS, 0x7f);
-        vec_i32 sign = vec_i32_and(vec_i32_srli(vec_as_i32(y), 24), vec_i32_set1(0x80));
-
-        vec_store_u8(dst + k, vec_i32_or(code, sign));
+    if (is_m) {
+        code = q8_encode_magnitude(vec_abs(y), INF_ADAM__QM_MAN, INF_ADAM__QM_BIAS);
+        return vec_i32_or(code, vec_i32_and(vec_i32_srli(vec_as_i32(y), 24),
+                                            vec_i32_set1(0x80)));
     }
-    for (; k < n; k++)
-        dst[k] = inf_adam__q8_encode_m(src[k], scale, inv);
+    y = vec_abs(y);
+    code = q8_encode_magnitude(y, INF_ADAM__QV_MAN, INF_ADAM__QV_BIAS);
+    /* a positive value never codes as 0: min(bits, 1) is 1 for |y| > 0, else 0 */
+    return vec_i32_max(code, vec_i32_min(vec_as_i32(y), vec_i32_set1(1)));
 }
 
-INF_ADAM__SIMD_INLINE void encode_v(uint8_t *dst, const float *src, size_t n, float scale,
-                                    float inv, int use_inv)
+/* Code n moments of one block: four vectors at a time (one narrow to bytes for all four), then
+ * one, then the scalar tail. */
+INF_ADAM__SIMD_INLINE void encode(uint8_t *dst, const float *src, size_t n, float scale,
+                                  float inv, int use_inv, int is_m)
 {
+    const size_t w = INF_ADAM__SIMD_WIDTH;
     const vec_f32 s = vec_set1(scale), r = vec_set1(inv);
-    const vec_i32 one = vec_i32_set1(1);
     size_t k = 0;
 
-    for (; k + INF_ADAM__SIMD_WIDTH <= n; k += INF_ADAM__SIMD_WIDTH) {
-        vec_f32 mag = vec_abs(q8_normalize(vec_loadu(src + k), s, r, use_inv));
-        vec_i32 code = q8_encode_magnitude(mag, INF_ADAM__QV_MAN, INF_ADAM__QV_BIAS, 0xff);
-
-        /* a positive value never codes as 0: min(bits, 1) is 1 for |y| > 0, else 0 */
-        code = vec_i32_max(code, vec_i32_min(vec_as_i32(mag), one));
-        vec_store_u8(dst + k, code);
-    }
+    for (; k + 4 * w <= n; k += 4 * w)
+        vec_store_u8x4(dst + k, q8_code(vec_loadu(src + k), s, r, use_inv, is_m),
+                       q8_code(vec_loadu(src + k + w), s, r, use_inv, is_m),
+                       q8_code(vec_loadu(src + k + 2 * w), s, r, use_inv, is_m),
+                       q8_code(vec_loadu(src + k + 3 * w), s, r, use_inv, is_m));
+    for (; k + w <= n; k += w)
+        vec_store_u8(dst + k, q8_code(vec_loadu(src + k), s, r, use_inv, is_m));
     for (; k < n; k++)
-        dst[k] = inf_adam__q8_encode_v(src[k], scale, inv);
+        dst[k] = is_m ? inf_adam__q8_encode_m(src[k], scale, inv)
+                      : inf_adam__q8_encode_v(src[k], scale, inv);
 }
 
 INF_ADAM__SIMD_FN void state_encode_m(uint8_t *dst, const float *src, size_t n, float scale,
                                       float inv)
 {
     if (inv != 0.0f)
-        encode_m(dst, src, n, scale, inv, 1);
+        encode(dst, src, n, scale, inv, 1, 1);
     else
-        encode_m(dst, src, n, scale, inv, 0);
+        encode(dst, src, n, scale, inv, 0, 1);
 }
 
 INF_ADAM__SIMD_FN void state_encode_v(uint8_t *dst, const float *src, size_t n, float scale,
                                       float inv)
 {
     if (inv != 0.0f)
-        encode_v(dst, src, n, scale, inv, 1);
+        encode(dst, src, n, scale, inv, 1, 0);
     else
-        encode_v(dst, src, n, scale, inv, 0);
+        encode(dst, src, n, scale, inv, 0, 0);
 }
 
 INF_ADAM__SIMD_FN void state_convert(float *dst, const void *src, int dtype, size_t n)
@@ -170,16 +185,14 @@ INF_ADAM__SIMD_INLINE vec_i32 random_bits(vec_i32 lo, vec_i32 key)
     return mix32(vec_i32_xor(lo, key));
 }
 
-/* [Note: stochastic rounding] */
-INF_ADAM__SIMD_INLINE vec_u16 sr_bf16(vec_f32 p, vec_i32 r)
+/* [Note: stochastic rounding]; `exact`: some lane may be NaN, which rounds as the master's
+ * copy does. */
+INF_ADAM__SIMD_INLINE vec_i32 sr_bf16(vec_f32 p, vec_i32 r, int exact)
 {
     vec_i32 bits = vec_i32_srli(vec_i32_add(vec_as_i32(p), vec_i32_and(r, vec_i32_set1(0xffff))),
                                 16);
-    vec_mask nan = vec_is_nan(p);
 
-    if (vec_mask_any(nan))  /* rare: NaN rounds as the master's copy does */
-        bits = vec_i32_select(nan, vec_bf16_bits(p), bits);
-    return vec_pack_u16(bits);
+    return exact ? vec_i32_select(vec_is_nan(p), vec_bf16_bits(p), bits) : bits;
 }
 
 INF_ADAM__SIMD_INLINE vec_u16 sr_f16(vec_f32 p, vec_i32 r)
@@ -226,23 +239,45 @@ INF_ADAM__SIMD_INLINE vec_i32 amax_bits(vec_i32 acc, vec_f32 x)
 }
 
 /* Store the new moments: bf16 and float ones in place, 8-bit ones into the block's buffers
- * (coded after the block, once its scales are known) with their running maxima. */
+ * (coded after the block, once its scales are known) with their running maxima; `exact` as
+ * st_bf16_bits. */
 INF_ADAM__SIMD_INLINE void store_moments(void *exp_avg, void *exp_avg_sq,
                                          const struct inf_adam__block *b, size_t i, int moments,
-                                         vec_f32 m, vec_f32 v, vec_i32 *m_max, vec_i32 *v_max)
+                                         vec_f32 m, vec_f32 v, vec_i32 *m_max, vec_i32 *v_max,
+                                         int exact)
 {
     if (moments == INF_ADAM_MOMENTS_F32) {
         vec_storeu((float *)exp_avg + i, m);
         vec_storeu((float *)exp_avg_sq + i, v);
     } else if (moments == INF_ADAM_MOMENTS_BF16) {
-        st_store_16(exp_avg, i, m, INF_ADAM_DTYPE_BF16);
-        st_store_16(exp_avg_sq, i, v, INF_ADAM_DTYPE_BF16);
+        vec_store_u16x2((uint16_t *)exp_avg + i, (uint16_t *)exp_avg_sq + i,
+                        st_bf16_bits(m, exact), st_bf16_bits(v, exact));
     } else {
         vec_storeu(b->m + (i - b->lo), m);
         vec_storeu(b->v + (i - b->lo), v);
         *m_max = amax_bits(*m_max, m);
         *v_max = amax_bits(*v_max, v);
     }
+}
+
+/* Store the new parameter p: to the master and its copy, or stochastically rounded with the
+ * random bits r to the values; `exact` as st_bf16_bits. */
+INF_ADAM__SIMD_INLINE void store_param(float *params, void *values, size_t i, int master,
+                                       int values_dtype, vec_f32 p, vec_i32 r, int exact)
+{
+    vec_u16 h;
+
+    if (master) {
+        vec_storeu(params + i, p);
+        if (values_dtype == INF_ADAM_DTYPE_NONE)
+            return;
+        h = values_dtype == INF_ADAM_DTYPE_BF16 ? vec_pack_u16(st_bf16_bits(p, exact))
+                                                : vec_to_f16(p);
+    } else {
+        h = values_dtype == INF_ADAM_DTYPE_BF16 ? vec_pack_u16(sr_bf16(p, r, exact))
+                                                : sr_f16(p, r);
+    }
+    vec_u16_storeu((vec_u16 *)((uint16_t *)values + i), h);
 }
 
 /* Ask for the cache lines of an array INF_ADAM__PREFETCH_AHEAD elements of `size` bytes past
@@ -285,10 +320,12 @@ INF_ADAM__SIMD_INLINE void update(const struct inf_adam__state_coef *c,
         c, (uint32_t)((s->index + lo) >> 32)));
     vec_i32 counter = vec_i32_add(vec_i32_set1((int32_t)(uint32_t)(s->index + lo)), vec_iota());
     vec_i32 m_max = vec_i32_set1(0), v_max = m_max;
+    const int rounds_bf16 = moments == INF_ADAM_MOMENTS_BF16 || values_dtype == INF_ADAM_DTYPE_BF16;
     size_t i = lo;
 
     for (; i + INF_ADAM__SIMD_WIDTH <= hi; i += INF_ADAM__SIMD_WIDTH) {
         vec_f32 grad, p, m, v, d;
+        vec_i32 r;
 
         prefetch_ahead(g, i - lo, grad_dtype == INF_ADAM_DTYPE_F32 ? 4 : 2);
         prefetch_ahead(master ? (const void *)params : values, i, master ? 4 : 2);
@@ -301,22 +338,22 @@ INF_ADAM__SIMD_INLINE void update(const struct inf_adam__state_coef *c,
             grad = vec_add(grad, vec_mul(weight_decay, p));
         m = vec_add(vec_mul(beta1, m), vec_mul(one_minus_beta1, grad));
         v = vec_add(vec_mul(beta2, v), vec_mul(vec_mul(one_minus_beta2, grad), grad));
-        store_moments(exp_avg, exp_avg_sq, b, i, moments, m, v, &m_max, &v_max);
-
         d = vec_add(vec_mul(vec_sqrt(v), inv_bc2_sqrt), eps);
         if (decoupled)
             p = vec_mul(p, decay);
         p = vec_sub(p, vec_div(vec_mul(step_size, m), d));
-        if (master) {
-            vec_storeu(params + i, p);
-            if (values_dtype != INF_ADAM_DTYPE_NONE)
-                st_store_16(values, i, p, values_dtype);
-        } else {
-            vec_i32 r = random_bits(counter, key);
-            vec_u16 h = values_dtype == INF_ADAM_DTYPE_BF16 ? sr_bf16(p, r) : sr_f16(p, r);
-
-            vec_u16_storeu((vec_u16 *)((uint16_t *)values + i), h);
+        r = counter;  /* unused with a master */
+        if (!master) {
+            r = random_bits(counter, key);
             counter = vec_i32_add(counter, vec_i32_set1(INF_ADAM__SIMD_WIDTH));
+        }
+        /* a NaN m or v makes p NaN: one check of p decides every bf16 rounding's NaN case */
+        if (rounds_bf16 && vec_mask_any(vec_is_nan(p))) {
+            store_moments(exp_avg, exp_avg_sq, b, i, moments, m, v, &m_max, &v_max, 1);
+            store_param(params, values, i, master, values_dtype, p, r, 1);
+        } else {
+            store_moments(exp_avg, exp_avg_sq, b, i, moments, m, v, &m_max, &v_max, 0);
+            store_param(params, values, i, master, values_dtype, p, r, 0);
         }
     }
     if (moments == INF_ADAM_MOMENTS_Q8) {
