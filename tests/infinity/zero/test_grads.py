@@ -204,3 +204,19 @@ def test_finite_values_whose_squares_overflow_are_finite():
     layer.weight.grad = torch.full((2, 3), 1e30, dtype=torch.bfloat16)
     buffer.accumulate(unit.slots)
     assert buffer.finite is True and math.isinf(buffer.square())
+
+
+def test_a_held_gradient_checked_without_a_norm_wanted_sums_instead(monkeypatch):
+    """Where the step takes no norm (offload off, no clipping, no fp16), the check is the sum:
+    cheaper than a norm through a float32 copy; square() then takes the norms itself."""
+    layer = torch.nn.Linear(30, 2).to(torch.bfloat16)
+    (unit,), _ = plan_units(layer, persistence_numel=0)
+    buffer = HeldGrad([s.shape.numel() for s in unit.slots], torch.bfloat16, name="param/u")
+    buffer.norm_wanted = False
+    calls = []
+    monkeypatch.setattr(grads, "piece_norm", lambda t: calls.append(t.numel()) or piece_norm(t))
+    layer.weight.grad = torch.ones(2, 30, dtype=torch.bfloat16)
+    buffer.accumulate(unit.slots)
+    assert buffer.finite is True and calls == []
+    fresh = float(torch.linalg.vector_norm(torch.ones(60), dtype=torch.float32)) ** 2
+    assert buffer.square() == fresh and calls == [60]  # (the bias got none: zeros, no pass)
