@@ -40,12 +40,19 @@ class Request:
         self._outcome: int | AIOError | None = None if native is not None else 0
 
     def done(self) -> bool:
-        """True once the transfer has finished, successfully or not (never blocks)."""
+        """True once the transfer has finished, successfully or not (never blocks). While
+        another thread is in `wait()` (which holds the lock until the transfer ends) it says
+        False: taking the lock would wait for the transfer, and a caller polling under a lock
+        of its own (the store's) would stall every thread behind it."""
         if self._outcome is not None:
             return True
-        with self._lock:
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
             if self._outcome is None and self._handle._native.done(self._native):
                 self._finish(self._handle._native.wait(self._native, 0))
+        finally:
+            self._lock.release()
         return self._outcome is not None
 
     def wait(self, timeout: float | None = None) -> int:

@@ -252,9 +252,14 @@ class Engine:
         if self.config.fp16.enabled:
             scaled = scaled * self._steps.loss_scale()
         boundary = self.is_gradient_accumulation_boundary()
+        # the step takes the gradients' norm: overlapped (as they become final), or for
+        # clipping and the fp16 overflow check (OptimizerStep.after_backward)
+        norm_wanted = (self._stepper is not None or self.config.gradient_clipping > 0
+                       or self.config.fp16.enabled)
         for u in self.ranked.trained:  # inf/nan survive the sums: checked once, at the boundary
             if u.grad is not None:
                 u.grad.check_now = boundary
+                u.grad.norm_wanted = norm_wanted
         if self._stepper is not None and boundary:
             self._steps.begin()
             self._stepper.begin(self.optimizer.lr, grad_scale=1.0 / self._steps.loss_scale())

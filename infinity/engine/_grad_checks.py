@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from infinity.engine._partition import RankedUnits
 from infinity.errors import NonFiniteGradientError
 from infinity.zero import FetchUnit
@@ -16,12 +14,9 @@ from infinity.zero import FetchUnit
 
 def grad_square(unit: FetchUnit) -> float:
     """The sum of squares of the unit's gradient of this step, the term of the global norm it
-    contributes (float32 norms of its pieces, squared and summed in float64; 0.0 when it has
-    none)."""
-    if unit.grad is None or not unit.grad.has_grad:
-        return 0.0
-    with unit.grad.read_pieces() as pieces:
-        return sum(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in pieces)
+    contributes (`GradBuffer.square()`: float32 norms of its pieces, squared and summed in
+    float64; 0.0 when it has none)."""
+    return 0.0 if unit.grad is None else unit.grad.square()
 
 
 def global_norm(ranked: RankedUnits, squares: list[float]) -> float:

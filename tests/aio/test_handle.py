@@ -89,6 +89,46 @@ def test_zero_length_request_is_done_at_once(handle, tmp_path):
     assert r.done() and r.wait() == 0
 
 
+class _SlowNative:
+    """A native layer whose one request finishes when `landed` is set (no I/O)."""
+
+    def __init__(self):
+        self.landed = threading.Event()
+
+    def done(self, native):
+        return self.landed.is_set()
+
+    def wait(self, native, timeout_ns):
+        if not self.landed.wait(None if timeout_ns < 0 else timeout_ns / 1e9):
+            return None
+        return type("Status", (), {"error": 0, "nbytes_done": 8})()
+
+    def free(self, native):
+        pass
+
+
+def test_done_does_not_wait_for_a_thread_in_wait():
+    """done() never blocks: the store polls it under its lock while the optimizer's worker
+    waits for the same read; blocking there stalled the training thread for the transfer."""
+    native = _SlowNative()
+    handle = type("FakeHandle", (), {"_native": native, "_finished": lambda self, r: None})()
+    request = aio.Request(handle, object(), bytearray(8), None, "read", "f", 0, 8)
+    waiter = threading.Thread(target=request.wait)
+    waiter.start()
+    try:
+        while not request._lock.locked():  # the waiter is inside wait(), holding the lock
+            pass
+        answered = []
+        poller = threading.Thread(target=lambda: answered.append(request.done()))
+        poller.start()
+        poller.join(timeout=5)
+        assert answered == [False]
+    finally:
+        native.landed.set()
+        waiter.join()
+    assert request.done() and request.wait() == 8
+
+
 def test_numpy_and_bytes_buffers(handle, tmp_path):
     a = np.arange(10_000, dtype=np.float64)
     handle.write(a, tmp_path / "a.bin").wait()

@@ -1,10 +1,13 @@
 """Gradient buffers in RAM and in the store behave alike; HeldGrad keeps autograd's own tensors."""
 
+import math
+
 import pytest
 import torch
 
 from infinity.store import TensorStore, Tier
-from infinity.zero import HeldGrad, RamGrad, Ranks, StoredGrad, plan_units
+from infinity.zero import HeldGrad, RamGrad, Ranks, StoredGrad, grads, plan_units
+from infinity.zero.grads import piece_norm, release_norm_scratch
 
 
 class LoneRank(Ranks):
@@ -154,3 +157,66 @@ def test_held_gradients_know_whether_they_are_finite(value):
     buffer.accumulate(unit.slots)  # 6e38 overflows float32
     assert buffer.finite is False
     assert not hasattr(buffer, "average_over")  # one process: no flat buffer to average over ranks
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_piece_norm_is_torchs_float32_norm_to_the_bit(dtype):
+    """The global norm (clip factor, last_grad_norm) must not change by a bit: the reused
+    float32 buffer reduces what torch's own conversion would, whatever it held before."""
+    torch.manual_seed(0)
+    for numel in (4099, 1, 33, 1 << 16, 7):  # a smaller piece after a larger one reuses the buffer
+        piece = (torch.randn(numel) * 3).to(dtype)
+        assert piece_norm(piece) == float(torch.linalg.vector_norm(piece, dtype=torch.float32))
+    bad = torch.ones(9, dtype=dtype)
+    bad[4] = float("nan")
+    assert math.isnan(piece_norm(bad))
+    release_norm_scratch()
+
+
+def test_a_held_gradients_square_is_the_norms_its_check_took(monkeypatch):
+    """At the boundary the finiteness check takes each piece's norm, and the engine's sum of
+    squares reuses it: one pass over the gradient, not two; the same value as a fresh pass."""
+    layer = torch.nn.Linear(300, 20).to(torch.bfloat16)
+    (unit,), _ = plan_units(layer, persistence_numel=0)
+    buffer = HeldGrad([s.shape.numel() for s in unit.slots], torch.bfloat16, name="param/u")
+    calls = []
+
+    def counted(t):
+        calls.append(t.numel())
+        return piece_norm(t)
+
+    monkeypatch.setattr(grads, "piece_norm", counted)
+    torch.manual_seed(0)
+    layer.weight.grad = torch.randn(20, 300).to(torch.bfloat16)
+    layer.bias.grad = torch.randn(20).to(torch.bfloat16)
+    buffer.accumulate(unit.slots)
+    assert buffer.finite is True and calls == [6000, 20]
+    with buffer.read_pieces() as pieces:
+        fresh = sum(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in pieces)
+    assert buffer.square() == fresh and calls == [6000, 20]
+
+
+def test_finite_values_whose_squares_overflow_are_finite():
+    """A norm that overflows float32 does not settle finiteness: the sum decides, as before."""
+    layer = torch.nn.Linear(3, 2).to(torch.bfloat16)
+    (unit,), _ = plan_units(layer, persistence_numel=0)
+    buffer = HeldGrad([s.shape.numel() for s in unit.slots], torch.bfloat16, name="param/u")
+    layer.weight.grad = torch.full((2, 3), 1e30, dtype=torch.bfloat16)
+    buffer.accumulate(unit.slots)
+    assert buffer.finite is True and math.isinf(buffer.square())
+
+
+def test_a_held_gradient_checked_without_a_norm_wanted_sums_instead(monkeypatch):
+    """Where the step takes no norm (offload off, no clipping, no fp16), the check is the sum:
+    cheaper than a norm through a float32 copy; square() then takes the norms itself."""
+    layer = torch.nn.Linear(30, 2).to(torch.bfloat16)
+    (unit,), _ = plan_units(layer, persistence_numel=0)
+    buffer = HeldGrad([s.shape.numel() for s in unit.slots], torch.bfloat16, name="param/u")
+    buffer.norm_wanted = False
+    calls = []
+    monkeypatch.setattr(grads, "piece_norm", lambda t: calls.append(t.numel()) or piece_norm(t))
+    layer.weight.grad = torch.ones(2, 30, dtype=torch.bfloat16)
+    buffer.accumulate(unit.slots)
+    assert buffer.finite is True and calls == []
+    fresh = float(torch.linalg.vector_norm(torch.ones(60), dtype=torch.float32)) ** 2
+    assert buffer.square() == fresh and calls == [60]  # (the bias got none: zeros, no pass)
