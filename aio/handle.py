@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -183,8 +184,11 @@ class Handle:
             self._native.shutdown()
             with self._lock:
                 pending = list(self._in_flight)
-            for request in pending:
-                request.done()  # every request is done after shutdown; this frees it
+            for request in pending:  # every request is done after shutdown: settle each one
+                # wait(), not done(): done() does not wait for a thread already in wait(), and
+                # destroying the engine under that thread's free() would be a use after free
+                with contextlib.suppress(AIOError):
+                    request.wait()
             self._native.destroy()
             self._files.close()
 
