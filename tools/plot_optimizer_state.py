@@ -1,7 +1,7 @@
 """Loss curves of infinity-train runs in several optimizer state formats, one panel per seed,
 and the figures of docs/performance.md "Optimizer state formats": each run's last-20-step mean
-loss against the panel's first run, its loss at steps 100, 200 and 300, and a summary over the
-panels (seeds) of each format.
+loss against the panel's first run, its loss at steps 100, 200 and 300, a summary over the
+panels (seeds) of each format, and the paired gaps' mean, standard error and median.
 
     python -m tools.plot_optimizer_state --out docs/img/optimizer_state_loss.png \\
         --run "seed 0" "fp32 / fp32" runs/s0-fp32 --run "seed 0" "int8 / none" runs/s0-int8n ...
@@ -100,6 +100,28 @@ def summary(panels: dict[str, Runs]) -> str:
     return "\n".join(rows)
 
 
+def paired(panels: dict[str, Runs]) -> str:
+    """One markdown row per label but each panel's first: its per-panel gaps against the
+    panel's first run (a paired comparison: same seed, same data), their mean, its standard
+    error, their median and how many are within 2%. Run-to-run spread makes the gaps of one
+    label spread by several points; the standard error says how far their mean can be trusted,
+    and the median how it reads when a few base runs are outliers."""
+    gaps: dict[str, list[float]] = {}
+    for runs in panels.values():
+        base = last_mean(runs[0][1])
+        for label, history in runs[1:]:
+            gaps.setdefault(label, []).append(100 * (last_mean(history) / base - 1))
+    rows = ["| moments / master | n | mean gap | standard error | median gap | within 2% |",
+            "|---|---:|---:|---:|---:|---:|"]
+    for label, values in gaps.items():
+        error = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else None
+        shown = "" if error is None else f"{error:.1f} points"
+        within = sum(abs(g) <= 2 for g in values)
+        rows.append(f"| {label} | {len(values)} | {statistics.fmean(values):+.1f}% | {shown} | "
+                    f"{statistics.median(values):+.1f}% | {within} of {len(values)} |")
+    return "\n".join(rows)
+
+
 def mean_ratio_curves(panels: dict[str, Runs], window: int) -> dict[str, list[float]]:
     """Per label but the first of each panel: the running-mean loss over the panel's first
     run's, step by step, averaged over the panels that hold it (over the steps all have)."""
@@ -186,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(panels))
     print()
     print(summary(panels))
+    print()
+    print(paired(panels))
     plot(panels, args.out, window=args.window, columns=args.columns,
          ratio_panel=args.ratio_panel)
     return 0

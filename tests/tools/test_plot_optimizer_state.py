@@ -77,3 +77,22 @@ def test_a_window_or_columns_below_one_is_refused(tmp_path, option, capsys):
                                    "--run", "p", "l", str(run)])
     assert exc.value.code == 2
     assert "must be at least 1" in capsys.readouterr().err
+
+
+def test_paired_gaps_mean_standard_error_and_median(tmp_path, capsys):
+    """The third table: per label, the gaps against each seed's first run (+10%, -10%, +1%):
+    mean +0.3%, standard error stdev / sqrt(3) = 5.8 points, median +1.0%, one within 2%; a
+    label with one seed has no standard error."""
+    runs = []
+    for seed, (base, int8) in enumerate([(1.0, 1.1), (2.0, 1.8), (1.0, 1.01)]):
+        runs += ["--run", f"seed {seed}", "fp32",
+                 str(_run(tmp_path / f"a{seed}", [2.0] * 80 + [base] * 20, 1)),
+                 "--run", f"seed {seed}", "int8",
+                 str(_run(tmp_path / f"b{seed}", [2.0] * 80 + [int8] * 20, 1))]
+    runs += ["--run", "seed 0", "none", str(_run(tmp_path / "c0", [2.0] * 80 + [1.2] * 20, 1))]
+    assert plot_optimizer_state.main(["--out", str(tmp_path / "loss.png"), *runs]) == 0
+    table = capsys.readouterr().out.split("\n\n")[2].splitlines()
+    assert table[0] == ("| moments / master | n | mean gap | standard error | median gap | "
+                        "within 2% |")
+    assert table[2] == "| int8 | 3 | +0.3% | 5.8 points | +1.0% | 1 of 3 |"
+    assert table[3] == "| none | 1 | +20.0% |  | +20.0% | 0 of 1 |"
