@@ -173,6 +173,18 @@ def test_piece_norm_is_torchs_float32_norm_to_the_bit(dtype):
     release_norm_scratch()
 
 
+def test_pieces_over_the_scratch_limit_do_not_grow_the_held_buffer(monkeypatch):
+    """The buffer is held through a backward: a piece above its limit (a big model's
+    embedding) takes torch's own temporary, freed at once, and still gets torch's norm."""
+    monkeypatch.setattr(grads._Float32Scratch, "LIMIT", 1000)
+    release_norm_scratch()
+    small, big = torch.randn(1000).bfloat16(), torch.randn(1001).bfloat16()
+    for piece in (small, big):
+        assert piece_norm(piece) == float(torch.linalg.vector_norm(piece, dtype=torch.float32))
+    assert grads._SCRATCH._buffer.numel() == 1000
+    release_norm_scratch()
+
+
 def test_a_held_gradients_square_is_the_norms_its_check_took(monkeypatch):
     """At the boundary the finiteness check takes each piece's norm, and the engine's sum of
     squares reuses it: one pass over the gradient, not two; the same value as a fresh pass."""
