@@ -208,19 +208,19 @@ def keep_room_for_export(config: dict[str, Any], output: pathlib.Path, nbytes: i
     """Where --output is on the disk of an nvme_path, the swap file leaves the export's `nbytes`
     free there (infinity.nvme_keep_free, unless the config sets it): a run that trains for hours
     must not then find no room for its model."""
-    keep = config.setdefault("infinity", {})
-    if "nvme_keep_free" in keep:
-        return
+    keep = config.get("infinity", {})
     zero = config.get("zero_optimization", {})
+    if not isinstance(keep, dict) or not isinstance(zero, dict) or "nvme_keep_free" in keep:
+        return  # (a section that is no object: the engine names it)
     for key in ("offload_param", "offload_optimizer"):
         section = zero.get(key)
         if not (isinstance(section, dict) and section.get("device") == "nvme"
-                and section.get("nvme_path")):
+                and isinstance(section.get("nvme_path"), str) and section["nvme_path"]):
             continue
         try:
             same_disk = os.stat(section["nvme_path"]).st_dev == output.stat().st_dev
         except OSError:  # not made yet: the engine names a bad nvme_path
             continue
         if same_disk:
-            keep["nvme_keep_free"] = nbytes
+            config["infinity"] = {**keep, "nvme_keep_free": nbytes}
             return

@@ -261,4 +261,22 @@ def test_room_for_the_export_is_kept_only_on_the_swap_files_disk(tmp_path):
                  {"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "no")}}):
         config = {"zero_optimization": zero}
         keep_room_for_export(config, tmp_path, 1234)
-        assert "nvme_keep_free" not in config["infinity"]
+        assert "nvme_keep_free" not in config.get("infinity", {})
+    # sections that are no objects, a path that is no string (os.stat would take 0 as a file
+    # descriptor): left to the engine, which names them
+    fd_path = {"offload_optimizer": {"device": "nvme", "nvme_path": 0}}
+    for config in ({"infinity": 5}, {"zero_optimization": 3},
+                   {"infinity": {}, "zero_optimization": fd_path}):
+        before = json.loads(json.dumps(config))
+        keep_room_for_export(config, tmp_path, 1234)
+        assert config == before
+
+
+def test_a_config_section_that_is_no_object_is_one_line_not_a_traceback(tmp_path, capsys):
+    config = tmp_path / "bad.json"
+    config.write_text('{"infinity": 5}')
+    from infinity.cli.train import main
+    assert main(["--steps", "1", "--config", str(config), "--output", str(tmp_path / "out"),
+                 "--nvme-path", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "infinity" in err[0], err
