@@ -252,10 +252,7 @@ class Engine:
         if self.config.fp16.enabled:
             scaled = scaled * self._steps.loss_scale()
         boundary = self.is_gradient_accumulation_boundary()
-        # the step takes the gradients' norm: overlapped (as they become final), or for
-        # clipping and the fp16 overflow check (OptimizerStep.after_backward)
-        norm_wanted = (self._stepper is not None or self.config.gradient_clipping > 0
-                       or self.config.fp16.enabled)
+        norm_wanted = self._stepper is not None or self._steps.needs_norm
         for u in self.ranked.trained:  # inf/nan survive the sums: checked once, at the boundary
             if u.grad is not None:
                 u.grad.check_now = boundary

@@ -60,17 +60,22 @@ class OptimizerStep:
         self.lr_source: LRSource | None = None
         self.last_grad_norm: float | None = None
 
+    @property
+    def needs_norm(self) -> bool:
+        """Whether the step after backward takes the global norm: for clipping and the fp16
+        overflow check (overlapped, every step takes it as the gradients become final)."""
+        return self._config.gradient_clipping > 0 or self._config.fp16.enabled
+
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler is not None else self._static_scale
 
     def after_backward(self, counters: StepCounters) -> None:
         """Every gradient is final: the global norm and finiteness decide the step, then every
         unit is stepped (all or nothing: a refused step changes nothing, step count included)."""
-        # The norm is a pass over every gradient: taken when clipping or the fp16 overflow
-        # check needs it (last_grad_norm is None otherwise; overlapped, it comes with the
-        # gradients as they become final).
+        # The norm is a pass over every gradient: taken where needed (last_grad_norm is None
+        # otherwise).
         norm = None
-        if self._config.gradient_clipping > 0 or self._config.fp16.enabled:
+        if self.needs_norm:
             norm = global_norm(self._ranked, [grad_square(u) for u in self._ranked.trained])
         grad_scale = self.validate(norm, counters)
         if grad_scale is None:
