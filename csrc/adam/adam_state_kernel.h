@@ -10,8 +10,8 @@
  * holding an inf or NaN, whose bytes are then 0 and decode to NaN). Each element is coded from
  * y = x * (1 / scale), or x / scale where the scale or its inverse is not a normal float
  * (|y| <= 1 but for an ulp, and the largest rounds to 1) as an 8-bit float without inf or NaN
- * codes whose top exponent is 1.0: exp_avg with a sign bit, 4 exponent and 3 mantissa bits;
- * exp_avg_sq without a sign, 5 exponent and 3 mantissa bits (codes above 1.0 go unused). y
+ * codes whose top exponent is 1.0: exp_avg with a sign bit, 3 exponent and 4 mantissa bits;
+ * exp_avg_sq without a sign, 4 exponent and 4 mantissa bits (codes above 1.0 go unused). y
  * rounds to the nearest code, ties to the even code (below the normal codes through a float
  * subnormal first: see inf_adam__q8_encode_magnitude), and a positive exp_avg_sq never rounds to
  * 0 but to the smallest code: a zero there would turn m / sqrt(v) into m / eps. A byte decodes
@@ -43,10 +43,10 @@
 #include "adam_kernel.h"
 
 /* The two 8-bit maps: mantissa bits and exponent bias (the top exponent field: 2^bits - 1). */
-#define INF_ADAM__QM_MAN 3
-#define INF_ADAM__QM_BIAS 15
-#define INF_ADAM__QV_MAN 3
-#define INF_ADAM__QV_BIAS 31
+#define INF_ADAM__QM_MAN 4
+#define INF_ADAM__QM_BIAS 7
+#define INF_ADAM__QV_MAN 4
+#define INF_ADAM__QV_BIAS 15
 /* Elements per work unit of the 16- and 32-bit formats (8-bit ones use their block size). */
 #define INF_ADAM__STATE_UNIT 512
 

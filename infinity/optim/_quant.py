@@ -19,7 +19,7 @@ be short), each stored as one float32 scale and one byte per element:
 - a byte decodes to code_value * scale (one float32 multiply).
 
 The scale keeps the block's largest element exact, and with it the block's common decay: each
-step multiplies v by beta2 = 0.999, a change 8-bit codes cannot hold (their steps are 6%), so a
+step multiplies v by beta2 = 0.999, a change 8-bit codes cannot hold (their steps are 3-6%), so a
 scale rounded to a power of two, say, would freeze v and slow training (docs/store.md).
 Why these maps and block size: docs/store.md "Optimizer state formats".
 """
@@ -66,8 +66,8 @@ class Code8(NamedTuple):
 
 
 FLT_MIN = 2.0**-126  # the smallest normal float32
-EXP_AVG_CODE = Code8(exp_bits=4, man_bits=3, signed=True)
-EXP_AVG_SQ_CODE = Code8(exp_bits=5, man_bits=3, signed=False, keep_nonzero=True)
+EXP_AVG_CODE = Code8(exp_bits=3, man_bits=4, signed=True)
+EXP_AVG_SQ_CODE = Code8(exp_bits=4, man_bits=4, signed=False, keep_nonzero=True)
 DEFAULT_BLOCK = 256
 
 

@@ -6,13 +6,13 @@ The problem: 2048 bf16 weights, w* ~ 0.1 N(0, 1), 64 fresh samples a step (so th
 noisy and the run ends at a noise floor), 150 steps at lr 1e-2 then 150 at lr 1e-3, where an
 update (~1e-3) is a fraction of a bf16 spacing of the weights (2**-11 to 2**-8): the regime of
 fine-tuning. The formats' extra error is small next to the gradient noise: 8-bit moments are
-off by up to 1/16 of the value per store (3 mantissa bits, the block's largest exact), bf16
+off by up to 1/32 of the value per store (4 mantissa bits, the block's largest exact), bf16
 moments by 2**-9, and stochastic rounding adds a zero-mean error of at most one bf16 spacing
 per element and step. Measured on the dev VM (distance after the fast phase / mean of the last
-20 steps, relative to fp32): bf16 moments +0% / +1.5%, int8 moments +2.7% / +0.4%,
-master-free +0.7% to +3.6% / +1.4% to +2.8%. The bounds below (6% after the fast phase, 5% at
-the end) leave room for that while catching a state that loses updates: rounding to nearest
-without a master ends +41% off.
+20 steps, relative to fp32): bf16 moments +0% / +1.5%, int8 moments +1.1% / -0.7% (with the
+earlier E4M3 / E5M3 maps +2.7% / +0.4%), master-free -0.2% to +1.3% / +1.7% to +3.6%. The
+bounds below (6% after the fast phase, 5% at the end) leave room for that while catching a
+state that loses updates: rounding to nearest without a master ends +41% off.
 """
 
 import functools
