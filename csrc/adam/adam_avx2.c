@@ -24,7 +24,8 @@ typedef __m128i vec_u16;
 #define vec_div(x, y) _mm256_div_ps(x, y)
 #define vec_sqrt(x) _mm256_sqrt_ps(x)
 #define vec_fmadd(x, y, z) _mm256_fmadd_ps(x, y, z)
-#define vec_load_f16(src) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src)))
+#define vec_from_f16(h) _mm256_cvtph_ps(h)
+#define vec_load_f16(src) vec_from_f16(_mm_loadu_si128((const __m128i *)(src)))
 #define vec_to_f16(x) _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT)
 #define vec_u16_storeu(dst, h) _mm_storeu_si128(dst, h)
 #define vec_u16_stream(dst, h) _mm_stream_si128(dst, h)
@@ -101,15 +102,11 @@ typedef __m256 vec_mask;  /* all-ones lanes where true */
 #define vec_select(m, t, f) _mm256_blendv_ps(f, t, m)
 #define vec_i32_select(m, t, f) _mm256_blendv_epi8(f, t, _mm256_castps_si256(m))
 
-INF_ADAM__SIMD_INLINE vec_i32 vec_load_u8(const uint8_t *src)
-{
-    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)src));
-}
-
-INF_ADAM__SIMD_INLINE vec_i32 vec_load_s8(const uint8_t *src)
-{
-    return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)src));
-}
+#define vec_load_u8_u16(src) _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(src)))
+#define vec_load_s8_u16(src) _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(src)))
+#define vec_u16_set1(x) _mm_set1_epi16(x)
+#define vec_u16_and(x, y) _mm_and_si128(x, y)
+#define vec_u16_slli(x, n) _mm_slli_epi16(x, n)
 
 /* Unsigned saturation: packus narrows lanes in [0, 2^31) to min(x, 255). */
 INF_ADAM__SIMD_INLINE void vec_store_u8(uint8_t *dst, vec_i32 x)

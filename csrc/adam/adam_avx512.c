@@ -24,7 +24,8 @@ typedef __m256i vec_u16;
 #define vec_div(x, y) _mm512_div_ps(x, y)
 #define vec_sqrt(x) _mm512_sqrt_ps(x)
 #define vec_fmadd(x, y, z) _mm512_fmadd_ps(x, y, z)
-#define vec_load_f16(src) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src)))
+#define vec_from_f16(h) _mm512_cvtph_ps(h)
+#define vec_load_f16(src) vec_from_f16(_mm256_loadu_si256((const __m256i *)(src)))
 #define vec_to_f16(x) _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT)
 #define vec_u16_storeu(dst, h) _mm256_storeu_si256(dst, h)
 #define vec_u16_stream(dst, h) _mm256_stream_si256(dst, h)
@@ -93,8 +94,13 @@ typedef __mmask16 vec_mask;
 #define vec_mask_any(x) ((x) != 0)
 #define vec_select(m, t, f) _mm512_mask_blend_ps(m, f, t)
 #define vec_i32_select(m, t, f) _mm512_mask_blend_epi32(m, f, t)
-#define vec_load_u8(src) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src)))
-#define vec_load_s8(src) _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src)))
+/* 16-bit lanes of 256 bits: AVX2 instructions, which every AVX-512 F CPU has (and the target
+ * implies) */
+#define vec_load_u8_u16(src) _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src)))
+#define vec_load_s8_u16(src) _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(src)))
+#define vec_u16_set1(x) _mm256_set1_epi16(x)
+#define vec_u16_and(x, y) _mm256_and_si256(x, y)
+#define vec_u16_slli(x, n) _mm256_slli_epi16(x, n)
 #define vec_store_u8(dst, x) _mm_storeu_si128((__m128i *)(dst), _mm512_cvtusepi32_epi8(x))
 #define vec_i32_hmax(x) _mm512_reduce_max_epi32(x)
 

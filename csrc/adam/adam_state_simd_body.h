@@ -17,10 +17,12 @@
  *   vec_is_nan(x)
  *   vec_mask_any
  *   vec_select, vec_i32_select (mask, where true, where false)
- *   vec_load_u8               as many bytes as lanes, widened
+ *   vec_load_u8_u16           as many bytes as lanes, widened to a vec_u16
+ *   vec_load_s8_u16           the same, sign-extended
+ *   vec_u16_set1, _and, _slli on the 16-bit lanes of a vec_u16
+ *   vec_from_f16              fp16 lanes of a vec_u16 widened to float (exact)
  *   vec_store_u8              lanes in [0, 2^31) narrowed to bytes, min(x, 255) (saturating)
  *   vec_store_u8x4            the same for four vectors, stored one after the other
- *   vec_load_s8               as many bytes as lanes, sign-extended
  *   vec_bf16_bits             32-bit lanes of the bf16 rounding of [Note: lowp rounding]
  *   vec_pack_u16              narrow 32-bit lanes (values <= 0xffff) to a vec_u16
  *   vec_store_u16x2(a, b, x, y) the same for two vectors, stored at a and at b
@@ -55,42 +57,56 @@ INF_ADAM__SIMD_INLINE vec_i32 st_bf16_bits(vec_f32 x, int exact)
                                     vec_i32_and(vec_i32_srli(u, 16), vec_i32_set1(1))), 16);
 }
 
-/* Value of each 8-bit magnitude code; see inf_adam__q8_magnitude. */
-INF_ADAM__SIMD_INLINE vec_f32 q8_magnitude(vec_i32 mag, int man, int bias)
+/* [Note: no float subnormals] A code's magnitude bits at the top of an fp16's 15 (10 mantissa
+ * bits) make an fp16 of value magnitude * 2^(bias - 15), subnormal codes as fp16 subnormals,
+ * which F16C widens to normal floats in hardware; times 2^(15 - bias) (exact) that is the
+ * magnitude inf_adam__q8_magnitude makes. fp16 holds every code of a map with at most 10
+ * mantissa and 4 exponent bits (its top exponent field, 31, is inf and NaN). */
+_Static_assert(INF_ADAM__QM_MAN <= 10 && INF_ADAM__QV_MAN <= 10 && INF_ADAM__QM_BIAS <= 15 &&
+               INF_ADAM__QV_BIAS <= 15, "8-bit codes decode through fp16");
+
+INF_ADAM__SIMD_INLINE vec_f32 q8_from_f16(vec_u16 h, int bias)
 {
-    return vec_mul(vec_as_f32(vec_i32_slli(mag, 23 - man)),
-                   vec_set1(inf_adam__bits_f32((uint32_t)(127 + 127 - bias) << 23)));
+    vec_f32 x = vec_from_f16(h);
+
+    return bias == 15 ? x : vec_mul(x, vec_set1(inf_adam__bits_f32((uint32_t)(127 + 15 - bias)
+                                                                    << 23)));
 }
 
-/* The code sign-extended and shifted so its magnitude bits land where q8_magnitude puts them
- * has its sign bit copied into every bit above them: the mask keeps the float's sign bit and
- * the magnitude. Scaling by a power of two is exact and symmetric in the sign, so this is
- * -magnitude for a negative code (-0 for 0x80), as inf_adam__q8_decode_m says. */
+/* The code sign-extended to 16 bits and shifted as above has its sign bit in fp16's sign bit
+ * and above the magnitude: the mask keeps the sign and the magnitude, so a negative code is
+ * -magnitude (-0 for 0x80), as inf_adam__q8_decode_m says (scaling is symmetric in the sign). */
 INF_ADAM__SIMD_INLINE vec_f32 q8_decode_m(const uint8_t *src, vec_f32 scale)
 {
-    const int shift = 23 - INF_ADAM__QM_MAN;
-    vec_i32 bits = vec_i32_and(vec_i32_slli(vec_load_s8(src), shift),
-                               vec_i32_set1((int32_t)(0x80000000u | (0x7fu << shift))));
-    vec_f32 signed_mag = vec_mul(vec_as_f32(bits), vec_set1(inf_adam__bits_f32(
-        (uint32_t)(127 + 127 - INF_ADAM__QM_BIAS) << 23)));
+    const int shift = 10 - INF_ADAM__QM_MAN;
+    vec_u16 h = vec_u16_and(vec_u16_slli(vec_load_s8_u16(src), shift),
+                            vec_u16_set1((int16_t)(0x8000u | (0x7fu << shift))));
 
-    return vec_mul(signed_mag, scale);
+    return vec_mul(q8_from_f16(h, INF_ADAM__QM_BIAS), scale);
 }
 
 INF_ADAM__SIMD_INLINE vec_f32 q8_decode_v(const uint8_t *src, vec_f32 scale)
 {
-    return vec_mul(q8_magnitude(vec_load_u8(src), INF_ADAM__QV_MAN, INF_ADAM__QV_BIAS), scale);
+    vec_u16 h = vec_u16_slli(vec_load_u8_u16(src), 10 - INF_ADAM__QV_MAN);
+
+    return vec_mul(q8_from_f16(h, INF_ADAM__QV_BIAS), scale);
 }
 
 /* See inf_adam__q8_encode_magnitude, without its clamp to max_code: the caller's saturating
  * narrow to bytes (vec_store_u8) clamps to 0xff, and m's magnitude codes, from |y| <= 1 but
- * for an ulp, never pass 0x7f (as the scalar clamp says: it bounds what the rules never make). */
+ * for an ulp, never pass 0x7f (as the scalar clamp says: it bounds what the rules never make).
+ * `bits` is t's bits plus (127 - bias) << 23, a multiple of the rounding's unit taken off with
+ * its bias. */
 INF_ADAM__SIMD_INLINE vec_i32 q8_encode_magnitude(vec_f32 mag, int man, int bias)
 {
     const int shift = 23 - man;
-    vec_i32 bits = vec_as_i32(vec_mul(mag, vec_set1(inf_adam__bits_f32((uint32_t)bias << 23))));
+    const int32_t offset = (127 - bias) << 23;
+    vec_f32 low = vec_add(mag, vec_set1(inf_adam__bits_f32((uint32_t)(128 - bias) << 23)));
+    vec_i32 bits = vec_i32_max(vec_i32_add(vec_as_i32(low), vec_i32_set1(-(1 << 23))),
+                               vec_as_i32(mag));
     vec_i32 odd = vec_i32_and(vec_i32_srli(bits, shift), vec_i32_set1(1));
-    vec_i32 up = vec_i32_add(vec_i32_add(bits, vec_i32_set1((1 << (shift - 1)) - 1)), odd);
+    vec_i32 up = vec_i32_add(vec_i32_add(bits, vec_i32_set1((1 << (shift - 1)) - 1 - offset)),
+                             odd);
 
     return vec_i32_srli(up, shift);
 }

@@ -11,6 +11,7 @@ from state_reference import reference_step
 
 from infinity.memory import ThreadPool
 from infinity.optim import SegmentState, StateFormat, StateKernel
+from infinity.optim._quant import EXP_AVG_CODE, EXP_AVG_SQ_CODE, Code8
 
 HYPER = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.05}
 # (moments, master, values dtype); fp32 moments with a master are AdamKernel's (test_adam_kernel)
@@ -155,6 +156,45 @@ def test_edge_values_equal_reference(moments, master, values_dtype, isa):
         grad = edges["grad"] * (1.0 if step % 2 else -0.5)
         seg.step([grad], step=step, isa=isa, index=2**32 - 1000, seed=step)
         seg.check(f"step={step} {isa}")
+
+
+def _ulps_around(x: torch.Tensor, ulps: int) -> torch.Tensor:
+    """float32 x and its neighbours up to `ulps` float32 steps either side."""
+    out, up, down = [x], x, x
+    for _ in range(ulps):
+        up, down = torch.nextafter(up, up + 1), torch.nextafter(down, down - 1)
+        out += [up, down]
+    return torch.cat(out)
+
+
+def _near_midpoints(code: Code8) -> torch.Tensor:
+    """float32 values y around every midpoint of two neighbouring magnitude codes: a few
+    float32 ulps off, and a few half steps of the float32 subnormal grid that
+    |y| * 2**(bias - 127) rounds to first below the normal codes (where a coding that skips
+    that rounding, or takes it with the wrong step, picks the other neighbour)."""
+    mags = code.magnitudes()
+    mids = (mags[1:] + mags[:-1]) / 2
+    half_step = 2.0 ** (-150 + 127 - code.bias)
+    near = torch.cat([mids + k * half_step for k in range(-3, 4)]).float()
+    return _ulps_around(near, 2).clamp(max=1.0).unique()
+
+
+def test_codes_near_every_midpoint_equal_reference(isa):
+    """Moments at and around the 8-bit codes' midpoints take the reference's code ([Note: no
+    float subnormals]: every path finds |y| * 2**(bias - 127)'s bits without forming that
+    float subnormal). beta1 = beta2 = 0 makes m = g and v = g * g, and a 1.0 at the head of
+    each block makes both scales 1, so y is m and v themselves."""
+    m = _near_midpoints(EXP_AVG_CODE)
+    v = _ulps_around(_near_midpoints(EXP_AVG_SQ_CODE).sqrt(), 1)
+    values = torch.cat([m, -m, v])
+    block = 64
+    rows = -(-values.numel() // (block - 1))
+    body = torch.zeros(rows * (block - 1))
+    body[:values.numel()] = values
+    grad = torch.cat([torch.ones(rows, 1), body.view(rows, block - 1)], dim=1).view(-1)
+    seg = Segment(StateFormat("int8", "fp32", block=block), grad.numel(), torch.bfloat16, seed=5)
+    seg.step([grad], step=1, isa=isa, beta1=0.0, beta2=0.0, weight_decay=0.0)
+    seg.check(isa)
 
 
 def _nans(*patterns: int) -> torch.Tensor:
