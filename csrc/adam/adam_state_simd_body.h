@@ -22,9 +22,14 @@
  *   vec_u16_set1, _and, _slli on the 16-bit lanes of a vec_u16
  *   vec_from_f16              fp16 lanes of a vec_u16 widened to float (exact)
  *   vec_store_u8              lanes in [0, 2^31) narrowed to bytes, min(x, 255) (saturating)
- *   vec_store_u8x4            the same for four vectors, stored one after the other
+ *   vec_store_u8x4_signs(dst, code, y)    the same for four vectors code[0..3] (lanes in
+ *                             [0, 0x7f]) stored one after the other, with bit 7 set where the
+ *                             lane of y[0..3] has its sign bit set
+ *   vec_store_u8x4_nonzero(dst, code, y)  the same with any lane in [0, 2^31), each byte at
+ *                             least 1 where the lane of y[0..3] (floats >= +0) is not 0
  *   vec_bf16_bits             32-bit lanes of the bf16 rounding of [Note: lowp rounding]
  *   vec_pack_u16              narrow 32-bit lanes (values <= 0xffff) to a vec_u16
+ *   vec_pack_hi16             the top 16 bits of each 32-bit lane, as a vec_u16
  *   vec_store_u16x2(a, b, x, y) the same for two vectors, stored at a and at b
  *   INF_ADAM__SIMD_FN         `static` with the ISA's target attribute
  *
@@ -44,17 +49,21 @@ INF_ADAM__SIMD_INLINE vec_f32 st_load_16(const void *src, int dtype, size_t i)
     return vec_load_f16((const uint16_t *)src + i);
 }
 
-/* The bf16 bits of x's lanes in 32-bit lanes, nearest even ([Note: lowp rounding] in
- * inf_adam.h): `exact`, vec_bf16_bits; else right for every lane but a NaN, without the
+/* x's bits plus the bf16 rounding's increment, nearest even ([Note: lowp rounding] in
+ * inf_adam.h): the bf16 bits are its top 16, right for every lane but a NaN, without the
  * comparison and blend a NaN lane costs on every vector (the loop checks for NaN once). */
-INF_ADAM__SIMD_INLINE vec_i32 st_bf16_bits(vec_f32 x, int exact)
+INF_ADAM__SIMD_INLINE vec_i32 st_bf16_round(vec_f32 x)
 {
     vec_i32 u = vec_as_i32(x);
 
-    if (exact)
-        return vec_bf16_bits(x);
-    return vec_i32_srli(vec_i32_add(vec_i32_add(u, vec_i32_set1(0x7fff)),
-                                    vec_i32_and(vec_i32_srli(u, 16), vec_i32_set1(1))), 16);
+    return vec_i32_add(vec_i32_add(u, vec_i32_set1(0x7fff)),
+                       vec_i32_and(vec_i32_srli(u, 16), vec_i32_set1(1)));
+}
+
+/* The bf16 bits of x's lanes in 32-bit lanes: `exact`, vec_bf16_bits; else st_bf16_round's. */
+INF_ADAM__SIMD_INLINE vec_i32 st_bf16_bits(vec_f32 x, int exact)
+{
+    return exact ? vec_bf16_bits(x) : vec_i32_srli(st_bf16_round(x), 16);
 }
 
 /* [Note: no float subnormals] A code's magnitude bits at the top of an fp16's 15 (10 mantissa
@@ -117,27 +126,33 @@ INF_ADAM__SIMD_INLINE vec_f32 q8_normalize(vec_f32 x, vec_f32 scale, vec_f32 inv
     return use_inv ? vec_mul(x, inv) : vec_div(x, scale);
 }
 
-/* The code of each moment x of a block (inf_adam__q8_encode_m or _v), before the narrow to
- * bytes: m is at most 0xff, v's clamp to 0xff is the narrow's. */
+/* The magnitude code of each moment x of a block (inf_adam__q8_encode_m or _v without m's sign
+ * and v's smallest-code rule), and y: m's magnitude codes are at most 0x7f, v's clamp to 0xff
+ * is the narrow's. */
+INF_ADAM__SIMD_INLINE vec_i32 q8_magnitude_code(vec_f32 x, vec_f32 scale, vec_f32 inv,
+                                                int use_inv, int is_m, vec_f32 *y)
+{
+    *y = q8_normalize(x, scale, inv, use_inv);
+    return q8_encode_magnitude(vec_abs(*y), is_m ? INF_ADAM__QM_MAN : INF_ADAM__QV_MAN,
+                               is_m ? INF_ADAM__QM_BIAS : INF_ADAM__QV_BIAS);
+}
+
+/* The whole code of each moment, before the narrow to bytes: m's sign in bit 7; a positive v
+ * never codes as 0 (min(bits, 1) is 1 for |y| > 0, else 0). */
 INF_ADAM__SIMD_INLINE vec_i32 q8_code(vec_f32 x, vec_f32 scale, vec_f32 inv, int use_inv,
                                       int is_m)
 {
-    vec_f32 y = q8_normalize(x, scale, inv, use_inv);
-    vec_i32 code;
+    vec_f32 y;
+    vec_i32 code = q8_magnitude_code(x, scale, inv, use_inv, is_m, &y);
 
-    if (is_m) {
-        code = q8_encode_magnitude(vec_abs(y), INF_ADAM__QM_MAN, INF_ADAM__QM_BIAS);
+    if (is_m)
         return vec_i32_or(code, vec_i32_and(vec_i32_srli(vec_as_i32(y), 24),
                                             vec_i32_set1(0x80)));
-    }
-    y = vec_abs(y);
-    code = q8_encode_magnitude(y, INF_ADAM__QV_MAN, INF_ADAM__QV_BIAS);
-    /* a positive value never codes as 0: min(bits, 1) is 1 for |y| > 0, else 0 */
-    return vec_i32_max(code, vec_i32_min(vec_as_i32(y), vec_i32_set1(1)));
+    return vec_i32_max(code, vec_i32_min(vec_as_i32(vec_abs(y)), vec_i32_set1(1)));
 }
 
-/* Code n moments of one block: four vectors at a time (one narrow to bytes for all four), then
- * one, then the scalar tail. */
+/* Code n moments of one block: four vectors at a time (one narrow to bytes for all four, which
+ * also sets m's signs and v's smallest codes), then one, then the scalar tail. */
 INF_ADAM__SIMD_INLINE void encode(uint8_t *dst, const float *src, size_t n, float scale,
                                   float inv, int use_inv, int is_m)
 {
@@ -145,11 +160,20 @@ INF_ADAM__SIMD_INLINE void encode(uint8_t *dst, const float *src, size_t n, floa
     const vec_f32 s = vec_set1(scale), r = vec_set1(inv);
     size_t k = 0;
 
-    for (; k + 4 * w <= n; k += 4 * w)
-        vec_store_u8x4(dst + k, q8_code(vec_loadu(src + k), s, r, use_inv, is_m),
-                       q8_code(vec_loadu(src + k + w), s, r, use_inv, is_m),
-                       q8_code(vec_loadu(src + k + 2 * w), s, r, use_inv, is_m),
-                       q8_code(vec_loadu(src + k + 3 * w), s, r, use_inv, is_m));
+    for (; k + 4 * w <= n; k += 4 * w) {
+        vec_f32 y[4];
+        vec_i32 code[4];
+
+        for (int j = 0; j < 4; j++)
+            code[j] = q8_magnitude_code(vec_loadu(src + k + j * w), s, r, use_inv, is_m, &y[j]);
+        if (is_m) {
+            vec_store_u8x4_signs(dst + k, code, y);
+        } else {
+            for (int j = 0; j < 4; j++)
+                y[j] = vec_abs(y[j]);
+            vec_store_u8x4_nonzero(dst + k, code, y);
+        }
+    }
     for (; k + w <= n; k += w)
         vec_store_u8(dst + k, q8_code(vec_loadu(src + k), s, r, use_inv, is_m));
     for (; k < n; k++)
@@ -203,12 +227,13 @@ INF_ADAM__SIMD_INLINE vec_i32 random_bits(vec_i32 lo, vec_i32 key)
 
 /* [Note: stochastic rounding]; `exact`: some lane may be NaN, which rounds as the master's
  * copy does. */
-INF_ADAM__SIMD_INLINE vec_i32 sr_bf16(vec_f32 p, vec_i32 r, int exact)
+INF_ADAM__SIMD_INLINE vec_u16 sr_bf16(vec_f32 p, vec_i32 r, int exact)
 {
-    vec_i32 bits = vec_i32_srli(vec_i32_add(vec_as_i32(p), vec_i32_and(r, vec_i32_set1(0xffff))),
-                                16);
+    vec_i32 sum = vec_i32_add(vec_as_i32(p), vec_i32_and(r, vec_i32_set1(0xffff)));
 
-    return exact ? vec_i32_select(vec_is_nan(p), vec_bf16_bits(p), bits) : bits;
+    if (!exact)
+        return vec_pack_hi16(sum);
+    return vec_pack_u16(vec_i32_select(vec_is_nan(p), vec_bf16_bits(p), vec_i32_srli(sum, 16)));
 }
 
 INF_ADAM__SIMD_INLINE vec_u16 sr_f16(vec_f32 p, vec_i32 r)
@@ -233,7 +258,7 @@ INF_ADAM__SIMD_INLINE vec_f32 load_param(const float *master, const void *values
 }
 
 INF_ADAM__SIMD_INLINE void load_moments(const void *exp_avg, const void *exp_avg_sq,
-                                         const struct inf_adam__block *b, size_t i, int moments,
+                                         vec_f32 m_scale, vec_f32 v_scale, size_t i, int moments,
                                          vec_f32 *m, vec_f32 *v)
 {
     if (moments == INF_ADAM_MOMENTS_F32) {
@@ -243,8 +268,8 @@ INF_ADAM__SIMD_INLINE void load_moments(const void *exp_avg, const void *exp_avg
         *m = vec_load_bf16((const uint16_t *)exp_avg + i);
         *v = vec_load_bf16((const uint16_t *)exp_avg_sq + i);
     } else {
-        *m = q8_decode_m((const uint8_t *)exp_avg + i, vec_set1(b->m_scale));
-        *v = q8_decode_v((const uint8_t *)exp_avg_sq + i, vec_set1(b->v_scale));
+        *m = q8_decode_m((const uint8_t *)exp_avg + i, m_scale);
+        *v = q8_decode_v((const uint8_t *)exp_avg_sq + i, v_scale);
     }
 }
 
@@ -254,11 +279,11 @@ INF_ADAM__SIMD_INLINE vec_i32 amax_bits(vec_i32 acc, vec_f32 x)
     return vec_i32_max(acc, vec_as_i32(vec_abs(x)));
 }
 
-/* Store the new moments: bf16 and float ones in place, 8-bit ones into the block's buffers
- * (coded after the block, once its scales are known) with their running maxima; `exact` as
+/* Store the new moments: bf16 and float ones in place, 8-bit ones into the block's buffers at
+ * k (coded after the block, once its scales are known) with their running maxima; `exact` as
  * st_bf16_bits. */
-INF_ADAM__SIMD_INLINE void store_moments(void *exp_avg, void *exp_avg_sq,
-                                         const struct inf_adam__block *b, size_t i, int moments,
+INF_ADAM__SIMD_INLINE void store_moments(void *exp_avg, void *exp_avg_sq, float *m_buf,
+                                         float *v_buf, size_t i, size_t k, int moments,
                                          vec_f32 m, vec_f32 v, vec_i32 *m_max, vec_i32 *v_max,
                                          int exact)
 {
@@ -269,8 +294,8 @@ INF_ADAM__SIMD_INLINE void store_moments(void *exp_avg, void *exp_avg_sq,
         vec_store_u16x2((uint16_t *)exp_avg + i, (uint16_t *)exp_avg_sq + i,
                         st_bf16_bits(m, exact), st_bf16_bits(v, exact));
     } else {
-        vec_storeu(b->m + (i - b->lo), m);
-        vec_storeu(b->v + (i - b->lo), v);
+        vec_storeu(m_buf + k, m);
+        vec_storeu(v_buf + k, v);
         *m_max = amax_bits(*m_max, m);
         *v_max = amax_bits(*v_max, v);
     }
@@ -287,11 +312,12 @@ INF_ADAM__SIMD_INLINE void store_param(float *params, void *values, size_t i, in
         vec_storeu(params + i, p);
         if (values_dtype == INF_ADAM_DTYPE_NONE)
             return;
-        h = values_dtype == INF_ADAM_DTYPE_BF16 ? vec_pack_u16(st_bf16_bits(p, exact))
-                                                : vec_to_f16(p);
+        if (values_dtype == INF_ADAM_DTYPE_F16)
+            h = vec_to_f16(p);
+        else
+            h = exact ? vec_pack_u16(vec_bf16_bits(p)) : vec_pack_hi16(st_bf16_round(p));
     } else {
-        h = values_dtype == INF_ADAM_DTYPE_BF16 ? vec_pack_u16(sr_bf16(p, r, exact))
-                                                : sr_f16(p, r);
+        h = values_dtype == INF_ADAM_DTYPE_BF16 ? sr_bf16(p, r, exact) : sr_f16(p, r);
     }
     vec_u16_storeu((vec_u16 *)((uint16_t *)values + i), h);
 }
@@ -326,11 +352,13 @@ INF_ADAM__SIMD_INLINE void update(const struct inf_adam__state_coef *c,
     const size_t msize = moments == INF_ADAM_MOMENTS_F32 ? 4 : moments == INF_ADAM_MOMENTS_BF16
                                                                  ? 2 : 1;
     const size_t lo = b->lo, hi = b->hi;
-    /* the arrays in locals, which the stores cannot change (through s they could, as far as
-     * the compiler knows: it would load them again each iteration) */
+    /* the arrays and the block's fields in locals, which the stores cannot change (through s
+     * and b they could, as far as the compiler knows: it would load them again each
+     * iteration) */
     const void *g = b->grad;
-    float *params = s->master;
+    float *params = s->master, *m_buf = b->m, *v_buf = b->v;
     void *values = s->values, *exp_avg = s->exp_avg, *exp_avg_sq = s->exp_avg_sq;
+    const vec_f32 m_scale = vec_set1(b->m_scale), v_scale = vec_set1(b->v_scale);
     const int l2 = c->l2, decoupled = c->decoupled;
     const vec_i32 key = vec_i32_set1((int32_t)inf_adam__random_key(
         c, (uint32_t)((s->index + lo) >> 32)));
@@ -349,7 +377,7 @@ INF_ADAM__SIMD_INLINE void update(const struct inf_adam__state_coef *c,
         prefetch_ahead(exp_avg_sq, i, msize);
         grad = vec_mul(load_grad(g, i - lo, grad_dtype), grad_scale);
         p = load_param(params, values, i, master, values_dtype);
-        load_moments(exp_avg, exp_avg_sq, b, i, moments, &m, &v);
+        load_moments(exp_avg, exp_avg_sq, m_scale, v_scale, i, moments, &m, &v);
         if (l2)
             grad = vec_add(grad, vec_mul(weight_decay, p));
         m = vec_add(vec_mul(beta1, m), vec_mul(one_minus_beta1, grad));
@@ -365,10 +393,12 @@ INF_ADAM__SIMD_INLINE void update(const struct inf_adam__state_coef *c,
         }
         /* a NaN m or v makes p NaN: one check of p decides every bf16 rounding's NaN case */
         if (rounds_bf16 && vec_mask_any(vec_is_nan(p))) {
-            store_moments(exp_avg, exp_avg_sq, b, i, moments, m, v, &m_max, &v_max, 1);
+            store_moments(exp_avg, exp_avg_sq, m_buf, v_buf, i, i - lo, moments, m, v, &m_max,
+                          &v_max, 1);
             store_param(params, values, i, master, values_dtype, p, r, 1);
         } else {
-            store_moments(exp_avg, exp_avg_sq, b, i, moments, m, v, &m_max, &v_max, 0);
+            store_moments(exp_avg, exp_avg_sq, m_buf, v_buf, i, i - lo, moments, m, v, &m_max,
+                          &v_max, 0);
             store_param(params, values, i, master, values_dtype, p, r, 0);
         }
     }
