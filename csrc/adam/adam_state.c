@@ -217,43 +217,70 @@ static void inf_adam__gather(const struct inf_adam__state_job *job,
     }
 }
 
-/* Set an 8-bit block's scale and code its new moments (all-zero and NaN blocks: bytes 0). */
-static void inf_adam__store_block(const struct inf_adam__state_job *job, size_t lo, size_t hi,
-                                  const float *m, const float *v,
+/* An 8-bit block updated but not yet coded: its elements, its new moments and their scales. */
+struct inf_adam__coded_block {
+    size_t lo;
+    size_t hi;
+    const float *m;
+    const float *v;
+    float m_scale;
+    float v_scale;
+    float m_inv;
+    float v_inv;
+};
+
+/* Set an 8-bit block's new scales and their inverses (the coding waits for them). */
+static void inf_adam__scale_block(const struct inf_adam__state_job *job,
+                                  struct inf_adam__coded_block *q,
                                   const struct inf_adam__amax *amax)
 {
-    const struct inf_adam_segment *s = job->seg;
-    size_t blk = lo / job->unit;
-    float m_scale = inf_adam__q8_scale(amax->m);
-    float v_scale = inf_adam__q8_scale(amax->v);
-    uint8_t *m_codes = (uint8_t *)s->exp_avg + lo, *v_codes = (uint8_t *)s->exp_avg_sq + lo;
+    size_t blk = q->lo / job->unit;
 
-    s->exp_avg_scale[blk] = m_scale;
-    s->exp_avg_sq_scale[blk] = v_scale;
-    if (m_scale > 0.0f)
-        job->isa->encode_m(m_codes, m, hi - lo, m_scale, inf_adam__q8_inverse(m_scale));
-    else
-        memset(m_codes, 0, hi - lo);
-    if (v_scale > 0.0f)
-        job->isa->encode_v(v_codes, v, hi - lo, v_scale, inf_adam__q8_inverse(v_scale));
-    else
-        memset(v_codes, 0, hi - lo);
+    q->m_scale = inf_adam__q8_scale(amax->m);
+    q->v_scale = inf_adam__q8_scale(amax->v);
+    q->m_inv = inf_adam__q8_inverse(q->m_scale);
+    q->v_inv = inf_adam__q8_inverse(q->v_scale);
+    job->seg->exp_avg_scale[blk] = q->m_scale;
+    job->seg->exp_avg_sq_scale[blk] = q->v_scale;
 }
 
+/* Code an 8-bit block's new moments (all-zero and NaN blocks: bytes 0). */
+static void inf_adam__code_block(const struct inf_adam__state_job *job,
+                                 const struct inf_adam__coded_block *q)
+{
+    const struct inf_adam_segment *s = job->seg;
+    size_t n = q->hi - q->lo;
+    uint8_t *m_codes = (uint8_t *)s->exp_avg + q->lo, *v_codes = (uint8_t *)s->exp_avg_sq + q->lo;
+
+    if (q->m_scale > 0.0f)
+        job->isa->encode_m(m_codes, q->m, n, q->m_scale, q->m_inv);
+    else
+        memset(m_codes, 0, n);
+    if (q->v_scale > 0.0f)
+        job->isa->encode_v(v_codes, q->v, n, q->v_scale, q->v_inv);
+    else
+        memset(v_codes, 0, n);
+}
+
+/* The blocks of [lo, hi) in order. An 8-bit block is coded after the next block's update (its
+ * moments wait in the other of two buffers): its scales' reduction and divides, a chain of
+ * some 30 cycles, then finish under that update instead of stalling the coding behind them. */
 static void inf_adam__state_work(const void *ctx, size_t lo, size_t hi)
 {
     const struct inf_adam__state_job *job = ctx;
     const struct inf_adam_segment *s = job->seg;
     int q8 = s->moments == INF_ADAM_MOMENTS_Q8;
     float g[INF_ADAM_BLOCK_MAX] __attribute__((aligned(64)));
-    float m[INF_ADAM_BLOCK_MAX] __attribute__((aligned(64)));
-    float v[INF_ADAM_BLOCK_MAX] __attribute__((aligned(64)));
+    float m[2][INF_ADAM_BLOCK_MAX] __attribute__((aligned(64)));
+    float v[2][INF_ADAM_BLOCK_MAX] __attribute__((aligned(64)));
+    struct inf_adam__coded_block pending = {0, 0, NULL, NULL, 0.0f, 0.0f, 0.0f, 0.0f};
     struct inf_adam__grad_cursor cur;
+    int buf = 0;
 
     inf_adam__cursor_seek(&cur, s, lo);
-    for (size_t at = lo; at < hi; at += job->unit) {
+    for (size_t at = lo; at < hi; at += job->unit, buf ^= 1) {
         size_t end = hi - at < job->unit ? hi : at + job->unit;
-        struct inf_adam__block block = {at, end, NULL, 0, m, v, 0.0f, 0.0f};
+        struct inf_adam__block block = {at, end, NULL, 0, m[buf], v[buf], 0.0f, 0.0f};
         struct inf_adam__amax amax = {0, 0};
 
         if (q8) {
@@ -262,9 +289,16 @@ static void inf_adam__state_work(const void *ctx, size_t lo, size_t hi)
         }
         inf_adam__gather(job, &cur, &block, g);
         job->isa->update(&job->coef, s, &block, &amax);
-        if (q8)
-            inf_adam__store_block(job, at, end, m, v, &amax);
+        if (!q8)
+            continue;
+        if (pending.m)
+            inf_adam__code_block(job, &pending);
+        pending = (struct inf_adam__coded_block){at, end, m[buf], v[buf], 0.0f, 0.0f, 0.0f,
+                                                 0.0f};
+        inf_adam__scale_block(job, &pending, &amax);
     }
+    if (pending.m)
+        inf_adam__code_block(job, &pending);
 }
 
 int inf_adam_state_step(const struct inf_adam_params *params, const struct inf_adam_segment *seg)
