@@ -209,20 +209,25 @@ INF_ADAM__SIMD_FN void state_convert(float *dst, const void *src, int dtype, siz
         dst[k] = inf_adam__load_any(src, dtype, k);
 }
 
-INF_ADAM__SIMD_INLINE vec_i32 mix32(vec_i32 x)
+/* The random bits of the elements whose counters' low halves are the lanes of lo: mix32 of lo
+ * xor the key of their high half (inf_adam__random_key). mix32's first step, x ^ (x >> 16), is
+ * folded into the key (random_key_folded): while the lanes' counters share their top 48 bits,
+ * x >> 16 is the same in every lane and on every vector. */
+INF_ADAM__SIMD_INLINE vec_i32 random_bits(vec_i32 lo, vec_i32 folded_key)
 {
-    x = vec_i32_xor(x, vec_i32_srli(x, 16));
-    x = vec_i32_mullo(x, vec_i32_set1(0x7feb352d));
+    vec_i32 x = vec_i32_mullo(vec_i32_xor(lo, folded_key), vec_i32_set1(0x7feb352d));
+
     x = vec_i32_xor(x, vec_i32_srli(x, 15));
     x = vec_i32_mullo(x, vec_i32_set1((int32_t)0x846ca68bu));
     return vec_i32_xor(x, vec_i32_srli(x, 16));
 }
 
-/* The random bits of the elements whose counters' low halves are the lanes of lo and whose
- * high half has the key `key` (inf_adam__random_key). */
-INF_ADAM__SIMD_INLINE vec_i32 random_bits(vec_i32 lo, vec_i32 key)
+/* The key random_bits takes for the counters that share j's top 48 bits. */
+static inline uint32_t random_key_folded(const struct inf_adam__state_coef *c, uint64_t j)
 {
-    return mix32(vec_i32_xor(lo, key));
+    uint32_t key = inf_adam__random_key(c, (uint32_t)(j >> 32));
+
+    return key ^ (((uint32_t)j ^ key) >> 16);
 }
 
 /* [Note: stochastic rounding]; `exact`: some lane may be NaN, which rounds as the master's
@@ -334,8 +339,8 @@ INF_ADAM__SIMD_INLINE void prefetch_ahead(const void *base, size_t i, size_t siz
 /* One pass over a block: per element the new moments, then the parameter from them (see
  * inf_adam__moments_one and inf_adam__param_one, which the tail runs). Every int argument is a
  * constant at its call site: one loop each. Without a master the block's rounding counters
- * must share their high half (update_block sends the rare block that crosses 2^32 to the
- * scalar loop). */
+ * must share their top 48 bits (update_block splits the blocks that cross a multiple of 2^16
+ * there). */
 INF_ADAM__SIMD_INLINE void update(const struct inf_adam__state_coef *c,
                                   const struct inf_adam_segment *s,
                                   const struct inf_adam__block *b, struct inf_adam__amax *amax,
@@ -360,8 +365,7 @@ INF_ADAM__SIMD_INLINE void update(const struct inf_adam__state_coef *c,
     void *values = s->values, *exp_avg = s->exp_avg, *exp_avg_sq = s->exp_avg_sq;
     const vec_f32 m_scale = vec_set1(b->m_scale), v_scale = vec_set1(b->v_scale);
     const int l2 = c->l2, decoupled = c->decoupled;
-    const vec_i32 key = vec_i32_set1((int32_t)inf_adam__random_key(
-        c, (uint32_t)((s->index + lo) >> 32)));
+    const vec_i32 key = vec_i32_set1((int32_t)random_key_folded(c, s->index + lo));
     vec_i32 counter = vec_i32_add(vec_i32_set1((int32_t)(uint32_t)(s->index + lo)), vec_iota());
     vec_i32 m_max = vec_i32_set1(0), v_max = m_max;
     const int rounds_bf16 = moments == INF_ADAM_MOMENTS_BF16 || values_dtype == INF_ADAM_DTYPE_BF16;
@@ -412,23 +416,56 @@ INF_ADAM__SIMD_INLINE void update(const struct inf_adam__state_coef *c,
     }
 }
 
-/* update with the block's gradient type as a constant, or the scalar loop for a block of
- * master-free elements whose rounding counters cross a multiple of 2^32 (one in 2^32 / block:
- * the SIMD loop keeps their high half, and its key, fixed). */
+/* The pieces of a block that update runs: the block, or for master-free elements whose
+ * rounding counters cross a multiple of 2^16 (one block in 2^16 / block) the elements before
+ * it and those after; returns how many. */
+INF_ADAM__SIMD_INLINE int split_block(const struct inf_adam_segment *s,
+                                      const struct inf_adam__block *b, int master,
+                                      struct inf_adam__block *parts)
+{
+    uint64_t first = s->index + b->lo, last = s->index + b->hi - 1;
+    size_t cut;
+
+    parts[0] = *b;
+    if (master || first >> 16 == last >> 16)
+        return 1;
+    cut = b->lo + (size_t)((last >> 16 << 16) - first);
+    parts[0].hi = cut;
+    parts[1] = *b;
+    parts[1].lo = cut;
+    parts[1].grad = (const char *)b->grad + (cut - b->lo) * inf_adam__dtype_size(b->grad_dtype);
+    parts[1].m = b->m + (cut - b->lo);
+    parts[1].v = b->v + (cut - b->lo);
+    return 2;
+}
+
+/* update with the gradient type as a constant on each piece of the block, or the scalar loop
+ * for a block of master-free elements whose rounding counters cross a multiple of 2^32 (one in
+ * 2^32 / block: the SIMD loop keeps their high half, and its key, fixed). */
 INF_ADAM__SIMD_INLINE void update_block(const struct inf_adam__state_coef *c,
                                         const struct inf_adam_segment *s,
                                         const struct inf_adam__block *b,
                                         struct inf_adam__amax *amax, int moments, int master,
                                         int values_dtype)
 {
-    if (!master && (s->index + b->lo) >> 32 != (s->index + b->hi - 1) >> 32)
+    struct inf_adam__block parts[2];
+    int n;
+
+    if (!master && (s->index + b->lo) >> 32 != (s->index + b->hi - 1) >> 32) {
         inf_adam__state_scalar.update(c, s, b, amax);
-    else if (b->grad_dtype == INF_ADAM_DTYPE_BF16)
-        update(c, s, b, amax, moments, master, values_dtype, INF_ADAM_DTYPE_BF16);
-    else if (b->grad_dtype == INF_ADAM_DTYPE_F16)
-        update(c, s, b, amax, moments, master, values_dtype, INF_ADAM_DTYPE_F16);
-    else
-        update(c, s, b, amax, moments, master, values_dtype, INF_ADAM_DTYPE_F32);
+        return;
+    }
+    n = split_block(s, b, master, parts);
+    for (int k = 0; k < n; k++) {
+        const struct inf_adam__block *part = &parts[k];
+
+        if (part->grad_dtype == INF_ADAM_DTYPE_BF16)
+            update(c, s, part, amax, moments, master, values_dtype, INF_ADAM_DTYPE_BF16);
+        else if (part->grad_dtype == INF_ADAM_DTYPE_F16)
+            update(c, s, part, amax, moments, master, values_dtype, INF_ADAM_DTYPE_F16);
+        else
+            update(c, s, part, amax, moments, master, values_dtype, INF_ADAM_DTYPE_F32);
+    }
 }
 
 #define INF_ADAM__STATE_CASE(mo, ma, vd)                                                    \
