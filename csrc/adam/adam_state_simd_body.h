@@ -70,35 +70,42 @@ INF_ADAM__SIMD_INLINE vec_i32 st_bf16_bits(vec_f32 x, int exact)
  * bits) make an fp16 of value magnitude * 2^(bias - 15), subnormal codes as fp16 subnormals,
  * which F16C widens to normal floats in hardware; times 2^(15 - bias) (exact) that is the
  * magnitude inf_adam__q8_magnitude makes. fp16 holds every code of a map with at most 10
- * mantissa and 4 exponent bits (its top exponent field, 31, is inf and NaN). */
+ * mantissa and 4 exponent bits (its top exponent field, 31, is inf and NaN). The decodes take
+ * the block's scale times 2^(15 - bias) (q8_f16_scale): one multiply instead of two, the same
+ * product where that is finite, and update_block sends the blocks where it is not to the
+ * scalar loop. */
 _Static_assert(INF_ADAM__QM_MAN <= 10 && INF_ADAM__QV_MAN <= 10 && INF_ADAM__QM_BIAS <= 15 &&
                INF_ADAM__QV_BIAS <= 15, "8-bit codes decode through fp16");
 
-INF_ADAM__SIMD_INLINE vec_f32 q8_from_f16(vec_u16 h, int bias)
+static inline float q8_f16_scale(float scale, int bias)
 {
-    vec_f32 x = vec_from_f16(h);
+    return scale * inf_adam__bits_f32((uint32_t)(127 + 15 - bias) << 23);
+}
 
-    return bias == 15 ? x : vec_mul(x, vec_set1(inf_adam__bits_f32((uint32_t)(127 + 15 - bias)
-                                                                    << 23)));
+/* Whether q8_f16_scale of a block's scale is finite (or NaN, for a NaN block). */
+static inline int q8_f16_scale_fits(float scale, int bias)
+{
+    return !(scale > FLT_MAX * inf_adam__bits_f32((uint32_t)(127 - 15 + bias) << 23));
 }
 
 /* The code sign-extended to 16 bits and shifted as above has its sign bit in fp16's sign bit
  * and above the magnitude: the mask keeps the sign and the magnitude, so a negative code is
- * -magnitude (-0 for 0x80), as inf_adam__q8_decode_m says (scaling is symmetric in the sign). */
+ * -magnitude (-0 for 0x80), as inf_adam__q8_decode_m says (scaling is symmetric in the sign).
+ * `scale`: q8_f16_scale's. */
 INF_ADAM__SIMD_INLINE vec_f32 q8_decode_m(const uint8_t *src, vec_f32 scale)
 {
     const int shift = 10 - INF_ADAM__QM_MAN;
     vec_u16 h = vec_u16_and(vec_u16_slli(vec_load_s8_u16(src), shift),
                             vec_u16_set1((int16_t)(0x8000u | (0x7fu << shift))));
 
-    return vec_mul(q8_from_f16(h, INF_ADAM__QM_BIAS), scale);
+    return vec_mul(vec_from_f16(h), scale);
 }
 
 INF_ADAM__SIMD_INLINE vec_f32 q8_decode_v(const uint8_t *src, vec_f32 scale)
 {
     vec_u16 h = vec_u16_slli(vec_load_u8_u16(src), 10 - INF_ADAM__QV_MAN);
 
-    return vec_mul(q8_from_f16(h, INF_ADAM__QV_BIAS), scale);
+    return vec_mul(vec_from_f16(h), scale);
 }
 
 /* See inf_adam__q8_encode_magnitude, without its clamp to max_code: the caller's saturating
@@ -120,25 +127,22 @@ INF_ADAM__SIMD_INLINE vec_i32 q8_encode_magnitude(vec_f32 mag, int man, int bias
     return vec_i32_srli(up, shift);
 }
 
-/* y = x * inv, or x / scale when inv is 0 (inf_adam__q8_inverse): inv is one per block. */
-INF_ADAM__SIMD_INLINE vec_f32 q8_normalize(vec_f32 x, vec_f32 scale, vec_f32 inv, int use_inv)
-{
-    return use_inv ? vec_mul(x, inv) : vec_div(x, scale);
-}
-
 /* The magnitude code of each moment x of a block (inf_adam__q8_encode_m or _v without m's sign
- * and v's smallest-code rule), and y: m's magnitude codes are at most 0x7f, v's clamp to 0xff
- * is the narrow's. */
+ * and v's smallest-code rule), and y = x * inv, or x / scale when inv is 0
+ * (inf_adam__q8_inverse). v's y needs no clearing of its sign: v >= +0 (beta2 * v +
+ * ((1 - beta2) * g) * g of a v >= +0), and a coded block holds no NaN. m's magnitude codes are
+ * at most 0x7f, v's clamp to 0xff is the narrow's. */
 INF_ADAM__SIMD_INLINE vec_i32 q8_magnitude_code(vec_f32 x, vec_f32 scale, vec_f32 inv,
                                                 int use_inv, int is_m, vec_f32 *y)
 {
-    *y = q8_normalize(x, scale, inv, use_inv);
-    return q8_encode_magnitude(vec_abs(*y), is_m ? INF_ADAM__QM_MAN : INF_ADAM__QV_MAN,
-                               is_m ? INF_ADAM__QM_BIAS : INF_ADAM__QV_BIAS);
+    *y = use_inv ? vec_mul(x, inv) : vec_div(x, scale);
+    if (is_m)
+        return q8_encode_magnitude(vec_abs(*y), INF_ADAM__QM_MAN, INF_ADAM__QM_BIAS);
+    return q8_encode_magnitude(*y, INF_ADAM__QV_MAN, INF_ADAM__QV_BIAS);
 }
 
 /* The whole code of each moment, before the narrow to bytes: m's sign in bit 7; a positive v
- * never codes as 0 (min(bits, 1) is 1 for |y| > 0, else 0). */
+ * never codes as 0 (min(bits, 1) is 1 for y > 0, else 0). */
 INF_ADAM__SIMD_INLINE vec_i32 q8_code(vec_f32 x, vec_f32 scale, vec_f32 inv, int use_inv,
                                       int is_m)
 {
@@ -148,7 +152,7 @@ INF_ADAM__SIMD_INLINE vec_i32 q8_code(vec_f32 x, vec_f32 scale, vec_f32 inv, int
     if (is_m)
         return vec_i32_or(code, vec_i32_and(vec_i32_srli(vec_as_i32(y), 24),
                                             vec_i32_set1(0x80)));
-    return vec_i32_max(code, vec_i32_min(vec_as_i32(vec_abs(y)), vec_i32_set1(1)));
+    return vec_i32_max(code, vec_i32_min(vec_as_i32(y), vec_i32_set1(1)));
 }
 
 /* Code n moments of one block: four vectors at a time (one narrow to bytes for all four, which
@@ -166,13 +170,10 @@ INF_ADAM__SIMD_INLINE void encode(uint8_t *dst, const float *src, size_t n, floa
 
         for (int j = 0; j < 4; j++)
             code[j] = q8_magnitude_code(vec_loadu(src + k + j * w), s, r, use_inv, is_m, &y[j]);
-        if (is_m) {
+        if (is_m)
             vec_store_u8x4_signs(dst + k, code, y);
-        } else {
-            for (int j = 0; j < 4; j++)
-                y[j] = vec_abs(y[j]);
+        else
             vec_store_u8x4_nonzero(dst + k, code, y);
-        }
     }
     for (; k + w <= n; k += w)
         vec_store_u8(dst + k, q8_code(vec_loadu(src + k), s, r, use_inv, is_m));
@@ -363,7 +364,8 @@ INF_ADAM__SIMD_INLINE void update(const struct inf_adam__state_coef *c,
     const void *g = b->grad;
     float *params = s->master, *m_buf = b->m, *v_buf = b->v;
     void *values = s->values, *exp_avg = s->exp_avg, *exp_avg_sq = s->exp_avg_sq;
-    const vec_f32 m_scale = vec_set1(b->m_scale), v_scale = vec_set1(b->v_scale);
+    const vec_f32 m_scale = vec_set1(q8_f16_scale(b->m_scale, INF_ADAM__QM_BIAS));
+    const vec_f32 v_scale = vec_set1(q8_f16_scale(b->v_scale, INF_ADAM__QV_BIAS));
     const int l2 = c->l2, decoupled = c->decoupled;
     const vec_i32 key = vec_i32_set1((int32_t)random_key_folded(c, s->index + lo));
     vec_i32 counter = vec_i32_add(vec_i32_set1((int32_t)(uint32_t)(s->index + lo)), vec_iota());
@@ -441,7 +443,8 @@ INF_ADAM__SIMD_INLINE int split_block(const struct inf_adam_segment *s,
 
 /* update with the gradient type as a constant on each piece of the block, or the scalar loop
  * for a block of master-free elements whose rounding counters cross a multiple of 2^32 (one in
- * 2^32 / block: the SIMD loop keeps their high half, and its key, fixed). */
+ * 2^32 / block: the SIMD loop keeps their high half, and its key, fixed) and for an 8-bit block
+ * whose scales q8_f16_scale cannot take (m beyond FLT_MAX / 2^8, 1.3e36: v is then inf). */
 INF_ADAM__SIMD_INLINE void update_block(const struct inf_adam__state_coef *c,
                                         const struct inf_adam_segment *s,
                                         const struct inf_adam__block *b,
@@ -451,7 +454,9 @@ INF_ADAM__SIMD_INLINE void update_block(const struct inf_adam__state_coef *c,
     struct inf_adam__block parts[2];
     int n;
 
-    if (!master && (s->index + b->lo) >> 32 != (s->index + b->hi - 1) >> 32) {
+    if ((!master && (s->index + b->lo) >> 32 != (s->index + b->hi - 1) >> 32) ||
+        (moments == INF_ADAM_MOMENTS_Q8 && !(q8_f16_scale_fits(b->m_scale, INF_ADAM__QM_BIAS) &&
+                                             q8_f16_scale_fits(b->v_scale, INF_ADAM__QV_BIAS)))) {
         inf_adam__state_scalar.update(c, s, b, amax);
         return;
     }
