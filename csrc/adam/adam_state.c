@@ -262,43 +262,67 @@ static void inf_adam__code_block(const struct inf_adam__state_job *job,
         memset(v_codes, 0, n);
 }
 
-/* The blocks of [lo, hi) in order. An 8-bit block is coded after the next block's update (its
- * moments wait in the other of two buffers): its scales' reduction and divides, a chain of
- * some 30 cycles, then finish under that update instead of stalling the coding behind them. */
+/* Elements per call of the ISA's update: a run of blocks shares its setup (the coefficients in
+ * vector registers, the format's dispatch); an 8-bit run's moments stay in L1 for the coding
+ * (two runs of float m and v: 16 KiB). Blocks longer than this are runs of one. */
+#define INF_ADAM__STATE_RUN 1024
+#define INF_ADAM__RUN_MAX (INF_ADAM_BLOCK_MAX > INF_ADAM__STATE_RUN ? INF_ADAM_BLOCK_MAX \
+                                                                    : INF_ADAM__STATE_RUN)
+#define INF_ADAM__RUN_BLOCKS (INF_ADAM__STATE_RUN / INF_ADAM_BLOCK_MIN)
+
+/* The blocks of [lo, hi) in order, in runs. An 8-bit run is coded after the next run's update
+ * (its moments wait in the other of two buffers): its scales' reductions and divides, a chain
+ * of some 30 cycles, then finish under that update instead of stalling the coding behind
+ * them. */
 static void inf_adam__state_work(const void *ctx, size_t lo, size_t hi)
 {
     const struct inf_adam__state_job *job = ctx;
     const struct inf_adam_segment *s = job->seg;
     int q8 = s->moments == INF_ADAM_MOMENTS_Q8;
-    float g[INF_ADAM_BLOCK_MAX] __attribute__((aligned(64)));
-    float m[2][INF_ADAM_BLOCK_MAX] __attribute__((aligned(64)));
-    float v[2][INF_ADAM_BLOCK_MAX] __attribute__((aligned(64)));
-    struct inf_adam__coded_block pending = {0, 0, NULL, NULL, 0.0f, 0.0f, 0.0f, 0.0f};
+    size_t per_run = job->unit < INF_ADAM__STATE_RUN ? INF_ADAM__STATE_RUN / job->unit : 1;
+    float g[INF_ADAM__RUN_MAX] __attribute__((aligned(64)));
+    float m[2][INF_ADAM__RUN_MAX] __attribute__((aligned(64)));
+    float v[2][INF_ADAM__RUN_MAX] __attribute__((aligned(64)));
+    struct inf_adam__block blocks[INF_ADAM__RUN_BLOCKS];
+    struct inf_adam__amax amax[INF_ADAM__RUN_BLOCKS];
+    struct inf_adam__coded_block pending[INF_ADAM__RUN_BLOCKS];
+    size_t npending = 0;
     struct inf_adam__grad_cursor cur;
     int buf = 0;
 
     inf_adam__cursor_seek(&cur, s, lo);
-    for (size_t at = lo; at < hi; at += job->unit, buf ^= 1) {
-        size_t end = hi - at < job->unit ? hi : at + job->unit;
-        struct inf_adam__block block = {at, end, NULL, 0, m[buf], v[buf], 0.0f, 0.0f};
-        struct inf_adam__amax amax = {0, 0};
+    for (size_t at = lo; at < hi; buf ^= 1) {
+        size_t n = 0, off = 0;
 
-        if (q8) {
-            block.m_scale = s->exp_avg_scale[at / job->unit];
-            block.v_scale = s->exp_avg_sq_scale[at / job->unit];
+        for (; n < per_run && at < hi; n++) {
+            size_t end = hi - at < job->unit ? hi : at + job->unit;
+            struct inf_adam__block *block = &blocks[n];
+
+            *block = (struct inf_adam__block){at, end, NULL, 0, m[buf] + off, v[buf] + off,
+                                              0.0f, 0.0f};
+            if (q8) {
+                block->m_scale = s->exp_avg_scale[at / job->unit];
+                block->v_scale = s->exp_avg_sq_scale[at / job->unit];
+            }
+            inf_adam__gather(job, &cur, block, g + off);
+            amax[n] = (struct inf_adam__amax){0, 0};
+            off += end - at;
+            at = end;
         }
-        inf_adam__gather(job, &cur, &block, g);
-        job->isa->update(&job->coef, s, &block, &amax);
+        job->isa->update(&job->coef, s, blocks, n, amax);
         if (!q8)
             continue;
-        if (pending.m)
-            inf_adam__code_block(job, &pending);
-        pending = (struct inf_adam__coded_block){at, end, m[buf], v[buf], 0.0f, 0.0f, 0.0f,
-                                                 0.0f};
-        inf_adam__scale_block(job, &pending, &amax);
+        for (size_t k = 0; k < npending; k++)
+            inf_adam__code_block(job, &pending[k]);
+        for (size_t k = 0; k < n; k++) {
+            pending[k] = (struct inf_adam__coded_block){blocks[k].lo, blocks[k].hi, blocks[k].m,
+                                                        blocks[k].v, 0.0f, 0.0f, 0.0f, 0.0f};
+            inf_adam__scale_block(job, &pending[k], &amax[k]);
+        }
+        npending = n;
     }
-    if (pending.m)
-        inf_adam__code_block(job, &pending);
+    for (size_t k = 0; k < npending; k++)
+        inf_adam__code_block(job, &pending[k]);
 }
 
 int inf_adam_state_step(const struct inf_adam_params *params, const struct inf_adam_segment *seg)

@@ -105,9 +105,10 @@ struct inf_adam__amax {
 struct inf_adam__state_isa {
     /* dst[k] = float(src[k]) for k < n; src has type dtype */
     void (*convert)(float *dst, const void *src, int dtype, size_t n);
-    /* update the block's elements; 8-bit moments go to b->m, b->v and amax */
+    /* update the elements of n consecutive blocks b[k]; 8-bit moments go to b[k].m, b[k].v
+     * and amax[k] */
     void (*update)(const struct inf_adam__state_coef *c, const struct inf_adam_segment *s,
-                   const struct inf_adam__block *b, struct inf_adam__amax *amax);
+                   const struct inf_adam__block *b, size_t n, struct inf_adam__amax *amax);
     /* code n moments of one block (scale > 0, finite; inv from inf_adam__q8_inverse) */
     void (*encode_m)(uint8_t *dst, const float *src, size_t n, float scale, float inv);
     void (*encode_v)(uint8_t *dst, const float *src, size_t n, float scale, float inv);

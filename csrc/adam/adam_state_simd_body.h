@@ -337,24 +337,44 @@ INF_ADAM__SIMD_INLINE void prefetch_ahead(const void *base, size_t i, size_t siz
                        0, 3);
 }
 
+/* The step's float coefficients in every lane, set once per call (not per block). */
+struct simd_coef {
+    vec_f32 grad_scale;
+    vec_f32 weight_decay;
+    vec_f32 beta1;
+    vec_f32 one_minus_beta1;
+    vec_f32 beta2;
+    vec_f32 one_minus_beta2;
+    vec_f32 decay;
+    vec_f32 inv_bc2_sqrt;
+    vec_f32 eps;
+    vec_f32 step_size;
+};
+
+INF_ADAM__SIMD_INLINE struct simd_coef simd_coef_of(const struct inf_adam__state_coef *c)
+{
+    return (struct simd_coef){vec_set1(c->grad_scale), vec_set1(c->weight_decay),
+                              vec_set1(c->beta1), vec_set1(c->one_minus_beta1),
+                              vec_set1(c->beta2), vec_set1(c->one_minus_beta2),
+                              vec_set1(c->decay), vec_set1(c->inv_bc2_sqrt), vec_set1(c->eps),
+                              vec_set1(c->step_size)};
+}
+
 /* One pass over a block: per element the new moments, then the parameter from them (see
  * inf_adam__moments_one and inf_adam__param_one, which the tail runs). Every int argument is a
  * constant at its call site: one loop each. Without a master the block's rounding counters
  * must share their top 48 bits (update_block splits the blocks that cross a multiple of 2^16
  * there). */
 INF_ADAM__SIMD_INLINE void update(const struct inf_adam__state_coef *c,
-                                  const struct inf_adam_segment *s,
+                                  const struct simd_coef *vc, const struct inf_adam_segment *s,
                                   const struct inf_adam__block *b, struct inf_adam__amax *amax,
                                   int moments, int master, int values_dtype, int grad_dtype)
 {
-    const vec_f32 grad_scale = vec_set1(c->grad_scale);
-    const vec_f32 weight_decay = vec_set1(c->weight_decay);
-    const vec_f32 beta1 = vec_set1(c->beta1), one_minus_beta1 = vec_set1(c->one_minus_beta1);
-    const vec_f32 beta2 = vec_set1(c->beta2), one_minus_beta2 = vec_set1(c->one_minus_beta2);
-    const vec_f32 decay = vec_set1(c->decay);
-    const vec_f32 inv_bc2_sqrt = vec_set1(c->inv_bc2_sqrt);
-    const vec_f32 eps = vec_set1(c->eps);
-    const vec_f32 step_size = vec_set1(c->step_size);
+    const vec_f32 grad_scale = vc->grad_scale, weight_decay = vc->weight_decay;
+    const vec_f32 beta1 = vc->beta1, one_minus_beta1 = vc->one_minus_beta1;
+    const vec_f32 beta2 = vc->beta2, one_minus_beta2 = vc->one_minus_beta2;
+    const vec_f32 decay = vc->decay, inv_bc2_sqrt = vc->inv_bc2_sqrt, eps = vc->eps;
+    const vec_f32 step_size = vc->step_size;
     const size_t msize = moments == INF_ADAM_MOMENTS_F32 ? 4 : moments == INF_ADAM_MOMENTS_BF16
                                                                  ? 2 : 1;
     const size_t lo = b->lo, hi = b->hi;
@@ -446,6 +466,7 @@ INF_ADAM__SIMD_INLINE int split_block(const struct inf_adam_segment *s,
  * 2^32 / block: the SIMD loop keeps their high half, and its key, fixed) and for an 8-bit block
  * whose scales q8_f16_scale cannot take (m beyond FLT_MAX / 2^8, 1.3e36: v is then inf). */
 INF_ADAM__SIMD_INLINE void update_block(const struct inf_adam__state_coef *c,
+                                        const struct simd_coef *vc,
                                         const struct inf_adam_segment *s,
                                         const struct inf_adam__block *b,
                                         struct inf_adam__amax *amax, int moments, int master,
@@ -457,7 +478,7 @@ INF_ADAM__SIMD_INLINE void update_block(const struct inf_adam__state_coef *c,
     if ((!master && (s->index + b->lo) >> 32 != (s->index + b->hi - 1) >> 32) ||
         (moments == INF_ADAM_MOMENTS_Q8 && !(q8_f16_scale_fits(b->m_scale, INF_ADAM__QM_BIAS) &&
                                              q8_f16_scale_fits(b->v_scale, INF_ADAM__QV_BIAS)))) {
-        inf_adam__state_scalar.update(c, s, b, amax);
+        inf_adam__state_scalar.update(c, s, b, 1, amax);
         return;
     }
     n = split_block(s, b, master, parts);
@@ -465,23 +486,28 @@ INF_ADAM__SIMD_INLINE void update_block(const struct inf_adam__state_coef *c,
         const struct inf_adam__block *part = &parts[k];
 
         if (part->grad_dtype == INF_ADAM_DTYPE_BF16)
-            update(c, s, part, amax, moments, master, values_dtype, INF_ADAM_DTYPE_BF16);
+            update(c, vc, s, part, amax, moments, master, values_dtype, INF_ADAM_DTYPE_BF16);
         else if (part->grad_dtype == INF_ADAM_DTYPE_F16)
-            update(c, s, part, amax, moments, master, values_dtype, INF_ADAM_DTYPE_F16);
+            update(c, vc, s, part, amax, moments, master, values_dtype, INF_ADAM_DTYPE_F16);
         else
-            update(c, s, part, amax, moments, master, values_dtype, INF_ADAM_DTYPE_F32);
+            update(c, vc, s, part, amax, moments, master, values_dtype, INF_ADAM_DTYPE_F32);
     }
 }
 
+/* The blocks of one call in one loop of the format's case: the coefficients are set once. */
 #define INF_ADAM__STATE_CASE(mo, ma, vd)                                                    \
     case ((mo) * 2 + (ma)) * 4 + (vd):                                                      \
-        update_block(c, s, b, amax, (mo), (ma), (vd));                                      \
+        for (size_t k = 0; k < n; k++)                                                      \
+            update_block(c, &vc, s, &b[k], &amax[k], (mo), (ma), (vd));                     \
         break
 
 INF_ADAM__SIMD_FN void state_update(const struct inf_adam__state_coef *c,
                                     const struct inf_adam_segment *s,
-                                    const struct inf_adam__block *b, struct inf_adam__amax *amax)
+                                    const struct inf_adam__block *b, size_t n,
+                                    struct inf_adam__amax *amax)
 {
+    const struct simd_coef vc = simd_coef_of(c);
+
     switch ((s->moments * 2 + (s->master != NULL)) * 4 + s->values_dtype) {
     INF_ADAM__STATE_CASE(INF_ADAM_MOMENTS_F32, 0, INF_ADAM_DTYPE_BF16);
     INF_ADAM__STATE_CASE(INF_ADAM_MOMENTS_F32, 0, INF_ADAM_DTYPE_F16);
@@ -497,7 +523,7 @@ INF_ADAM__SIMD_FN void state_update(const struct inf_adam__state_coef *c,
     INF_ADAM__STATE_CASE(INF_ADAM_MOMENTS_Q8, 1, INF_ADAM_DTYPE_F16);
     default:
         /* adam_state.c validated the segment; keep the scalar meaning for anything else */
-        inf_adam__state_scalar.update(c, s, b, amax);
+        inf_adam__state_scalar.update(c, s, b, n, amax);
     }
 }
 
