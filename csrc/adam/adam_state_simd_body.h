@@ -438,18 +438,18 @@ INF_ADAM__SIMD_INLINE void update(const struct inf_adam__state_coef *c,
     }
 }
 
-/* The pieces of a block that update runs: the block, or for master-free elements whose
- * rounding counters cross a multiple of 2^16 (one block in 2^16 / block) the elements before
- * it and those after; returns how many. */
+/* The pieces of a master-free block that update runs: the block, or if its rounding counters
+ * cross a multiple of 2^16 (one block in 2^16 / block) the elements before it and those after;
+ * returns how many. */
 INF_ADAM__SIMD_INLINE int split_block(const struct inf_adam_segment *s,
-                                      const struct inf_adam__block *b, int master,
+                                      const struct inf_adam__block *b,
                                       struct inf_adam__block *parts)
 {
     uint64_t first = s->index + b->lo, last = s->index + b->hi - 1;
     size_t cut;
 
     parts[0] = *b;
-    if (master || first >> 16 == last >> 16)
+    if (first >> 16 == last >> 16)
         return 1;
     cut = b->lo + (size_t)((last >> 16 << 16) - first);
     parts[0].hi = cut;
@@ -461,7 +461,23 @@ INF_ADAM__SIMD_INLINE int split_block(const struct inf_adam_segment *s,
     return 2;
 }
 
-/* update with the gradient type as a constant on each piece of the block, or the scalar loop
+/* update with the block's gradient type as a constant. */
+INF_ADAM__SIMD_INLINE void update_typed(const struct inf_adam__state_coef *c,
+                                        const struct simd_coef *vc,
+                                        const struct inf_adam_segment *s,
+                                        const struct inf_adam__block *b,
+                                        struct inf_adam__amax *amax, int moments, int master,
+                                        int values_dtype)
+{
+    if (b->grad_dtype == INF_ADAM_DTYPE_BF16)
+        update(c, vc, s, b, amax, moments, master, values_dtype, INF_ADAM_DTYPE_BF16);
+    else if (b->grad_dtype == INF_ADAM_DTYPE_F16)
+        update(c, vc, s, b, amax, moments, master, values_dtype, INF_ADAM_DTYPE_F16);
+    else
+        update(c, vc, s, b, amax, moments, master, values_dtype, INF_ADAM_DTYPE_F32);
+}
+
+/* update_typed on the block (master-free: on each piece of split_block), or the scalar loop
  * for a block of master-free elements whose rounding counters cross a multiple of 2^32 (one in
  * 2^32 / block: the SIMD loop keeps their high half, and its key, fixed) and for an 8-bit block
  * whose scales q8_f16_scale cannot take (m beyond FLT_MAX / 2^8, 1.3e36: v is then inf). */
@@ -481,17 +497,13 @@ INF_ADAM__SIMD_INLINE void update_block(const struct inf_adam__state_coef *c,
         inf_adam__state_scalar.update(c, s, b, 1, amax);
         return;
     }
-    n = split_block(s, b, master, parts);
-    for (int k = 0; k < n; k++) {
-        const struct inf_adam__block *part = &parts[k];
-
-        if (part->grad_dtype == INF_ADAM_DTYPE_BF16)
-            update(c, vc, s, part, amax, moments, master, values_dtype, INF_ADAM_DTYPE_BF16);
-        else if (part->grad_dtype == INF_ADAM_DTYPE_F16)
-            update(c, vc, s, part, amax, moments, master, values_dtype, INF_ADAM_DTYPE_F16);
-        else
-            update(c, vc, s, part, amax, moments, master, values_dtype, INF_ADAM_DTYPE_F32);
+    if (master) {
+        update_typed(c, vc, s, b, amax, moments, master, values_dtype);
+        return;
     }
+    n = split_block(s, b, parts);
+    for (int k = 0; k < n; k++)
+        update_typed(c, vc, s, &parts[k], amax, moments, master, values_dtype);
 }
 
 /* The blocks of one call in one loop of the format's case: the coefficients are set once. */
