@@ -24,7 +24,8 @@ typedef __m256i vec_u16;
 #define vec_div(x, y) _mm512_div_ps(x, y)
 #define vec_sqrt(x) _mm512_sqrt_ps(x)
 #define vec_fmadd(x, y, z) _mm512_fmadd_ps(x, y, z)
-#define vec_load_f16(src) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src)))
+#define vec_from_f16(h) _mm512_cvtph_ps(h)
+#define vec_load_f16(src) vec_from_f16(_mm256_loadu_si256((const __m256i *)(src)))
 #define vec_to_f16(x) _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT)
 #define vec_u16_storeu(dst, h) _mm256_storeu_si256(dst, h)
 #define vec_u16_stream(dst, h) _mm256_stream_si256(dst, h)
@@ -52,6 +53,7 @@ INF_ADAM__SIMD_INLINE __m512i vec_bf16_bits(vec_f32 p)
 /* Every lane is <= 0xffff, so truncating each to 16 bits only narrows. */
 #define vec_pack_u16(r) _mm512_cvtepi32_epi16(r)
 #define vec_to_bf16(p) vec_pack_u16(vec_bf16_bits(p))
+#define vec_pack_hi16(x) vec_pack_u16(_mm512_srli_epi32(x, 16))
 #define vec_store_u16x2(a, b, x, y)                                                          \
     (_mm256_storeu_si256((__m256i *)(a), vec_pack_u16(x)),                                   \
      _mm256_storeu_si256((__m256i *)(b), vec_pack_u16(y)))
@@ -93,19 +95,37 @@ typedef __mmask16 vec_mask;
 #define vec_mask_any(x) ((x) != 0)
 #define vec_select(m, t, f) _mm512_mask_blend_ps(m, f, t)
 #define vec_i32_select(m, t, f) _mm512_mask_blend_epi32(m, f, t)
-#define vec_load_u8(src) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src)))
-#define vec_load_s8(src) _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src)))
+/* 16-bit lanes of 256 bits: AVX2 instructions, which every AVX-512 F CPU has (and the target
+ * implies) */
+#define vec_load_u8_u16(src) _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src)))
+#define vec_load_s8_u16(src) _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(src)))
+#define vec_u16_set1(x) _mm256_set1_epi16(x)
+#define vec_u16_and(x, y) _mm256_and_si256(x, y)
+#define vec_u16_slli(x, n) _mm256_slli_epi16(x, n)
 #define vec_store_u8(dst, x) _mm_storeu_si128((__m128i *)(dst), _mm512_cvtusepi32_epi8(x))
 #define vec_i32_hmax(x) _mm512_reduce_max_epi32(x)
 
-/* The packs that would narrow four vectors at once are AVX-512 BW: one narrow each. */
-INF_ADAM__SIMD_INLINE void vec_store_u8x4(uint8_t *dst, vec_i32 a, vec_i32 b, vec_i32 c,
-                                          vec_i32 d)
+/* The packs that would narrow four vectors at once are AVX-512 BW: one narrow each; m's sign
+ * by a test into a mask and a masked or. */
+INF_ADAM__SIMD_INLINE void vec_store_u8x4_signs(uint8_t *dst, const vec_i32 *code,
+                                                const vec_f32 *y)
 {
-    vec_store_u8(dst, a);
-    vec_store_u8(dst + 16, b);
-    vec_store_u8(dst + 32, c);
-    vec_store_u8(dst + 48, d);
+    const __m512i sign = _mm512_set1_epi32((int32_t)0x80000000u);
+
+    for (int j = 0; j < 4; j++) {
+        __mmask16 neg = _mm512_test_epi32_mask(_mm512_castps_si512(y[j]), sign);
+
+        vec_store_u8(dst + 16 * j, _mm512_mask_or_epi32(code[j], neg, code[j],
+                                                        _mm512_set1_epi32(0x80)));
+    }
+}
+
+INF_ADAM__SIMD_INLINE void vec_store_u8x4_nonzero(uint8_t *dst, const vec_i32 *code,
+                                                  const vec_f32 *y)
+{
+    for (int j = 0; j < 4; j++)
+        vec_store_u8(dst + 16 * j, _mm512_max_epi32(code[j], _mm512_min_epi32(
+            _mm512_castps_si512(y[j]), _mm512_set1_epi32(1))));
 }
 
 #include "adam_state_simd_body.h"

@@ -19,12 +19,14 @@ static void state_convert(float *dst, const void *src, int dtype, size_t n)
 }
 
 static void state_update(const struct inf_adam__state_coef *c, const struct inf_adam_segment *s,
-                         const struct inf_adam__block *b, struct inf_adam__amax *amax)
+                         const struct inf_adam__block *b, size_t n, struct inf_adam__amax *amax)
 {
-    for (size_t i = b->lo; i < b->hi; i++)
-        inf_adam__moments_one(c, s, b, i, amax);
-    for (size_t i = b->lo; i < b->hi; i++)
-        inf_adam__param_one(c, s, b, i);
+    for (size_t k = 0; k < n; k++) {
+        for (size_t i = b[k].lo; i < b[k].hi; i++)
+            inf_adam__moments_one(c, s, &b[k], i, &amax[k]);
+        for (size_t i = b[k].lo; i < b[k].hi; i++)
+            inf_adam__param_one(c, s, &b[k], i);
+    }
 }
 
 static void state_encode_m(uint8_t *dst, const float *src, size_t n, float scale, float inv)

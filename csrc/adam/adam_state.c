@@ -217,54 +217,112 @@ static void inf_adam__gather(const struct inf_adam__state_job *job,
     }
 }
 
-/* Set an 8-bit block's scale and code its new moments (all-zero and NaN blocks: bytes 0). */
-static void inf_adam__store_block(const struct inf_adam__state_job *job, size_t lo, size_t hi,
-                                  const float *m, const float *v,
+/* An 8-bit block updated but not yet coded: its elements, its new moments and their scales. */
+struct inf_adam__coded_block {
+    size_t lo;
+    size_t hi;
+    const float *m;
+    const float *v;
+    float m_scale;
+    float v_scale;
+    float m_inv;
+    float v_inv;
+};
+
+/* Set an 8-bit block's new scales and their inverses (the coding waits for them). */
+static void inf_adam__scale_block(const struct inf_adam__state_job *job,
+                                  struct inf_adam__coded_block *q,
                                   const struct inf_adam__amax *amax)
 {
-    const struct inf_adam_segment *s = job->seg;
-    size_t blk = lo / job->unit;
-    float m_scale = inf_adam__q8_scale(amax->m);
-    float v_scale = inf_adam__q8_scale(amax->v);
-    uint8_t *m_codes = (uint8_t *)s->exp_avg + lo, *v_codes = (uint8_t *)s->exp_avg_sq + lo;
+    size_t blk = q->lo / job->unit;
 
-    s->exp_avg_scale[blk] = m_scale;
-    s->exp_avg_sq_scale[blk] = v_scale;
-    if (m_scale > 0.0f)
-        job->isa->encode_m(m_codes, m, hi - lo, m_scale, inf_adam__q8_inverse(m_scale));
-    else
-        memset(m_codes, 0, hi - lo);
-    if (v_scale > 0.0f)
-        job->isa->encode_v(v_codes, v, hi - lo, v_scale, inf_adam__q8_inverse(v_scale));
-    else
-        memset(v_codes, 0, hi - lo);
+    q->m_scale = inf_adam__q8_scale(amax->m);
+    q->v_scale = inf_adam__q8_scale(amax->v);
+    q->m_inv = inf_adam__q8_inverse(q->m_scale);
+    q->v_inv = inf_adam__q8_inverse(q->v_scale);
+    job->seg->exp_avg_scale[blk] = q->m_scale;
+    job->seg->exp_avg_sq_scale[blk] = q->v_scale;
 }
 
+/* Code an 8-bit block's new moments (all-zero and NaN blocks: bytes 0). */
+static void inf_adam__code_block(const struct inf_adam__state_job *job,
+                                 const struct inf_adam__coded_block *q)
+{
+    const struct inf_adam_segment *s = job->seg;
+    size_t n = q->hi - q->lo;
+    uint8_t *m_codes = (uint8_t *)s->exp_avg + q->lo, *v_codes = (uint8_t *)s->exp_avg_sq + q->lo;
+
+    if (q->m_scale > 0.0f)
+        job->isa->encode_m(m_codes, q->m, n, q->m_scale, q->m_inv);
+    else
+        memset(m_codes, 0, n);
+    if (q->v_scale > 0.0f)
+        job->isa->encode_v(v_codes, q->v, n, q->v_scale, q->v_inv);
+    else
+        memset(v_codes, 0, n);
+}
+
+/* Elements per call of the ISA's update: a run of blocks shares its setup (the coefficients in
+ * vector registers, the format's dispatch); an 8-bit run's moments stay in L1 for the coding
+ * (two runs of float m and v: 16 KiB). Blocks longer than this are runs of one. */
+#define INF_ADAM__STATE_RUN 1024
+#define INF_ADAM__RUN_MAX (INF_ADAM_BLOCK_MAX > INF_ADAM__STATE_RUN ? INF_ADAM_BLOCK_MAX \
+                                                                    : INF_ADAM__STATE_RUN)
+#define INF_ADAM__RUN_BLOCKS (INF_ADAM__STATE_RUN / INF_ADAM_BLOCK_MIN)
+
+/* The blocks of [lo, hi) in order, in runs. An 8-bit run is coded after the next run's update
+ * (its moments wait in the other of two buffers): its scales' reductions and divides, a chain
+ * of some 30 cycles, then finish under that update instead of stalling the coding behind
+ * them. */
 static void inf_adam__state_work(const void *ctx, size_t lo, size_t hi)
 {
     const struct inf_adam__state_job *job = ctx;
     const struct inf_adam_segment *s = job->seg;
     int q8 = s->moments == INF_ADAM_MOMENTS_Q8;
-    float g[INF_ADAM_BLOCK_MAX] __attribute__((aligned(64)));
-    float m[INF_ADAM_BLOCK_MAX] __attribute__((aligned(64)));
-    float v[INF_ADAM_BLOCK_MAX] __attribute__((aligned(64)));
+    size_t per_run = job->unit < INF_ADAM__STATE_RUN ? INF_ADAM__STATE_RUN / job->unit : 1;
+    float g[INF_ADAM__RUN_MAX] __attribute__((aligned(64)));
+    float m[2][INF_ADAM__RUN_MAX] __attribute__((aligned(64)));
+    float v[2][INF_ADAM__RUN_MAX] __attribute__((aligned(64)));
+    struct inf_adam__block blocks[INF_ADAM__RUN_BLOCKS];
+    struct inf_adam__amax amax[INF_ADAM__RUN_BLOCKS];
+    struct inf_adam__coded_block pending[INF_ADAM__RUN_BLOCKS];
+    size_t npending = 0;
     struct inf_adam__grad_cursor cur;
+    int buf = 0;
 
     inf_adam__cursor_seek(&cur, s, lo);
-    for (size_t at = lo; at < hi; at += job->unit) {
-        size_t end = hi - at < job->unit ? hi : at + job->unit;
-        struct inf_adam__block block = {at, end, NULL, 0, m, v, 0.0f, 0.0f};
-        struct inf_adam__amax amax = {0, 0};
+    for (size_t at = lo; at < hi; buf ^= 1) {
+        size_t n = 0, off = 0;
 
-        if (q8) {
-            block.m_scale = s->exp_avg_scale[at / job->unit];
-            block.v_scale = s->exp_avg_sq_scale[at / job->unit];
+        for (; n < per_run && at < hi; n++) {
+            size_t end = hi - at < job->unit ? hi : at + job->unit;
+            struct inf_adam__block *block = &blocks[n];
+
+            *block = (struct inf_adam__block){at, end, NULL, 0, m[buf] + off, v[buf] + off,
+                                              0.0f, 0.0f};
+            if (q8) {
+                block->m_scale = s->exp_avg_scale[at / job->unit];
+                block->v_scale = s->exp_avg_sq_scale[at / job->unit];
+            }
+            inf_adam__gather(job, &cur, block, g + off);
+            amax[n] = (struct inf_adam__amax){0, 0};
+            off += end - at;
+            at = end;
         }
-        inf_adam__gather(job, &cur, &block, g);
-        job->isa->update(&job->coef, s, &block, &amax);
-        if (q8)
-            inf_adam__store_block(job, at, end, m, v, &amax);
+        job->isa->update(&job->coef, s, blocks, n, amax);
+        if (!q8)
+            continue;
+        for (size_t k = 0; k < npending; k++)
+            inf_adam__code_block(job, &pending[k]);
+        for (size_t k = 0; k < n; k++) {
+            pending[k] = (struct inf_adam__coded_block){blocks[k].lo, blocks[k].hi, blocks[k].m,
+                                                        blocks[k].v, 0.0f, 0.0f, 0.0f, 0.0f};
+            inf_adam__scale_block(job, &pending[k], &amax[k]);
+        }
+        npending = n;
     }
+    for (size_t k = 0; k < npending; k++)
+        inf_adam__code_block(job, &pending[k]);
 }
 
 int inf_adam_state_step(const struct inf_adam_params *params, const struct inf_adam_segment *seg)

@@ -20,6 +20,17 @@
  * a change of 0.1% a step). infinity/optim/_quant.py states the same rules in torch;
  * docs/store.md says why these maps and the block size.
  *
+ * [Note: no float subnormals] A subnormal code's bits at the top of a float make a float
+ * subnormal, and so does |y| * 2^(bias - 127) for a y below the normal codes; a multiply that
+ * reads or makes one takes a microcode assist on Intel cores (over 100 cycles), and with the
+ * E3M4 / E4M4 maps many vectors of a block hold such a code (with normally distributed
+ * moments the 8-bit formats ran 4-4.5x slower for it on the Intel Xeon dev VM, every ISA). So
+ * no path forms a float subnormal while decoding or coding, and every path gets the bits the
+ * multiplies would (checked for every float |y| <= 2): the scalar decode takes a subnormal
+ * code's mantissa times its step, the SIMD decode widens the codes through fp16
+ * (adam_state_simd_body.h: F16C takes fp16 subnormals in hardware), and coding finds t's bits
+ * as inf_adam__q8_encode_magnitude says.
+ *
  * [Note: stochastic rounding] Without a master, the new parameter p (float) is rounded to the
  * 16-bit values up or down at random, with the probability of rounding away from zero equal to
  * the fraction of the gap between the two neighbours that p covers (to 2^-16 for bf16, 2^-13
@@ -94,9 +105,10 @@ struct inf_adam__amax {
 struct inf_adam__state_isa {
     /* dst[k] = float(src[k]) for k < n; src has type dtype */
     void (*convert)(float *dst, const void *src, int dtype, size_t n);
-    /* update the block's elements; 8-bit moments go to b->m, b->v and amax */
+    /* update the elements of n consecutive blocks b[k]; 8-bit moments go to b[k].m, b[k].v
+     * and amax[k] */
     void (*update)(const struct inf_adam__state_coef *c, const struct inf_adam_segment *s,
-                   const struct inf_adam__block *b, struct inf_adam__amax *amax);
+                   const struct inf_adam__block *b, size_t n, struct inf_adam__amax *amax);
     /* code n moments of one block (scale > 0, finite; inv from inf_adam__q8_inverse) */
     void (*encode_m)(uint8_t *dst, const float *src, size_t n, float scale, float inv);
     void (*encode_v)(uint8_t *dst, const float *src, size_t n, float scale, float inv);
@@ -166,14 +178,15 @@ static inline uint32_t inf_adam__max_u32(uint32_t a, uint32_t b)
     return a > b ? a : b;
 }
 
-/* Value of an 8-bit magnitude code with `man` mantissa bits and exponent bias `bias`. */
-/* Value of an 8-bit magnitude code with `man` mantissa bits and exponent bias `bias`: its bits
- * as the top of a float are that float times 2^(bias - 127), subnormal codes as float
- * subnormals; the multiply back is exact. */
+/* Value of an 8-bit magnitude code with `man` mantissa bits and exponent bias `bias`: a normal
+ * code's bits as the top of a float whose exponent is moved up by 127 - bias, a subnormal
+ * code's mantissa times the code step 2^(1 - bias - man); both exact. [Note: no float
+ * subnormals] */
 static inline float inf_adam__q8_magnitude(uint32_t mag, int man, int bias)
 {
-    return inf_adam__bits_f32(mag << (23 - man)) *
-           inf_adam__bits_f32((uint32_t)(127 + 127 - bias) << 23);
+    if (mag >> man == 0)
+        return (float)mag * inf_adam__bits_f32((uint32_t)(127 + 1 - bias - man) << 23);
+    return inf_adam__bits_f32((mag << (23 - man)) + ((uint32_t)(127 - bias) << 23));
 }
 
 static inline float inf_adam__q8_decode_m(uint8_t code, float scale)
@@ -191,12 +204,17 @@ static inline float inf_adam__q8_decode_v(uint8_t code, float scale)
 /* The magnitude code of |y| <= 1: t = |y| * 2^(bias - 127) has the code's exponent in its own
  * (subnormal codes as float subnormals, t rounded to them first), and its bits rounded to
  * `man` mantissa bits, nearest, ties to even, are the code (clamped to max_code, which only
- * bounds what the rules never make). */
+ * bounds what the rules never make). t's bits are found without forming t ([Note: no float
+ * subnormals]): where t is normal they are |y|'s less (127 - bias) << 23, where it is
+ * subnormal those of |y| + 2^(1 - bias) (whose ulp is t's subnormal step, so the sum rounds as
+ * t does) less 2^(1 - bias)'s, and the larger of the two is always the right one. */
 static inline uint32_t inf_adam__q8_encode_magnitude(float mag, int man, int bias,
                                                      uint32_t max_code)
 {
     const int shift = 23 - man;
-    uint32_t bits = inf_adam__f32_bits(mag * inf_adam__bits_f32((uint32_t)bias << 23));
+    float low = mag + inf_adam__bits_f32((uint32_t)(128 - bias) << 23);
+    uint32_t bits = inf_adam__max_u32(inf_adam__f32_bits(low) - (1u << 23),
+                                      inf_adam__f32_bits(mag)) - ((uint32_t)(127 - bias) << 23);
     uint32_t code = (bits + (1u << (shift - 1)) - 1u + ((bits >> shift) & 1u)) >> shift;
 
     return code > max_code ? max_code : code;

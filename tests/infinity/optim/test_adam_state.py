@@ -11,6 +11,7 @@ from state_reference import reference_step
 
 from infinity.memory import ThreadPool
 from infinity.optim import SegmentState, StateFormat, StateKernel
+from infinity.optim._quant import EXP_AVG_CODE, EXP_AVG_SQ_CODE, Code8
 
 HYPER = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.05}
 # (moments, master, values dtype); fp32 moments with a master are AdamKernel's (test_adam_kernel)
@@ -104,6 +105,24 @@ def test_kernel_equals_reference_over_steps(moments, master, values_dtype, adamw
             seg.check(f"n={n} step={step} {isa}")
 
 
+MASTER_FREE = [(m, ma, v) for m, ma, v in CASES if ma == "none"]
+
+
+@pytest.mark.parametrize(("moments", "master", "values_dtype"), MASTER_FREE,
+                         ids=[f"{m}-{str(v).removeprefix('torch.')}" for m, _, v in MASTER_FREE])
+def test_rounding_counters_across_2_16_equal_reference(moments, master, values_dtype, isa):
+    """Master-free blocks whose rounding counters cross a multiple of 2**16 (which the SIMD
+    loops split there: the hash's first step is folded into the key of each side) round as the
+    reference, with the crossing at every offset within a vector."""
+    fmt = StateFormat(moments, master, block=64)
+    n = 64 * 9 + 5
+    for shift in range(17):
+        seg = Segment(fmt, n, values_dtype, seed=shift)
+        grad = random_grad(n, torch.bfloat16 if shift % 2 else torch.float32, seed=shift)
+        seg.step([grad], step=1, isa=isa, index=3 * 2**16 - 64 * 4 - shift, seed=4)
+        seg.check(f"shift={shift} {isa}")
+
+
 @pytest.mark.parametrize("block", [64, 256, 4096])
 @pytest.mark.parametrize("master", ["fp32", "none"])
 def test_threads_and_block_sizes_equal_reference(block, master, isa):
@@ -157,6 +176,45 @@ def test_edge_values_equal_reference(moments, master, values_dtype, isa):
         seg.check(f"step={step} {isa}")
 
 
+def _ulps_around(x: torch.Tensor, ulps: int) -> torch.Tensor:
+    """float32 x and its neighbours up to `ulps` float32 steps either side."""
+    out, up, down = [x], x, x
+    for _ in range(ulps):
+        up, down = torch.nextafter(up, up + 1), torch.nextafter(down, down - 1)
+        out += [up, down]
+    return torch.cat(out)
+
+
+def _near_midpoints(code: Code8) -> torch.Tensor:
+    """float32 values y around every midpoint of two neighbouring magnitude codes: a few
+    float32 ulps off, and a few half steps of the float32 subnormal grid that
+    |y| * 2**(bias - 127) rounds to first below the normal codes (where a coding that skips
+    that rounding, or takes it with the wrong step, picks the other neighbour)."""
+    mags = code.magnitudes()
+    mids = (mags[1:] + mags[:-1]) / 2
+    half_step = 2.0 ** (-150 + 127 - code.bias)
+    near = torch.cat([mids + k * half_step for k in range(-3, 4)]).float()
+    return _ulps_around(near, 2).clamp(max=1.0).unique()
+
+
+def test_codes_near_every_midpoint_equal_reference(isa):
+    """Moments at and around the 8-bit codes' midpoints take the reference's code ([Note: no
+    float subnormals]: every path finds |y| * 2**(bias - 127)'s bits without forming that
+    float subnormal). beta1 = beta2 = 0 makes m = g and v = g * g, and a 1.0 at the head of
+    each block makes both scales 1, so y is m and v themselves."""
+    m = _near_midpoints(EXP_AVG_CODE)
+    v = _ulps_around(_near_midpoints(EXP_AVG_SQ_CODE).sqrt(), 1)
+    values = torch.cat([m, -m, v])
+    block = 64
+    rows = -(-values.numel() // (block - 1))
+    body = torch.zeros(rows * (block - 1))
+    body[:values.numel()] = values
+    grad = torch.cat([torch.ones(rows, 1), body.view(rows, block - 1)], dim=1).view(-1)
+    seg = Segment(StateFormat("int8", "fp32", block=block), grad.numel(), torch.bfloat16, seed=5)
+    seg.step([grad], step=1, isa=isa, beta1=0.0, beta2=0.0, weight_decay=0.0)
+    seg.check(isa)
+
+
 def _nans(*patterns: int) -> torch.Tensor:
     return torch.tensor(patterns, dtype=torch.int64).to(torch.int32).view(torch.float32)
 
@@ -182,16 +240,19 @@ def test_nan_payloads_round_as_the_scalar_path(moments, master, values_dtype, is
         assert_bits_equal(got, segs["scalar"]._named()[name], f"{isa} {name}")
 
 
+@pytest.mark.parametrize("big", [1e30, 1e38])
 @pytest.mark.parametrize(("moments", "master", "values_dtype"),
                          [("int8", "none", torch.bfloat16), ("bf16", "fp32", torch.float16)],
                          ids=["int8-none", "bf16-fp32"])
-def test_overflowed_moments_make_their_block_nan(moments, master, values_dtype, isa):
+def test_overflowed_moments_make_their_block_nan(moments, master, values_dtype, big, isa):
     """A gradient whose square overflows makes v inf: an 8-bit block holding it is stored as
-    NaN (scale NaN), a bf16 one as inf, exactly as the reference does; other blocks are fine."""
+    NaN (scale NaN), a bf16 one as inf, exactly as the reference does; other blocks are fine.
+    1e38 also takes m's scale past FLT_MAX / 2**8, which the SIMD loops cannot fold into their
+    decode (q8_f16_scale): they leave that block to the scalar loop."""
     fmt = StateFormat(moments, master, block=64)
     seg = Segment(fmt, 256, values_dtype, seed=2)
     grad = random_grad(256, torch.float32, seed=3)
-    grad[70] = 1e30
+    grad[70] = big
     for step in (1, 2):
         seg.step([grad], step=step, isa=isa)
         for name, got in seg._named().items():
