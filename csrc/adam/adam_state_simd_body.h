@@ -439,8 +439,11 @@ INF_ADAM__SIMD_INLINE void update(const struct inf_adam__state_coef *c,
 }
 
 /* The pieces of a master-free block that update runs: the block, or if its rounding counters
- * cross a multiple of 2^16 (one block in 2^16 / block) the elements before it and those after;
- * returns how many. */
+ * cross a multiple of 2^16 (one block in 2^16 / block; a multiple of 2^32 is one too) the
+ * elements before it and those after; returns how many. A block crosses at most one. */
+_Static_assert(INF_ADAM_BLOCK_MAX <= 1 << 16 && INF_ADAM__STATE_UNIT <= 1 << 16,
+               "a block's rounding counters cross at most one multiple of 2^16");
+
 INF_ADAM__SIMD_INLINE int split_block(const struct inf_adam_segment *s,
                                       const struct inf_adam__block *b,
                                       struct inf_adam__block *parts)
@@ -478,9 +481,8 @@ INF_ADAM__SIMD_INLINE void update_typed(const struct inf_adam__state_coef *c,
 }
 
 /* update_typed on the block (master-free: on each piece of split_block), or the scalar loop
- * for a block of master-free elements whose rounding counters cross a multiple of 2^32 (one in
- * 2^32 / block: the SIMD loop keeps their high half, and its key, fixed) and for an 8-bit block
- * whose scales q8_f16_scale cannot take (m beyond FLT_MAX / 2^8, 1.3e36: v is then inf). */
+ * for an 8-bit block whose scales q8_f16_scale cannot take (m beyond FLT_MAX / 2^8, 1.3e36: v
+ * is then inf). */
 INF_ADAM__SIMD_INLINE void update_block(const struct inf_adam__state_coef *c,
                                         const struct simd_coef *vc,
                                         const struct inf_adam_segment *s,
@@ -491,9 +493,8 @@ INF_ADAM__SIMD_INLINE void update_block(const struct inf_adam__state_coef *c,
     struct inf_adam__block parts[2];
     int n;
 
-    if ((!master && (s->index + b->lo) >> 32 != (s->index + b->hi - 1) >> 32) ||
-        (moments == INF_ADAM_MOMENTS_Q8 && !(q8_f16_scale_fits(b->m_scale, INF_ADAM__QM_BIAS) &&
-                                             q8_f16_scale_fits(b->v_scale, INF_ADAM__QV_BIAS)))) {
+    if (moments == INF_ADAM_MOMENTS_Q8 && !(q8_f16_scale_fits(b->m_scale, INF_ADAM__QM_BIAS) &&
+                                            q8_f16_scale_fits(b->v_scale, INF_ADAM__QV_BIAS))) {
         inf_adam__state_scalar.update(c, s, b, 1, amax);
         return;
     }
