@@ -2,8 +2,9 @@
  * inf_adam_state_step driver: checks the segment, turns the hyperparameters into the float
  * coefficients and the rounding key of one step, and runs the blocks of the segment on the
  * caller's threads. Per block (8-bit: a quantization block; else INF_ADAM__STATE_UNIT
- * elements) it gathers the gradient pieces into one scaled float buffer, runs the ISA's update
- * and, for 8-bit moments, sets the block's new scales and codes its new moments.
+ * elements) it gathers the gradient pieces into one scaled float buffer; the ISA's update runs
+ * the blocks in runs of INF_ADAM__STATE_RUN elements, and for 8-bit moments each block's new
+ * scales are set and its moments coded after the next run's update (inf_adam__state_work).
  */
 #include <errno.h>
 #include <math.h>
