@@ -24,7 +24,8 @@ from cffi import FFI
 HERE = os.path.dirname(os.path.abspath(__file__))
 ADAM_DIR = os.path.join(HERE, "adam")
 COMMON_DIR = os.path.join(HERE, "common")
-SOURCES = ["adam.c", "adam_state.c", "adam_scalar.c", "adam_avx2.c", "adam_avx512.c"]
+SOURCES = ["adam.c", "adam_state.c", "adam_scalar.c", "adam_avx2.c", "adam_avx512.c",
+           "sum_squares.c"]
 HEADERS = ["inf_adam.h", "adam_kernel.h", "adam_simd_body.h", "adam_state_kernel.h",
            "adam_state_simd_body.h"]
 ROOT = os.path.dirname(HERE)

@@ -88,6 +88,13 @@ int inf_adam_step(const struct inf_adam_params *params, float *param, const void
  * isa is not an enum inf_adam_isa value. */
 int inf_adam_isa_resolve(int isa);
 
+/* The sum of squares of n elements of x (dtype F32, BF16 or F16), each widened to double and
+ * squared exactly, summed in a fixed order ([Note: one sum on every path] in sum_squares.c):
+ * the same bits on every instruction set. Finite exactly when every element is. Runs on the
+ * calling thread. Returns 0, -EINVAL for a bad argument (out NULL, x NULL with n > 0, x
+ * misaligned, unknown dtype or isa) or -ENOTSUP for an instruction set this CPU lacks. */
+int inf_adam_sum_squares(const void *x, int dtype, size_t n, int isa, double *out);
+
 /*
  * inf_adam_state_step: one fused pass of Adam / AdamW over one tile segment whose moments are
  * stored in fewer bytes (bf16, or 8-bit codes with a scale per block), with or without an fp32

@@ -1,7 +1,7 @@
 """Optimizers that run where the state is: CPU Adam / AdamW over host (and swapped) tensors."""
 
 from infinity.optim._format import SegmentState, StateFormat, TileLayout
-from infinity.optim._native import StateKernel, adam_step, available_isas, resolve_isa
+from infinity.optim._native import StateKernel, adam_step, available_isas, resolve_isa, sum_squares
 from infinity.optim.cpu_adam import CPUAdam
 from infinity.optim.loss_scaler import DynamicLossScaler
 from infinity.optim.lr_schedule import LRSchedule, WarmupCosineLR, WarmupDecayLR, WarmupLR
@@ -24,4 +24,5 @@ __all__ = [
     "adam_step",
     "available_isas",
     "resolve_isa",
+    "sum_squares",
 ]

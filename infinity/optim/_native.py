@@ -78,6 +78,22 @@ def available_isas() -> list[str]:
             if name != "auto" and lib.inf_adam_isa_resolve(code) >= 0]
 
 
+def sum_squares(t: torch.Tensor, *, isa: str = "auto") -> float:
+    """The sum of squares of t's elements (float32, bf16 or fp16, on the CPU, contiguous),
+    each squared exactly in double and summed in a fixed order: the same bits on every
+    instruction set and thread, finite exactly when every element is (csrc/adam/inf_adam.h
+    `inf_adam_sum_squares`). One pass over t's own bytes, on the calling thread."""
+    if isa not in ISAS:
+        raise ValueError(f"isa={isa!r} is not one of {sorted(ISAS)}")
+    if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+        raise ValueError(f"sum_squares reads host memory; the tensor is on {t.device}")
+    t = _check_tensor("t", t, tuple(GRAD_DTYPES), None)
+    out = ffi.new("double *")
+    _check(lib.inf_adam_sum_squares(_ptr(t), GRAD_DTYPES[t.dtype], t.numel(), ISAS[isa], out),
+           "inf_adam_sum_squares")
+    return out[0]
+
+
 def _check_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], shape: torch.Size | None,
                   ) -> torch.Tensor:
     """Refuse anything the kernel could only update through a copy; messages name the tensor."""
