@@ -44,8 +44,9 @@ LAYERS: dict[str, set[str]] = {
     "infinity.recompute": {"infinity.config", "infinity.errors"},
     "infinity.checkpoint": {"infinity.config", "infinity.store", "infinity.memory",
                             "infinity.errors", "infinity.paths", "aio"},
-    "infinity.zero": {"infinity.config", "infinity.store", "infinity.memory", "infinity.errors",
-                      "aio"},
+    # zero: optim's native sum of squares checks the gradients and takes the norm's terms
+    "infinity.zero": {"infinity.config", "infinity.optim", "infinity.store", "infinity.memory",
+                      "infinity.errors", "aio"},
     "infinity.config": {"infinity.errors", "aio"},  # aio: its options
     "infinity.optim": {"infinity.store", "infinity.memory", "infinity.errors", "aio"},
     "infinity.store": {"infinity.memory", "infinity.errors", "aio"},

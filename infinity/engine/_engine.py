@@ -252,11 +252,9 @@ class Engine:
         if self.config.fp16.enabled:
             scaled = scaled * self._steps.loss_scale()
         boundary = self.is_gradient_accumulation_boundary()
-        norm_wanted = self._stepper is not None or self._steps.needs_norm
         for u in self.ranked.trained:  # inf/nan survive the sums: checked once, at the boundary
             if u.grad is not None:
                 u.grad.check_now = boundary
-                u.grad.norm_wanted = norm_wanted
         if self._stepper is not None and boundary:
             self._steps.begin()
             self._stepper.begin(self.optimizer.lr, grad_scale=1.0 / self._steps.loss_scale())

@@ -14,8 +14,8 @@ from infinity.zero import FetchUnit
 
 def grad_square(unit: FetchUnit) -> float:
     """The sum of squares of the unit's gradient of this step, the term of the global norm it
-    contributes (`GradBuffer.square()`: float32 norms of its pieces, squared and summed in
-    float64; 0.0 when it has none)."""
+    contributes (`GradBuffer.square()`: its pieces' sums of squares in float64; 0.0 when it
+    has none)."""
     return 0.0 if unit.grad is None else unit.grad.square()
 
 

@@ -47,7 +47,6 @@ import torch
 from infinity.errors import BudgetError
 from infinity.store import TensorStore, Tier
 from infinity.zero._common import PrefetchStats, UnitState
-from infinity.zero.grads import release_norm_scratch
 from infinity.zero.next_use import NextUseClock
 from infinity.zero.ranks import PendingGather, Ranks
 from infinity.zero.saved_views import SavedView, ViewIndex, pack_saved, unpack_saved
@@ -203,8 +202,7 @@ class ParamCoordinator:
 
     def end_backward(self) -> None:
         """After loss.backward(): collect gradients of units some of whose parameters got none,
-        release what backward still held, end the pass, and let the gradient norms' scratch
-        buffer go (infinity/zero/grads.py)."""
+        release what backward still held and end the pass."""
         with self._lock:
             finished = [u for u in self.units if u.grads_seen]
             for u in self.units:
@@ -217,7 +215,6 @@ class ParamCoordinator:
             self._grads_final(u)
         with self._lock:
             self.end_pass()
-        release_norm_scratch()
 
     def release_all(self) -> None:
         """End the pass and release every unit, persistent ones included (before the values in

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
+from infinity.optim import sum_squares
 from infinity.store import TensorStore, Tier
 from infinity.zero.ranks import Ranks
 
@@ -34,75 +34,20 @@ if TYPE_CHECKING:
     from infinity.zero.unit import ParamSlot
 
 
-def _sum_is_finite(t: torch.Tensor) -> bool:
-    """No inf/nan in `t`: any of them makes its sum non-finite (summed in float32: float16
-    would overflow)."""
-    return math.isfinite(float(t.sum(dtype=torch.float32)))
+def piece_square(t: torch.Tensor) -> float:
+    """A gradient piece's sum of squares in double: its term of the global norm (clipping,
+    `last_grad_norm`), and not finite exactly when the piece holds an inf or a nan, so one pass
+    serves both. Native (`sum_squares`): it reads the piece's own bytes once, where torch
+    would convert a bf16 piece into a float32 temporary first (measured on the 294M GPT's
+    gradients: 0.055 s against 0.12-0.13 s for torch's float32 norm or sum); each square is
+    exact and the sum rounds only in double, the same bits on every instruction set (torch's
+    float32 norm of those gradients was 3e-5 off)."""
+    return sum_squares(t)
 
 
 def pieces_are_finite(pieces: Sequence[torch.Tensor]) -> bool:
     """No inf/nan in a gradient's pieces (`GradBuffer.read_pieces()`): one pass, nothing kept."""
-    return all(_sum_is_finite(p) for p in pieces)
-
-
-class _Float32Scratch:
-    """A float32 buffer reused by `piece_norm` for pieces narrower than float32.
-
-    torch computes `vector_norm(t, dtype=float32)` of a bf16/fp16 tensor by converting it into
-    a fresh float32 tensor first; with glibc's mmap threshold at 1 MiB (set when anything lives
-    on NVMe, infinity/memory/malloc.py) each such temporary is a new mapping, faulted in page
-    by page and unmapped again: measured on the 294M GPT in bf16, the two passes over every
-    gradient (this norm and the finiteness sum) cost ~1 s of CPU a step, mostly page faults,
-    against ~0.14 s for one conversion into this buffer and the norm over it. It grows to the
-    largest piece up to `LIMIT` elements and is let go at the end of each backward
-    (`release_norm_scratch`). Larger pieces (a 7 B model's embedding: 131 M elements, 524 MB
-    as float32) take torch's own temporary, freed at once as before: the buffer stays through
-    the backward, and one that size would add to the peak RSS the memory plan bounds."""
-
-    LIMIT = 1 << 24  # elements: at most 64 MiB held
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._buffer: torch.Tensor | None = None
-
-    def norm(self, t: torch.Tensor) -> float:
-        with self._lock:
-            if self._buffer is None or self._buffer.numel() < t.numel():
-                self._buffer = None  # (the old one goes first)
-                self._buffer = torch.empty(t.numel(), dtype=torch.float32)
-            view = self._buffer[:t.numel()]
-            view.copy_(t)
-            return float(torch.linalg.vector_norm(view))
-
-    def release(self) -> None:
-        with self._lock:
-            self._buffer = None
-
-
-_SCRATCH = _Float32Scratch()
-
-
-def piece_norm(t: torch.Tensor) -> float:
-    """The float32 L2 norm of a gradient piece, to the bit what
-    `torch.linalg.vector_norm(t, dtype=torch.float32)` returns (torch converts the whole tensor
-    to float32 and reduces that; this converts into a reused buffer and reduces the same values
-    in the same shape), without a fresh temporary per call."""
-    if t.dtype == torch.float32 or t.device.type != "cpu" or t.dim() != 1 \
-            or not t.is_contiguous() or t.numel() > _Float32Scratch.LIMIT:
-        return float(torch.linalg.vector_norm(t, dtype=torch.float32))
-    return _SCRATCH.norm(t)
-
-
-def release_norm_scratch() -> None:
-    """Let `piece_norm`'s buffer go (the coordinator calls it when a backward ends)."""
-    _SCRATCH.release()
-
-
-def _finite_given_norm(t: torch.Tensor, norm: float) -> bool:
-    """What `_sum_is_finite(t)` says, from t's norm when that settles it: a finite norm means
-    no inf/nan and every |x| below 2**64, so the float32 sum is finite too; a norm that is not
-    (inf/nan, or squares that overflowed) needs the sum."""
-    return math.isfinite(norm) or _sum_is_finite(t)
+    return all(math.isfinite(piece_square(p)) for p in pieces)
 
 
 class GradBuffer(ABC):
@@ -119,11 +64,6 @@ class GradBuffer(ABC):
         # Whether accumulate checks (where it does): the engine checks only at the boundary
         # micro-batch of an accumulation, since inf/nan survive the in-place sums.
         self.check_now = True
-        # Whether the step will ask for `square()` (the engine: overlapped, clipping or fp16):
-        # then a check takes each piece's norm, which settles finiteness too; else the cheaper
-        # sum (measured: the norm through a float32 copy cost offload-off's 294M GPT step ~0.2
-        # s of CPU more than the sum, where no norm is needed).
-        self.norm_wanted = True
 
     @abstractmethod
     def accumulate(self, slots: Sequence[ParamSlot]) -> None:
@@ -147,12 +87,12 @@ class GradBuffer(ABC):
 
     def square(self) -> float:
         """This step's sum of squares, the term of the global norm the gradient contributes:
-        each piece's float32 norm (`piece_norm`) squared, summed in float64 in piece order
-        (0.0 when nothing arrived this step)."""
+        each piece's (`piece_square`) summed in piece order (0.0 when nothing arrived this
+        step)."""
         if not self.has_grad:
             return 0.0
         with self.read_pieces() as pieces:
-            return sum(piece_norm(g) ** 2 for g in pieces)
+            return sum(piece_square(g) for g in pieces)
 
     def is_finite(self) -> bool:
         """Whether this step's gradient is free of inf/nan: what accumulate found, else one
@@ -280,8 +220,8 @@ class HeldGrad(GradBuffer):
         self._numels = list(slot_numels)
         self._pieces: list[torch.Tensor | None] = [None] * len(self._numels)
         self._unchecked: set[int] = set()  # pieces added into since they were last checked
-        # each piece's float32 norm where its check took it (None: not taken since it changed)
-        self._norms: list[float | None] = [None] * len(self._numels)
+        # each piece's sum of squares where its check took it (None: not since it changed)
+        self._squares: list[float | None] = [None] * len(self._numels)
 
     def accumulate(self, slots: Sequence[ParamSlot]) -> None:
         for k, s in enumerate(slots):
@@ -299,7 +239,7 @@ class HeldGrad(GradBuffer):
                 self._pieces[k] = held = g
             else:
                 held.add_(g)
-            self._norms[k] = None
+            self._squares[k] = None
             self._unchecked.add(k)
             if self.check_now:
                 self._check(k)  # while the sum is still in cache
@@ -311,23 +251,17 @@ class HeldGrad(GradBuffer):
         self.has_grad = True
 
     def _check(self, k: int) -> None:
-        """Check piece k; where `norm_wanted`, through its norm, kept for `square()` (taken at
-        the boundary, where the check runs): one pass serves both."""
-        piece = self._pieces[k]
-        if self.norm_wanted:
-            self._norms[k] = norm = piece_norm(piece)
-            finite = _finite_given_norm(piece, norm)
-        else:
-            finite = _sum_is_finite(piece)
-        self.finite = finite and self.finite is not False
+        """Check piece k through its sum of squares, kept for `square()` (taken at the boundary,
+        where the check runs): one pass serves both."""
+        self._squares[k] = square = piece_square(self._pieces[k])
+        self.finite = math.isfinite(square) and self.finite is not False
         self._unchecked.discard(k)
 
     def square(self) -> float:
         if not self.has_grad:
             return 0.0
-        squares = (0.0 if g is None else (piece_norm(g) if n is None else n) ** 2
-                   for g, n in zip(self._pieces, self._norms))
-        return sum(squares)
+        return sum(0.0 if g is None else piece_square(g) if q is None else q
+                   for g, q in zip(self._pieces, self._squares))
 
     @contextlib.contextmanager
     def read_pieces(self) -> Iterator[list[torch.Tensor]]:
@@ -338,5 +272,5 @@ class HeldGrad(GradBuffer):
     def zero(self) -> None:
         super().zero()
         self._pieces = [None] * len(self._numels)
-        self._norms = [None] * len(self._numels)
+        self._squares = [None] * len(self._numels)
         self._unchecked.clear()

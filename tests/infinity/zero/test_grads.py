@@ -7,7 +7,6 @@ import torch
 
 from infinity.store import TensorStore, Tier
 from infinity.zero import HeldGrad, RamGrad, Ranks, StoredGrad, grads, plan_units
-from infinity.zero.grads import piece_norm, release_norm_scratch
 
 
 class LoneRank(Ranks):
@@ -160,75 +159,74 @@ def test_held_gradients_know_whether_they_are_finite(value):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_piece_norm_is_torchs_float32_norm_to_the_bit(dtype):
-    """The global norm (clip factor, last_grad_norm) must not change by a bit: the reused
-    float32 buffer reduces what torch's own conversion would, whatever it held before."""
+def test_piece_square_is_the_sum_of_squares_in_double(dtype):
+    """The global norm's terms: within a double's rounding of the exact sum (torch's float32
+    norm of a large bf16 gradient is off by ~1e-5), non-finite exactly when the piece is."""
     torch.manual_seed(0)
-    for numel in (4099, 1, 33, 1 << 16, 7):  # a smaller piece after a larger one reuses the buffer
+    for numel in (4099, 1, 33, 1 << 16, 7):
         piece = (torch.randn(numel) * 3).to(dtype)
-        assert piece_norm(piece) == float(torch.linalg.vector_norm(piece, dtype=torch.float32))
+        exact = math.fsum(x * x for x in piece.double().tolist())
+        assert grads.piece_square(piece) == pytest.approx(exact, rel=1e-13, abs=0)
     bad = torch.ones(9, dtype=dtype)
     bad[4] = float("nan")
-    assert math.isnan(piece_norm(bad))
-    release_norm_scratch()
+    assert math.isnan(grads.piece_square(bad))
+    assert not grads.pieces_are_finite([torch.ones(3, dtype=dtype), bad])
+    assert grads.pieces_are_finite([torch.ones(3, dtype=dtype)])
 
 
-def test_pieces_over_the_scratch_limit_do_not_grow_the_held_buffer(monkeypatch):
-    """The buffer is held through a backward: a piece above its limit (a big model's
-    embedding) takes torch's own temporary, freed at once, and still gets torch's norm."""
-    monkeypatch.setattr(grads._Float32Scratch, "LIMIT", 1000)
-    release_norm_scratch()
-    small, big = torch.randn(1000).bfloat16(), torch.randn(1001).bfloat16()
-    for piece in (small, big):
-        assert piece_norm(piece) == float(torch.linalg.vector_norm(piece, dtype=torch.float32))
-    assert grads._SCRATCH._buffer.numel() == 1000
-    release_norm_scratch()
-
-
-def test_a_held_gradients_square_is_the_norms_its_check_took(monkeypatch):
-    """At the boundary the finiteness check takes each piece's norm, and the engine's sum of
-    squares reuses it: one pass over the gradient, not two; the same value as a fresh pass."""
+def test_a_held_gradients_square_is_the_sums_its_check_took(monkeypatch):
+    """At the boundary the finiteness check takes each piece's sum of squares, and the
+    engine's norm term reuses it: one pass over the gradient, not two; the same value as a
+    fresh pass."""
     layer = torch.nn.Linear(300, 20).to(torch.bfloat16)
     (unit,), _ = plan_units(layer, persistence_numel=0)
     buffer = HeldGrad([s.shape.numel() for s in unit.slots], torch.bfloat16, name="param/u")
     calls = []
 
+    piece_square = grads.piece_square
+
     def counted(t):
         calls.append(t.numel())
-        return piece_norm(t)
+        return piece_square(t)
 
-    monkeypatch.setattr(grads, "piece_norm", counted)
+    monkeypatch.setattr(grads, "piece_square", counted)
     torch.manual_seed(0)
     layer.weight.grad = torch.randn(20, 300).to(torch.bfloat16)
     layer.bias.grad = torch.randn(20).to(torch.bfloat16)
     buffer.accumulate(unit.slots)
     assert buffer.finite is True and calls == [6000, 20]
     with buffer.read_pieces() as pieces:
-        fresh = sum(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in pieces)
+        fresh = sum(piece_square(g) for g in pieces)
     assert buffer.square() == fresh and calls == [6000, 20]
 
 
-def test_finite_values_whose_squares_overflow_are_finite():
-    """A norm that overflows float32 does not settle finiteness: the sum decides, as before."""
+def test_finite_values_whose_squares_overflow_float32_are_finite():
+    """Squares past float32's range are summed in double: finite, and the norm they make."""
     layer = torch.nn.Linear(3, 2).to(torch.bfloat16)
     (unit,), _ = plan_units(layer, persistence_numel=0)
     buffer = HeldGrad([s.shape.numel() for s in unit.slots], torch.bfloat16, name="param/u")
     layer.weight.grad = torch.full((2, 3), 1e30, dtype=torch.bfloat16)
     buffer.accumulate(unit.slots)
-    assert buffer.finite is True and math.isinf(buffer.square())
+    value = float(torch.tensor(1e30, dtype=torch.bfloat16))
+    assert buffer.finite is True and buffer.square() == 6 * value * value
 
 
-def test_a_held_gradient_checked_without_a_norm_wanted_sums_instead(monkeypatch):
-    """Where the step takes no norm (offload off, no clipping, no fp16), the check is the sum:
-    cheaper than a norm through a float32 copy; square() then takes the norms itself."""
+def test_a_held_gradient_off_the_boundary_is_not_checked_until_the_boundary(monkeypatch):
+    """inf/nan survive the in-place sums: the micro-batches before the boundary take no pass;
+    the boundary's check takes every piece added into since, and square() reuses it."""
     layer = torch.nn.Linear(30, 2).to(torch.bfloat16)
     (unit,), _ = plan_units(layer, persistence_numel=0)
     buffer = HeldGrad([s.shape.numel() for s in unit.slots], torch.bfloat16, name="param/u")
-    buffer.norm_wanted = False
     calls = []
-    monkeypatch.setattr(grads, "piece_norm", lambda t: calls.append(t.numel()) or piece_norm(t))
+    piece_square = grads.piece_square
+    monkeypatch.setattr(grads, "piece_square", lambda t: calls.append(t.numel()) or
+                        piece_square(t))
+    buffer.check_now = False
     layer.weight.grad = torch.ones(2, 30, dtype=torch.bfloat16)
     buffer.accumulate(unit.slots)
-    assert buffer.finite is True and calls == []
-    fresh = float(torch.linalg.vector_norm(torch.ones(60), dtype=torch.float32)) ** 2
-    assert buffer.square() == fresh and calls == [60]  # (the bias got none: zeros, no pass)
+    assert buffer.finite is None and calls == []
+    buffer.check_now = True
+    layer.bias.grad = torch.ones(2, dtype=torch.bfloat16)
+    buffer.accumulate(unit.slots)
+    assert buffer.finite is True and sorted(calls) == [2, 60]
+    assert buffer.square() == 62.0 and sorted(calls) == [2, 60]
