@@ -560,11 +560,11 @@ class Engine:
 
 
 def _mmap_threshold(config: Config, plan: MemoryPlan) -> int | None:
-    """`infinity.mmap_threshold` with "auto" decided: 1 MiB when anything lives on NVMe."""
+    """`infinity.mmap_threshold` with "auto" decided: 8 MiB when anything lives on NVMe."""
     threshold = config.infinity.mmap_threshold
     if threshold != "auto":
         return threshold
-    return 1 << 20 if plan.uses_nvme else None
+    return 8 << 20 if plan.uses_nvme else None
 
 
 def _fingerprint(config: Config, units: list[FetchUnit]) -> str:

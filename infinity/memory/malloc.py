@@ -8,6 +8,9 @@ training's mix of sizes fragments it and freed memory stays resident. Measured o
 threshold, 2.84-2.85 GB with a fixed 1 MiB one, at the same CPU time per step (4.59-4.70 s vs
 4.70-4.90 s user+sys, within noise; docs/performance.md). A fixed threshold also stops the
 rise, so every allocation at or above it has its own mapping, returned to the OS when freed.
+The engine fixes 8 MiB where something lives on NVMe (`infinity.mmap_threshold` "auto"): at
+1 MiB every activation of a step was a fresh mapping faulted in page by page, ~10% of the
+294M GPT's step's CPU once huge pages served the larger tensors (docs/performance.md).
 """
 
 from __future__ import annotations
