@@ -82,12 +82,25 @@ INF_ADAM__SIMD_INLINE void vec_store_u16x2(uint16_t *a, uint16_t *b, __m256i x, 
     _mm_storeu_si128((__m128i *)b, _mm256_extracti128_si256(xy, 1));
 }
 
+typedef __m256d vec_f64;
+
+#define vec_f64_zero() _mm256_setzero_pd()
+#define vec_f64_fmadd(x, y, z) _mm256_fmadd_pd(x, y, z)
+#define vec_f64_storeu(dst, x) _mm256_storeu_pd(dst, x)
+#define vec_f64_lo(f) _mm256_cvtps_pd(_mm256_castps256_ps128(f))
+#define vec_f64_hi(f) _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1))
+
 #include "adam_simd_body.h"
 
 INF_ADAM__AVX2 void inf_adam__range_avx2(const struct inf_adam__coef *c,
                                          const struct inf_adam__arrays *a, size_t lo, size_t hi)
 {
     simd_range(c, a, lo, hi);
+}
+
+INF_ADAM__AVX2 size_t inf_adam__sum_squares_avx2(const void *x, int dtype, size_t n, double *acc)
+{
+    return simd_sum_squares(x, dtype, n, acc);
 }
 
 /* The operations adam_state_simd_body.h asks for. */

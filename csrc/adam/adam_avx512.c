@@ -58,6 +58,15 @@ INF_ADAM__SIMD_INLINE __m512i vec_bf16_bits(vec_f32 p)
     (_mm256_storeu_si256((__m256i *)(a), vec_pack_u16(x)),                                   \
      _mm256_storeu_si256((__m256i *)(b), vec_pack_u16(y)))
 
+typedef __m512d vec_f64;
+
+#define vec_f64_zero() _mm512_setzero_pd()
+#define vec_f64_fmadd(x, y, z) _mm512_fmadd_pd(x, y, z)
+#define vec_f64_storeu(dst, x) _mm512_storeu_pd(dst, x)
+#define vec_f64_lo(f) _mm512_cvtps_pd(_mm512_castps512_ps256(f))
+#define vec_f64_hi(f) \
+    _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1)))
+
 #include "adam_simd_body.h"
 
 INF_ADAM__AVX512 void inf_adam__range_avx512(const struct inf_adam__coef *c,
@@ -65,6 +74,12 @@ INF_ADAM__AVX512 void inf_adam__range_avx512(const struct inf_adam__coef *c,
                                              size_t hi)
 {
     simd_range(c, a, lo, hi);
+}
+
+INF_ADAM__AVX512 size_t inf_adam__sum_squares_avx512(const void *x, int dtype, size_t n,
+                                                     double *acc)
+{
+    return simd_sum_squares(x, dtype, n, acc);
 }
 
 /* The operations adam_state_simd_body.h asks for; masks are AVX-512 mask registers. Only

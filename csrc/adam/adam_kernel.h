@@ -75,6 +75,16 @@ void inf_adam__range_avx512(const struct inf_adam__coef *c, const struct inf_ada
                             size_t lo, size_t hi);
 #endif
 
+/* The double accumulators of inf_adam_sum_squares ([Note: one sum on every path] in
+ * sum_squares.c): element i of the array goes into lane i % INF_ADAM__SUMSQ_LANES. */
+#define INF_ADAM__SUMSQ_LANES 32
+#if defined(__x86_64__) || defined(__i386__)
+/* Adds the squares of x's whole blocks of INF_ADAM__SUMSQ_LANES elements into acc, lane by
+ * lane; returns how many elements that was (the caller's scalar loop takes the rest). */
+size_t inf_adam__sum_squares_avx2(const void *x, int dtype, size_t n, double *acc);
+size_t inf_adam__sum_squares_avx512(const void *x, int dtype, size_t n, double *acc);
+#endif
+
 static inline uint32_t inf_adam__f32_bits(float f)
 {
     uint32_t u;

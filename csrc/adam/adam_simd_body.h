@@ -12,9 +12,14 @@
  *   vec_to_bf16, vec_to_f16  narrow to 16 bits as [Note: lowp rounding] in inf_adam.h says
  *   vec_u16_storeu, vec_u16_stream
  *                            store a vec_u16, unaligned or non-temporal (aligned to its size)
+ *   vec_f64                  a vector of doubles, half as many lanes as vec_f32
+ *   vec_f64_zero, vec_f64_fmadd, vec_f64_storeu
+ *                            the double operations the sum of squares needs
+ *   vec_f64_lo, vec_f64_hi   the low and the high half of a vec_f32, widened exactly to double
  *
- * and gets the static `simd_range`, which its exported inf_adam__range_<isa> calls. Unaligned
- * loads and stores, the tail through the scalar update.
+ * and gets the static `simd_range` and `simd_sum_squares`, which its exported
+ * inf_adam__range_<isa> and inf_adam__sum_squares_<isa> call. Unaligned loads and stores, the
+ * tail through the scalar update.
  */
 #ifndef INF_ADAM__SIMD_INLINE
 #error "adam_simd_body.h is included only by an ISA adapter (adam_avx2.c, adam_avx512.c)"
@@ -119,3 +124,40 @@ INF_ADAM__SIMD_INLINE void simd_range(const struct inf_adam__coef *c,
 }
 
 #undef INF_ADAM__CASE
+
+/* Doubles per vector, and the vectors that hold the INF_ADAM__SUMSQ_LANES accumulators. */
+#define INF_ADAM__F64_WIDTH (INF_ADAM__SIMD_WIDTH / 2)
+#define INF_ADAM__F64_ACCS (INF_ADAM__SUMSQ_LANES / INF_ADAM__F64_WIDTH)
+
+/* Element i squared into accumulator lane i % INF_ADAM__SUMSQ_LANES, whatever the vector width:
+ * accumulator vector 2k takes the low half of the block's k-th vec_f32, 2k + 1 its high half. */
+INF_ADAM__SIMD_INLINE size_t sum_squares_run(const void *x, int dtype, size_t n, double *acc)
+{
+    vec_f64 sums[INF_ADAM__F64_ACCS];
+    size_t i = 0;
+
+    for (size_t k = 0; k < INF_ADAM__F64_ACCS; k++)
+        sums[k] = vec_f64_zero();
+    for (; i + INF_ADAM__SUMSQ_LANES <= n; i += INF_ADAM__SUMSQ_LANES) {
+        for (size_t k = 0; k < INF_ADAM__F64_ACCS / 2; k++) {
+            vec_f32 f = load_grad(x, i + k * INF_ADAM__SIMD_WIDTH, dtype);
+            vec_f64 lo = vec_f64_lo(f), hi = vec_f64_hi(f);
+
+            sums[2 * k] = vec_f64_fmadd(lo, lo, sums[2 * k]);
+            sums[2 * k + 1] = vec_f64_fmadd(hi, hi, sums[2 * k + 1]);
+        }
+    }
+    for (size_t k = 0; k < INF_ADAM__F64_ACCS; k++)
+        vec_f64_storeu(acc + k * INF_ADAM__F64_WIDTH, sums[k]);
+    return i;
+}
+
+/* One loop per dtype, so load_grad's choice is made once, not per vector. */
+INF_ADAM__SIMD_INLINE size_t simd_sum_squares(const void *x, int dtype, size_t n, double *acc)
+{
+    if (dtype == INF_ADAM_DTYPE_BF16)
+        return sum_squares_run(x, INF_ADAM_DTYPE_BF16, n, acc);
+    if (dtype == INF_ADAM_DTYPE_F16)
+        return sum_squares_run(x, INF_ADAM_DTYPE_F16, n, acc);
+    return sum_squares_run(x, INF_ADAM_DTYPE_F32, n, acc);
+}
