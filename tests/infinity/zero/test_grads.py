@@ -159,17 +159,17 @@ def test_held_gradients_know_whether_they_are_finite(value):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_piece_square_is_the_sum_of_squares_in_double(dtype):
+def test_a_pieces_check_and_norm_term_is_its_sum_of_squares_in_double(dtype):
     """The global norm's terms: within a double's rounding of the exact sum (torch's float32
     norm of a large bf16 gradient is off by ~1e-5), non-finite exactly when the piece is."""
     torch.manual_seed(0)
     for numel in (4099, 1, 33, 1 << 16, 7):
         piece = (torch.randn(numel) * 3).to(dtype)
         exact = math.fsum(x * x for x in piece.double().tolist())
-        assert grads.piece_square(piece) == pytest.approx(exact, rel=1e-13, abs=0)
+        assert grads.sum_squares(piece) == pytest.approx(exact, rel=1e-13, abs=0)
     bad = torch.ones(9, dtype=dtype)
     bad[4] = float("nan")
-    assert math.isnan(grads.piece_square(bad))
+    assert math.isnan(grads.sum_squares(bad))
     assert not grads.pieces_are_finite([torch.ones(3, dtype=dtype), bad])
     assert grads.pieces_are_finite([torch.ones(3, dtype=dtype)])
 
@@ -183,20 +183,20 @@ def test_a_held_gradients_square_is_the_sums_its_check_took(monkeypatch):
     buffer = HeldGrad([s.shape.numel() for s in unit.slots], torch.bfloat16, name="param/u")
     calls = []
 
-    piece_square = grads.piece_square
+    sum_squares = grads.sum_squares
 
     def counted(t):
         calls.append(t.numel())
-        return piece_square(t)
+        return sum_squares(t)
 
-    monkeypatch.setattr(grads, "piece_square", counted)
+    monkeypatch.setattr(grads, "sum_squares", counted)
     torch.manual_seed(0)
     layer.weight.grad = torch.randn(20, 300).to(torch.bfloat16)
     layer.bias.grad = torch.randn(20).to(torch.bfloat16)
     buffer.accumulate(unit.slots)
     assert buffer.finite is True and calls == [6000, 20]
     with buffer.read_pieces() as pieces:
-        fresh = sum(piece_square(g) for g in pieces)
+        fresh = sum(sum_squares(g) for g in pieces)
     assert buffer.square() == fresh and calls == [6000, 20]
 
 
@@ -218,9 +218,9 @@ def test_a_held_gradient_off_the_boundary_is_not_checked_until_the_boundary(monk
     (unit,), _ = plan_units(layer, persistence_numel=0)
     buffer = HeldGrad([s.shape.numel() for s in unit.slots], torch.bfloat16, name="param/u")
     calls = []
-    piece_square = grads.piece_square
-    monkeypatch.setattr(grads, "piece_square", lambda t: calls.append(t.numel()) or
-                        piece_square(t))
+    sum_squares = grads.sum_squares
+    monkeypatch.setattr(grads, "sum_squares", lambda t: calls.append(t.numel()) or
+                        sum_squares(t))
     buffer.check_now = False
     layer.weight.grad = torch.ones(2, 30, dtype=torch.bfloat16)
     buffer.accumulate(unit.slots)
