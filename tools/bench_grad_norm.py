@@ -1,7 +1,7 @@
 """The gradient norm's terms: the native sum of squares against torch's float32 norm and sum.
 
 At the boundary micro-batch the engine takes every gradient piece's sum of squares (the global
-norm's term, and the inf/nan check in the same pass: `infinity.zero.grads.piece_square`). This
+norm's term, and the inf/nan check in the same pass: infinity/zero/grads.py). This
 times that pass over the gradient pieces of `tools/bench_step.py`'s GPT (bf16 by default, the
 294 M model's shapes unless told otherwise), in turns with what the engine did before (torch's
 float32 `vector_norm` of each piece, and the float32 `sum` the check took), and with a
@@ -24,6 +24,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from infinity.cli.args import time_in_turns
 from infinity.optim import available_isas, sum_squares
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -38,12 +39,6 @@ def gpt_piece_sizes(layers: int, d_model: int, vocab: int, seq: int) -> list[int
              d_model * 4 * d_model, 4 * d_model,     # mlp.c_fc
              4 * d_model * d_model, d_model]         # mlp.c_proj
     return [vocab * d_model, seq * d_model] + block * layers + [d_model, d_model]
-
-
-def _timed(fn: Callable[[], object]) -> tuple[float, float]:
-    wall, cpu = time.perf_counter(), time.process_time()
-    fn()
-    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,24 +73,28 @@ def main(argv: list[str] | None = None) -> int:
     rows["torch float32 sum (the old check)"] = old_check
     rows["memory: memcpy, 1 thread"] = lambda: np.copyto(dst, src)
 
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in rows}
-    results: dict[str, float | None] = {}
-    for i in range(1 + args.rounds):  # one untimed pass of each first
-        for name, fn in rows.items():
-            wall_cpu = _timed(lambda fn=fn, name=name: results.__setitem__(name, fn()))
-            if i:
-                times[name].append(wall_cpu)
+    results = {name: fn() for name, fn in rows.items()}  # also the untimed pass of each
+    cpu: dict[str, list[float]] = {name: [] for name in rows}
+
+    def with_cpu(name: str, fn: Callable[[], object]) -> Callable[[], None]:
+        def run() -> None:
+            start = time.process_time()
+            fn()
+            cpu[name].append(time.process_time() - start)
+        return run
+    wall = time_in_turns({name: with_cpu(name, fn) for name, fn in rows.items()}, args.rounds,
+                         warmup=0)
 
     print(f"{len(pieces)} pieces, {sum(p.numel() for p in pieces) / 1e6:.1f} M {args.dtype} "
           f"elements ({nbytes / 1e9:.3f} GB), torch threads {torch.get_num_threads()}, "
           f"{args.rounds} rounds in turns; medians")
-    for name, samples in times.items():
-        wall = statistics.median(w for w, _ in samples)
-        cpu = statistics.median(c for _, c in samples)
+    for name in rows:
+        seconds, cpu_seconds = statistics.median(wall[name]), statistics.median(cpu[name])
         moved = 2 * nbytes if name.startswith("memory") else nbytes
         value = results[name]
         error = "" if value is None else f"  rel error {abs(value - exact) / exact:.1e}"
-        print(f"{name:>36}: {wall:.4f} s  CPU {cpu:.4f} s  {moved / wall / 1e9:6.2f} GB/s{error}")
+        print(f"{name:>36}: {seconds:.4f} s  CPU {cpu_seconds:.4f} s  "
+              f"{moved / seconds / 1e9:6.2f} GB/s{error}")
     return 0
 
 
