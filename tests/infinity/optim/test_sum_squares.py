@@ -58,3 +58,7 @@ def test_refuses_what_it_cannot_read():
         sum_squares(torch.ones(6)[::2])
     with pytest.raises(ValueError, match="isa='sse'"):
         sum_squares(torch.ones(3), isa="sse")
+    with pytest.raises(ValueError, match="reads host memory; the tensor is on meta"):
+        sum_squares(torch.ones(3, device="meta"))
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+        sum_squares([1.0, 2.0])
