@@ -1,0 +1,44 @@
+"""tools.bench_worker_policy: a tiny GPT's steps alternate the worker's policy, ABBA."""
+
+import os
+import re
+import sys
+
+import pytest
+
+from tools import bench_worker_policy
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="per-thread policies are Linux's")
+
+TINY = ["--layers", "1", "--d-model", "64", "--vocab", "128", "--seq", "8"]
+
+
+def test_steps_alternate_and_each_side_is_reported(tmp_path, capsys, monkeypatch):
+    seen = []
+    real = bench_worker_policy.set_policy
+    monkeypatch.setattr(bench_worker_policy, "set_policy",
+                        lambda tid, name: (seen.append(name), real(tid, name)))
+    assert bench_worker_policy.main(["--policy", "batch", "--path", str(tmp_path),
+                                     "--steps", "10", *TINY]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"SCHED_BATCH: steps=4 ", out) and re.search(r"SCHED_OTHER: steps=4 ", out)
+    assert re.search(r"faster in \d of 4 pairs", out)
+    # steps 1..9 (warm-up 2): step 1 and the timed steps 2..9 in ABBA order, then restored
+    assert seen[1:] == ["SCHED_OTHER", "SCHED_BATCH", "SCHED_BATCH", "SCHED_OTHER",
+                        "SCHED_OTHER", "SCHED_BATCH", "SCHED_BATCH", "SCHED_OTHER",
+                        "SCHED_OTHER"]
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_policy_that_does_not_take_is_refused(monkeypatch):
+    monkeypatch.setattr(os, "sched_setscheduler", lambda *a: None)
+    with pytest.raises(SystemExit, match="not under SCHED_IDLE"):
+        bench_worker_policy.set_policy(os.getpid(), "SCHED_IDLE")
+
+
+def test_a_policy_the_process_may_not_leave_is_named(monkeypatch):
+    def refuse(*args):
+        raise PermissionError(1, "Operation not permitted")
+    monkeypatch.setattr(os, "sched_setscheduler", refuse)
+    with pytest.raises(SystemExit, match="needs CAP_SYS_NICE"):
+        bench_worker_policy.set_policy(os.getpid(), "SCHED_OTHER")

@@ -1,0 +1,109 @@
+"""The optimizer worker's scheduling policy, alternated step by step inside one engine child.
+
+On 2 cores the worker that steps units during backward preempts one of torch's two OpenMP
+threads inside its parallel regions, and the other waits at the region's end (docs/performance.md
+"Backward beside the optimizer's worker"). Whether a policy for the worker thread gives that
+back is a few percent of a step, while whole-run A/B pairs on a shared host swing by +-20% with
+the host's speed. So this builds bench_step's "nvme" engine and model once and, before each step,
+sets the worker thread to the trial policy or to SCHED_OTHER in ABBA order (pairs B A, A B, ...
+after the warm-up steps): both sides see the same minutes. Each step is timed from its forward to
+the next step's forward, as bench_step times it. Linux only.
+
+SCHED_IDLE is for measuring, not for training: an idle-class worker is starved by any other
+process's load, also while it holds the GIL the training thread needs (one step of 259 s beside
+two busy processes, the same page), and leaving SCHED_IDLE needs CAP_SYS_NICE or an RLIMIT_NICE
+of 20.
+
+    python -m tools.bench_worker_policy --policy idle --path /nvme --bf16 \
+        --optimizer-state int8 --no-master --steps 34
+
+Every option after --policy is bench_step's (the model, the engine configuration, --steps,
+--warmup); --rounds, --configs and --trace are not used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+from tools import bench_step
+
+POLICIES = {"idle": "SCHED_IDLE", "batch": "SCHED_BATCH", "other": "SCHED_OTHER"}
+
+
+def set_policy(tid: int, name: str) -> None:
+    """Put thread `tid` under `name` (an os.SCHED_* name), and check that it took."""
+    policy = getattr(os, name)
+    try:
+        os.sched_setscheduler(tid, policy, os.sched_param(0))
+    except PermissionError:
+        raise SystemExit(f"error: cannot put the worker thread under {name}: leaving SCHED_IDLE "
+                         "needs CAP_SYS_NICE or an RLIMIT_NICE of 20") from None
+    if os.sched_getscheduler(tid) != policy:
+        raise SystemExit(f"error: the worker thread is not under {name} after setting it")
+
+
+def worker_thread() -> int:
+    """The native id of the optimizer's worker thread (infinity-optim, started by the first
+    step of an overlapped optimizer)."""
+    ids = [t.native_id for t in threading.enumerate() if t.name.startswith("infinity-optim")]
+    if len(ids) != 1:
+        raise SystemExit(f"error: {len(ids)} optimizer worker threads, not one")
+    return ids[0]
+
+
+def run(args: argparse.Namespace, trial: str, directory: str) -> dict[str, list[float]]:
+    """Step the engine; the timed steps' wall seconds under each policy."""
+    import infinity
+    model, batch = bench_step.build(args)
+    engine = infinity.initialize(model, bench_step.engine_config(args, "nvme", directory))
+    step = bench_step.engine_step(engine, batch)
+    step()  # the optimizer's worker starts with the first step
+    worker = worker_thread()
+    times: dict[str, list[float]] = {trial: [], "other": []}
+    for i in range(1, args.steps):
+        policy = trial if (i - args.warmup) % 4 in (1, 2) else "other"  # ABBA
+        set_policy(worker, POLICIES[policy])
+        start = time.perf_counter()
+        step()
+        if i >= args.warmup:
+            times[policy].append(time.perf_counter() - start)
+    set_policy(worker, "SCHED_OTHER")
+    engine.synchronize()
+    engine.close(restore_params=False)
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--policy", choices=("idle", "batch"), required=True,
+                        help="the policy tried against SCHED_OTHER")
+    ours, rest = parser.parse_known_args(argv)
+    args = bench_step.parse_args(rest)
+    if sys.platform != "linux":
+        parser.error("scheduling policies per thread are Linux's")
+    directory = tempfile.mkdtemp(prefix="infinity-bench-policy-", dir=args.path)
+    try:
+        times = run(args, ours.policy, directory)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    trial, other = times[ours.policy], times["other"]
+    wins = sum(t < o for t, o in zip(trial, other))
+    for name, ts in ((POLICIES[ours.policy], trial), ("SCHED_OTHER", other)):
+        print(f"{name:>11}: steps={len(ts)}  median_s={statistics.median(ts):.3f}  "
+              f"mean_s={statistics.mean(ts):.3f}  range={min(ts):.2f}-{max(ts):.2f}")
+    print(f"{POLICIES[ours.policy]} over SCHED_OTHER: median ratio="
+          f"{statistics.median(trial) / statistics.median(other):.3f}  faster in {wins} of "
+          f"{min(len(trial), len(other))} pairs")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
