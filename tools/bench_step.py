@@ -344,6 +344,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def scratch_directory(path: str, prefix: str) -> str | None:
+    """A fresh directory under --path for a run's files; None, the reason said on stderr in one
+    line, where the path cannot hold one."""
+    try:
+        return tempfile.mkdtemp(prefix=prefix, dir=path)
+    except OSError as exc:
+        print(f"error: cannot use --path {path}: {exc.strerror}", file=sys.stderr)
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -353,10 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         run = run_pair if args.child == "pair" else lambda a, path: run_child(a, args.child, path)
         print(json.dumps(run(args, args.path)))
         return 0
-    try:
-        directory = tempfile.mkdtemp(prefix="infinity-bench-step-", dir=args.path)
-    except OSError as exc:
-        print(f"error: cannot use --path {args.path}: {exc.strerror}", file=sys.stderr)
+    directory = scratch_directory(args.path, "infinity-bench-step-")
+    if directory is None:
         return 2
     runs: dict[str, list[dict]] = {c: [] for c in configs}
     try:

@@ -28,7 +28,6 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
 
@@ -59,25 +58,30 @@ def run(args: argparse.Namespace, trial: str, directory: str) -> dict[str, list[
     import infinity
     model, batch = bench_step.build(args)
     engine = infinity.initialize(model, bench_step.engine_config(args, "nvme", directory))
-    step = bench_step.engine_step(engine, batch)
-    before = _optimizer_workers()  # other engines' in this process (a test's) are not ours
-    step()  # the optimizer's worker starts with the first step
-    started = _optimizer_workers() - before
-    if len(started) != 1:
-        raise SystemExit(f"error: the first step started {len(started)} optimizer worker threads, "
-                         "not one")
-    worker = started.pop()
-    times: dict[str, list[float]] = {trial: [], "other": []}
-    for i in range(1, args.steps):
-        policy = trial if (i - args.warmup) % 4 in (1, 2) else "other"  # ABBA
-        set_policy(worker, POLICIES[policy])
-        start = time.perf_counter()
-        step()
-        if i >= args.warmup:
-            times[policy].append(time.perf_counter() - start)
-    set_policy(worker, "SCHED_OTHER")
-    engine.synchronize()
-    engine.close(restore_params=False)
+    try:
+        step = bench_step.engine_step(engine, batch)
+        before = _optimizer_workers()  # other engines' in this process (a test's) are not ours
+        step()  # the optimizer's worker starts with the first step
+        started = _optimizer_workers() - before
+        if len(started) != 1:
+            raise SystemExit(f"error: the first step started {len(started)} optimizer worker "
+                             "threads, not one")
+        worker = started.pop()
+        times: dict[str, list[float]] = {trial: [], "other": []}
+        for i in range(1, args.steps):
+            if i == args.warmup:  # timed steps start with nothing left from untimed ones
+                engine.synchronize()
+                engine.store.flush()
+            policy = trial if (i - args.warmup) % 4 in (1, 2) else "other"  # ABBA
+            set_policy(worker, POLICIES[policy])
+            start = time.perf_counter()
+            step()
+            if i >= args.warmup:
+                times[policy].append(time.perf_counter() - start)
+        set_policy(worker, "SCHED_OTHER")
+        engine.synchronize()
+    finally:
+        engine.close(restore_params=False)
     return times
 
 
@@ -90,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     args = bench_step.parse_args(rest)
     if sys.platform != "linux":
         parser.error("scheduling policies per thread are Linux's")
-    directory = tempfile.mkdtemp(prefix="infinity-bench-policy-", dir=args.path)
+    directory = bench_step.scratch_directory(args.path, "infinity-bench-policy-")
+    if directory is None:
+        return 2
     try:
         times = run(args, ours.policy, directory)
     finally:

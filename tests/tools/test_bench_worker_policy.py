@@ -51,3 +51,27 @@ def test_a_policy_the_process_may_not_leave_is_named(monkeypatch):
     monkeypatch.setattr(os, "sched_setscheduler", refuse)
     with pytest.raises(SystemExit, match="needs CAP_SYS_NICE"):
         bench_worker_policy.set_policy(os.getpid(), "SCHED_OTHER")
+
+
+def test_an_unusable_path_is_refused_in_one_line(tmp_path, capsys):
+    assert bench_worker_policy.main(["--policy", "batch", "--path",
+                                     str(tmp_path / "missing" / "dir"), *TINY]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: cannot use --path ") and "\n" not in err
+
+
+def test_a_run_that_fails_midway_closes_its_engine_and_removes_its_files(tmp_path, monkeypatch):
+    real, calls = bench_worker_policy.set_policy, []
+
+    def fails_at_the_third(tid, name):
+        calls.append(tid)
+        if len(calls) == 3:
+            raise SystemExit("error: refused")
+        real(tid, name)
+    monkeypatch.setattr(bench_worker_policy, "set_policy", fails_at_the_third)
+    with pytest.raises(SystemExit, match="refused"):
+        bench_worker_policy.main(["--policy", "batch", "--path", str(tmp_path), "--steps", "8",
+                                  *TINY])
+    # the engine was closed: its worker thread has ended
+    assert calls[0] not in {t.native_id for t in threading.enumerate() if t.is_alive()}
+    assert os.listdir(tmp_path) == []
