@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--rounds", type=int, default=5, help="timed passes per row, in turns")
     args = parser.parse_args(argv)
+    if min(args.layers, args.d_model, args.vocab, args.seq, args.rounds) < 1:
+        parser.error("--layers, --d-model, --vocab, --seq and --rounds must be at least 1")
 
     torch.manual_seed(0)
     dtype = DTYPES[args.dtype]

@@ -24,3 +24,11 @@ def test_tiny_run_prints_every_row_and_the_native_sums_are_exact(capsys, dtype):
         line = next(x for x in out.splitlines() if f"sum_squares, {isa}:" in x)
         assert float(re.search(r"rel error (\S+)", line).group(1)) < 1e-12
     assert "torch float32 vector_norm" in out and "memcpy" in out
+
+
+@pytest.mark.parametrize("option", ["--rounds", "--layers", "--d-model"])
+def test_counts_below_one_are_refused_naming_them(capsys, option):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_grad_norm.main([option, "0"])
+    assert exit_info.value.code == 2
+    assert "--rounds must be at least 1" in capsys.readouterr().err
