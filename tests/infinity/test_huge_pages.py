@@ -3,10 +3,10 @@ importing infinity before the first CPU allocation turns them on unless the envi
 the kernel then backs a large tensor with 2 MiB pages where its THP mode allows."""
 
 import os
-import subprocess
 import sys
 
 import pytest
+from children import python_child
 
 ALLOCATE = r"""
 import sys
@@ -36,8 +36,7 @@ def thp_mode() -> str | None:
 
 def allocate(order: str, **env: str) -> tuple[str, int]:
     environment = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
-    done = subprocess.run([sys.executable, "-c", ALLOCATE, order], capture_output=True,
-                          text=True, env={**environment, **env}, timeout=300)
+    done = python_child(["-c", ALLOCATE, order], env={**environment, **env}, timeout=300)
     assert done.returncode == 0, done.stderr
     setting, kib = done.stdout.split()
     return setting, int(kib)
