@@ -28,6 +28,9 @@ import infinity
 sys.path.insert(0, str(Path(__file__).parent))
 from _ranks_child import MICRO, global_batch, make_model  # noqa: E402
 
+# One worker runs this module: its fixture runs once (--dist=loadgroup in pyproject.toml).
+pytestmark = pytest.mark.xdist_group("engine_ranks")
+
 CHILD = Path(__file__).parent / "_ranks_child.py"
 WORLD = 2
 STEPS = 10

@@ -11,6 +11,9 @@ import infinity
 from infinity.errors import BudgetError
 from infinity.train.models import DEFAULTS, default_model
 
+# One worker runs this module: its fixture runs once (--dist=loadgroup in pyproject.toml).
+pytestmark = pytest.mark.xdist_group("engine_tight_budget")
+
 
 def _config(tmp_path, budget=None):
     config = json.loads((DEFAULTS / "ds_config.json").read_text())  # the shipped one: all on NVMe

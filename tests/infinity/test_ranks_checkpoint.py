@@ -23,6 +23,9 @@ from test_engine_ranks import WORLD, _config, _relative, _torchrun  # noqa: E402
 
 from infinity.optim import StateFormat  # noqa: E402
 
+# One worker runs this module: its fixture runs once (--dist=loadgroup in pyproject.toml).
+pytestmark = pytest.mark.xdist_group("ranks_checkpoint")
+
 STEPS, SAVE_AFTER = 6, 3
 STAGES = [1, 2, 3]
 COMPRESSED = [(stage, moments) for stage in STAGES for moments in ("int8", "bf16")]

@@ -21,6 +21,9 @@ from infinity.errors import BudgetError
 from infinity.store import Tier
 from infinity.train.models import DEFAULTS
 
+# One worker runs this module: its fixture runs once (--dist=loadgroup in pyproject.toml).
+pytestmark = pytest.mark.xdist_group("train_fit")
+
 ROOT = str(pathlib.Path(__file__).resolve().parents[3])
 MIB = 1 << 20
 

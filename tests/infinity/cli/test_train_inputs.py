@@ -12,6 +12,9 @@ import aio
 from infinity.cli import train
 from infinity.train.data import read_documents
 
+# One worker runs this module: its fixture runs once (--dist=loadgroup in pyproject.toml).
+pytestmark = pytest.mark.xdist_group("train_inputs")
+
 SMALL = ("--steps", "1", "--batch-size", "2", "--seq-len", "32")
 RESUME = ("--steps", "3", "--batch-size", "2", "--seq-len", "32", "--resume")
 
