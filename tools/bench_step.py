@@ -13,7 +13,12 @@ on the CPU, one pass over the state as the engine's kernel) and, on request, "to
 each allocating temporaries). The floor of the nvme step is max(compute: the step with no
 offload, NVMe bytes moved per step / the raw aio read+write stream measured in the nvme child on
 the same path right after its steps). Each step's wall time and CPU time (all threads of the
-child) are recorded: on a shared machine the CPU time varies far less than the wall time.
+child) are recorded: on a shared machine the CPU time varies far less than the wall time. Each
+of "nvme" and "nvme-fp32" also has a CPU floor, its own CPU seconds over the cores it may use:
+on 2 cores that, not the disk, can be the bound. And where the training thread's step went
+besides its CPU: `main_runq_s`, waiting for a core (other threads ran on both), and
+`main_sleep_s`, asleep (on I/O, a lock, the GIL, an OpenMP barrier), from
+/proc/thread-self/schedstat (null where the kernel has none).
 Ratios between configurations are taken within each round, then the median over rounds.
 
 Children run with OMP_WAIT_POLICY=passive by default (--omp-wait-policy): with libgomp's default
@@ -59,7 +64,7 @@ import sys
 import tempfile
 import time
 
-from infinity.memory import peak_rss_bytes
+from infinity.memory import peak_rss_bytes, usable_cores
 
 CONFIGS = ("nvme", "nvme-clip", "nvme-rollback", "nvme-clip-after", "nvme-fp32", "none",
            "torch", "torch-default", "pair")
@@ -154,15 +159,15 @@ def run_child(args: argparse.Namespace, config: str, directory: str) -> dict:
     if config.startswith("torch"):
         step = torch_step(model, batch, fused=config == "torch")
         for _ in range(args.steps):
-            marks.append((time.perf_counter(), time.process_time()))
+            marks.append(_now())
             step()
-        marks.append((time.perf_counter(), time.process_time()))
+        marks.append(_now())
     else:
         import infinity
         engine = infinity.initialize(model, engine_config(args, config, directory))
 
         def mark() -> None:
-            marks.append((time.perf_counter(), time.process_time()))
+            marks.append(_now())
             stats = engine.stats()
             room = stats["store"]["room"]
             counts.append({"bytes": _nvme_bytes(stats),
@@ -197,12 +202,28 @@ def run_child(args: argparse.Namespace, config: str, directory: str) -> dict:
             result["compactions_per_step"] = per_timed_step("compactions")
             result["compaction_s_per_step"] = per_timed_step("compaction_s")
             result["raw_gbps"] = raw_stream_gbps(directory, options)
-    times = [b[0] - a[0] for a, b in zip(marks, marks[1:])][args.warmup:]
-    cpu_times = [b[1] - a[1] for a, b in zip(marks, marks[1:])][args.warmup:]
-    result["step_s"] = statistics.median(times)
-    result["cpu_s"] = statistics.median(cpu_times)
+    steps = [[b_ - a_ for a_, b_ in zip(a, b)] for a, b in zip(marks, marks[1:])][args.warmup:]
+    result["step_s"] = statistics.median(s[0] for s in steps)
+    result["cpu_s"] = statistics.median(s[1] for s in steps)
+    runq = marks[0][3] is not None
+    result["main_runq_s"] = statistics.median(s[3] for s in steps) if runq else None
+    result["main_sleep_s"] = (statistics.median(max(0.0, s[0] - s[2] - s[3]) for s in steps)
+                              if runq else None)  # the clocks read apart: a few ns below 0
+    result["cores"] = usable_cores()
     result["peak_rss"] = peak_rss_bytes()
     return result
+
+
+def _now() -> tuple[float, float, float, float | None]:
+    """Wall seconds, this process's CPU seconds, and the calling thread's seconds on a core and
+    waiting in a run queue for one (None for both without /proc/thread-self/schedstat)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            on_core_ns, queued_ns = f.read().split()[:2]
+    except OSError:
+        return wall, cpu, time.thread_time(), None
+    return wall, cpu, int(on_core_ns) / 1e9, int(queued_ns) / 1e9
 
 
 def run_pair(args: argparse.Namespace, directory: str) -> dict:
@@ -242,8 +263,14 @@ def report(runs: dict[str, list[dict]]) -> dict:
         values = [r[key] for r in runs[config]]
         return f"{min(values):.3g}-{max(values):.3g}"
 
+    def med_or_none(config: str, key: str) -> float | None:
+        values = [r[key] for r in runs[config]]
+        return None if None in values else statistics.median(values)
+
     out = {c: {"step_s": med(c, "step_s"), "step_range": rng(c, "step_s"), "cpu_s": med(c, "cpu_s"),
-               "cpu_range": rng(c, "cpu_s"), "peak_rss_gb": med(c, "peak_rss") / GB}
+               "cpu_range": rng(c, "cpu_s"), "main_runq_s": med_or_none(c, "main_runq_s"),
+               "main_sleep_s": med_or_none(c, "main_sleep_s"),
+               "peak_rss_gb": med(c, "peak_rss") / GB}
            for c in runs if c != "pair"}
     if "pair" in runs:
         out["none over torch, interleaved"] = {
@@ -260,6 +287,11 @@ def report(runs: dict[str, list[dict]]) -> dict:
                     compaction_s_per_step=med(config, "compaction_s_per_step"))
         io_s = nvme["bytes_per_step_gb"] / nvme["raw_gbps"]
         out[f"{config} over its I/O floor"] = {"io_s": io_s, "ratio": nvme["step_s"] / io_s}
+        cpu_floor_s = nvme["cpu_s"] / med(config, "cores")
+        own = max(io_s, cpu_floor_s)
+        out[f"{config} over its own floor"] = {
+            "floor_s": own, "bound": "I/O" if io_s >= cpu_floor_s else "CPU",
+            "cpu_floor_s": cpu_floor_s, "ratio": nvme["step_s"] / own}
         for base in ("none", "torch"):
             if base in out:
                 floor = max(out[base]["step_s"], io_s)

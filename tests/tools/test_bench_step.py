@@ -24,7 +24,10 @@ def test_a_child_reports_its_figures(tmp_path, config):
     args = bench_step.parse_args(["--path", str(tmp_path), *TINY, "--steps", "2", "--warmup", "1"])
     result = bench_step.run_child(args, config, str(tmp_path))
     assert (result["step_s"] > 0 and result["cpu_s"] > 0 and result["peak_rss"] > 0
-            and result["params"] > 0)
+            and result["params"] > 0 and result["cores"] >= 1)
+    # the training thread's step: on a core, waiting for one, asleep; none of it negative
+    assert 0 <= result["main_runq_s"] < result["step_s"]
+    assert 0 <= result["main_sleep_s"] < result["step_s"]
     if config == "nvme":
         assert result["bytes_per_step"] > 0 and result["raw_gbps"] > 0
         assert result["on_demand_nvme_after_step_1"] == 0  # the trace prefetches every unit
@@ -53,7 +56,8 @@ def test_pair_runs_the_engine_and_pytorch_in_turn_in_one_child(tmp_path):
 
 def test_floor_is_the_slower_of_compute_and_io():
     def run(config, step_s, **extra):
-        return [{"config": config, "step_s": step_s, "cpu_s": step_s, "peak_rss": 1e9, **extra}]
+        return [{"config": config, "step_s": step_s, "cpu_s": step_s, "peak_rss": 1e9,
+                 "cores": 2, "main_runq_s": 0.1, "main_sleep_s": 0.2, **extra}]
     nvme = run("nvme", 3.0, bytes_per_step=8e9, raw_gbps=4.0, on_demand_nvme_after_step_1=0,
                compactions_per_step=2.0, compaction_s_per_step=0.01)
     results = bench_step.report({"nvme": nvme, "none": run("none", 1.5),
@@ -80,17 +84,32 @@ def test_nvme_fp32_is_the_uncompressed_baseline_of_the_same_parameters(tmp_path)
     assert fp32["raw_gbps"] > 0 and fp32["bytes_per_step"] > int8["bytes_per_step"] > 0
 
 
+def _floored(config, step_s, bytes_per_step, raw_gbps, cpu_s=None):
+    return [{"config": config, "step_s": step_s, "cpu_s": step_s if cpu_s is None else cpu_s,
+             "peak_rss": 1e9, "cores": 2, "main_runq_s": None, "main_sleep_s": None,
+             "bytes_per_step": bytes_per_step, "raw_gbps": raw_gbps,
+             "on_demand_nvme_after_step_1": 0, "compactions_per_step": 0.0,
+             "compaction_s_per_step": 0.0}]
+
+
 def test_each_floored_config_is_reported_against_its_own_io_floor():
-    def run(config, step_s, bytes_per_step, raw_gbps):
-        return [{"config": config, "step_s": step_s, "cpu_s": step_s, "peak_rss": 1e9,
-                 "bytes_per_step": bytes_per_step, "raw_gbps": raw_gbps,
-                 "on_demand_nvme_after_step_1": 0, "compactions_per_step": 0.0,
-                 "compaction_s_per_step": 0.0}]
-    results = bench_step.report({"nvme": run("nvme", 3.0, 4e9, 2.0),
-                                 "nvme-fp32": run("nvme-fp32", 12.0, 16e9, 1.6)})
+    results = bench_step.report({"nvme": _floored("nvme", 3.0, 4e9, 2.0),
+                                 "nvme-fp32": _floored("nvme-fp32", 12.0, 16e9, 1.6)})
     assert results["nvme over its I/O floor"] == {"io_s": 2.0, "ratio": 1.5}
     assert results["nvme-fp32 over its I/O floor"] == {"io_s": 10.0, "ratio": 1.2}
     assert results["nvme-fp32 over nvme"] == {"speedup": 4.0, "range": "4-4", "byte_ratio": 4.0}
+    assert results["nvme"]["main_runq_s"] is None  # a kernel without schedstat: said, not 0
+
+
+def test_the_own_floor_is_the_slower_of_io_and_the_cpu_seconds_over_the_cores():
+    """4.4 CPU seconds a step on 2 cores cannot take less than 2.2 s, whatever the disk."""
+    cpu_bound = bench_step.report({"nvme": _floored("nvme", 3.3, 4e9, 2.0, cpu_s=4.4)})
+    assert cpu_bound["nvme over its own floor"] == {
+        "floor_s": pytest.approx(2.2), "bound": "CPU", "cpu_floor_s": pytest.approx(2.2),
+        "ratio": pytest.approx(1.5)}
+    io_bound = bench_step.report({"nvme": _floored("nvme", 3.0, 4e9, 2.0, cpu_s=2.0)})
+    assert io_bound["nvme over its own floor"] == {"floor_s": 2.0, "bound": "I/O",
+                                                   "cpu_floor_s": 1.0, "ratio": 1.5}
 
 
 def test_bad_arguments_are_refused(tmp_path):
@@ -105,7 +124,8 @@ def test_ratios_pair_the_children_of_each_round():
     """A round on a loaded machine slows both of its children: the ratio is taken per round,
     not between medians that may come from different rounds."""
     def rounds(config, *steps):
-        return [{"config": config, "step_s": t, "cpu_s": 1.0, "peak_rss": 1e9} for t in steps]
+        return [{"config": config, "step_s": t, "cpu_s": 1.0, "peak_rss": 1e9,
+                 "main_runq_s": 0.0, "main_sleep_s": 0.0} for t in steps]
     results = bench_step.report({"none": rounds("none", 1.1, 5.5, 2.2),
                                  "torch": rounds("torch", 1.0, 5.0, 6.0)})
     assert results["none over torch"]["ratio"] == pytest.approx(1.1)  # medians: 2.2 / 5.0
@@ -136,7 +156,8 @@ def test_the_clipped_configs_speculate_roll_back_or_step_after_backward(tmp_path
                for c in configs.values())
 
     def rounds(config, *steps):
-        return [{"config": config, "step_s": t, "cpu_s": t, "peak_rss": 1e9,
+        return [{"config": config, "step_s": t, "cpu_s": t, "peak_rss": 1e9, "cores": 2,
+                 "main_runq_s": 0.0, "main_sleep_s": 0.0,
                  "optimizer": {"rollbacks": 3, "units_speculated": 9, "steps_not_speculated": 0},
                  "bytes_per_step": 1e9,
                  "raw_gbps": 1.0, "on_demand_nvme_after_step_1": 0, "compactions_per_step": 0,
