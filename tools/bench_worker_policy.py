@@ -9,6 +9,9 @@ sets the worker thread to the trial policy or to SCHED_OTHER in ABBA order (pair
 after the warm-up steps): both sides see the same minutes. Each step is timed from its forward to
 the next step's forward, as bench_step times it. Linux only.
 
+`--policy torch-1` instead gives torch one intra-op thread in the trial steps (the default
+count in the others): the training thread computes alone while the worker has the other core.
+
 SCHED_IDLE is for measuring, not for training: an idle-class worker is starved by any other
 process's load, also while it holds the GIL the training thread needs (one step of 259 s beside
 two busy processes, the same page), and leaving SCHED_IDLE needs CAP_SYS_NICE or an RLIMIT_NICE
@@ -31,9 +34,13 @@ import sys
 import threading
 import time
 
+import torch
+
 from tools import bench_step
 
 POLICIES = {"idle": "SCHED_IDLE", "batch": "SCHED_BATCH", "other": "SCHED_OTHER"}
+ONE_TORCH_THREAD = "torch-1"
+NAMES = {**POLICIES, ONE_TORCH_THREAD: "1 torch thread"}
 
 
 def set_policy(tid: int, name: str) -> None:
@@ -67,18 +74,27 @@ def run(args: argparse.Namespace, trial: str, directory: str) -> dict[str, list[
             raise SystemExit(f"error: the first step started {len(started)} optimizer worker "
                              "threads, not one")
         worker = started.pop()
+        torch_threads = torch.get_num_threads()
+
+        def apply(side: str) -> None:
+            if trial == ONE_TORCH_THREAD:
+                torch.set_num_threads(1 if side == trial else torch_threads)
+            else:
+                set_policy(worker, POLICIES[side])
         times: dict[str, list[float]] = {trial: [], "other": []}
-        for i in range(1, args.steps):
-            if i == args.warmup:  # timed steps start with nothing left from untimed ones
-                engine.synchronize()
-                engine.store.flush()
-            policy = trial if (i - args.warmup) % 4 in (1, 2) else "other"  # ABBA
-            set_policy(worker, POLICIES[policy])
-            start = time.perf_counter()
-            step()
-            if i >= args.warmup:
-                times[policy].append(time.perf_counter() - start)
-        set_policy(worker, "SCHED_OTHER")
+        try:
+            for i in range(1, args.steps):
+                if i == args.warmup:  # timed steps start with nothing left from untimed ones
+                    engine.synchronize()
+                    engine.store.flush()
+                side = trial if (i - args.warmup) % 4 in (1, 2) else "other"  # ABBA
+                apply(side)
+                start = time.perf_counter()
+                step()
+                if i >= args.warmup:
+                    times[side].append(time.perf_counter() - start)
+        finally:
+            apply("other")
         engine.synchronize()
     finally:
         engine.close(restore_params=False)
@@ -88,8 +104,9 @@ def run(args: argparse.Namespace, trial: str, directory: str) -> dict[str, list[
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--policy", choices=("idle", "batch"), required=True,
-                        help="the policy tried against SCHED_OTHER")
+    parser.add_argument("--policy", choices=("idle", "batch", ONE_TORCH_THREAD), required=True,
+                        help="the worker's policy tried against SCHED_OTHER, or torch-1: one "
+                             "torch thread against the default count")
     ours, rest = parser.parse_known_args(argv)
     args = bench_step.parse_args(rest)
     if sys.platform != "linux":
@@ -103,10 +120,11 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(directory, ignore_errors=True)
     trial, other = times[ours.policy], times["other"]
     wins = sum(t < o for t, o in zip(trial, other))
-    for name, ts in ((POLICIES[ours.policy], trial), ("SCHED_OTHER", other)):
-        print(f"{name:>11}: steps={len(ts)}  median_s={statistics.median(ts):.3f}  "
+    base = "SCHED_OTHER" if ours.policy in POLICIES else f"{torch.get_num_threads()} torch threads"
+    for name, ts in ((NAMES[ours.policy], trial), (base, other)):
+        print(f"{name:>15}: steps={len(ts)}  median_s={statistics.median(ts):.3f}  "
               f"mean_s={statistics.mean(ts):.3f}  range={min(ts):.2f}-{max(ts):.2f}")
-    print(f"{POLICIES[ours.policy]} over SCHED_OTHER: median ratio="
+    print(f"{NAMES[ours.policy]} over {base}: median ratio="
           f"{statistics.median(trial) / statistics.median(other):.3f}  faster in {wins} of "
           f"{min(len(trial), len(other))} pairs")
     return 0

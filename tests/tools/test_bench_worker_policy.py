@@ -75,3 +75,22 @@ def test_a_run_that_fails_midway_closes_its_engine_and_removes_its_files(tmp_pat
     # the engine was closed: its worker thread has ended
     assert calls[0] not in {t.native_id for t in threading.enumerate() if t.is_alive()}
     assert os.listdir(tmp_path) == []
+
+
+def test_one_torch_thread_alternates_with_the_default_count_and_is_restored(tmp_path, capsys,
+                                                                             monkeypatch):
+    import torch
+    before = torch.get_num_threads()
+    seen = []
+    real = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (seen.append(n), real(n)))
+    try:
+        assert bench_worker_policy.main(["--policy", "torch-1", "--path", str(tmp_path),
+                                         "--steps", "10", *TINY]) == 0
+    finally:
+        real(before)
+    out = capsys.readouterr().out
+    assert re.search(rf"1 torch thread: steps=4 .*\n.*{before} torch threads: steps=4 ", out)
+    abba = [before, 1, 1, before]
+    # step 1, the timed steps 2..9 in ABBA order, then the default count restored
+    assert seen == [before] + abba + abba + [before]
