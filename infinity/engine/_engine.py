@@ -38,7 +38,7 @@ from infinity.engine import _checkpoint
 from infinity.engine._client import LRSource
 from infinity.engine._grad_checks import global_norm, grad_square
 from infinity.engine._optimizer_step import OptimizerStep
-from infinity.engine._overlap import OverlappedStep, StepUndoError
+from infinity.engine._overlap import OverlappedStep, StepUndoError, units_left_to_forward
 from infinity.engine._partition import RankedUnits
 from infinity.engine._placement import (
     choose_model_precision,
@@ -55,6 +55,7 @@ from infinity.engine._timeline import Timeline
 from infinity.errors import ClosedError, ConfigError, NonFiniteGradientError
 from infinity.memory import peak_rss_bytes, set_mmap_threshold
 from infinity.optim import DynamicLossScaler, SwappedOptimizer
+from infinity.store import Tier
 from infinity.zero import (
     FetchUnit,
     ModelHooks,
@@ -160,8 +161,19 @@ class Engine:
             self._stepper = OverlappedStep(
                 self.ranked.trained, steps.step_at, steps.settle, steps.prefetch_state,
                 self.coordinator.next_use,
-                always_speculate=self.config.infinity.speculate == "always")
+                always_speculate=self.config.infinity.speculate == "always",
+                deferred=units_left_to_forward(self.ranked.trained, self._defer_to_forward()))
         self._pending_save: Future[Path] | None = None  # a background checkpoint save
+
+    def _defer_to_forward(self) -> float:
+        """`infinity.defer_to_forward` resolved: on one process only (with several ranks
+        step() waits for the tail, so a unit left to it would only wait longer)."""
+        share = self.config.infinity.defer_to_forward
+        if self.ranks.world > 1:
+            return 0.0
+        if share == "auto":
+            return 1 / 3 if self.plan.state_tier == Tier.NVME else 0.0
+        return share
 
     def _make_optimizer(self) -> SwappedOptimizer:
         """Per-unit CPU Adam with its state in the store's host tier (offload_optimizer "none"
