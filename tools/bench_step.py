@@ -41,7 +41,8 @@ turn (--steps pairs), for the "none over torch" ratio without the spread between
         --clip 1e9                                      # a rollback's cost
 
 --bf16, --optimizer-state and --no-master set the engine configurations' parameter dtype and
-`infinity.optimizer_state` (docs/engine.md "Optimizer state formats"); the torch ones keep
+`infinity.optimizer_state` (docs/engine.md "Optimizer state formats"), --defer-to-forward
+`infinity.defer_to_forward`; the torch ones keep
 fp32 AdamW. "nvme-fp32" is "nvme" with the default state (fp32 moments and master) whatever
 they say: the compressed state's baseline in the same run. Each of "nvme" and "nvme-fp32" is
 also reported against its own I/O floor (its bytes / the raw stream of its child), and with
@@ -103,7 +104,8 @@ def engine_config(args: argparse.Namespace, config: str, directory: str) -> dict
             "zero_optimization": {"stage": 3, "offload_param": device, "offload_optimizer": device,
                                   "sub_group_size": args.sub_group_size},
             "bf16": {"enabled": args.bf16},
-            "infinity": {"optimizer_state": state, **overlap}}
+            "infinity": {"optimizer_state": state, "defer_to_forward": args.defer_to_forward,
+                         **overlap}}
 
 
 def _nvme_bytes(stats: dict) -> int:
@@ -360,6 +362,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="engine configs: infinity.optimizer_state.moments")
     parser.add_argument("--no-master", action="store_true",
                         help="engine configs: no fp32 master (needs --bf16)")
+    parser.add_argument("--defer-to-forward", type=float, default=0.0,
+                        help="engine configs: infinity.defer_to_forward (the share of elements "
+                             "whose optimizer step waits for the next forward)")
     parser.add_argument("--omp-wait-policy", choices=("passive", "active", "inherit"),
                         default="passive",
                         help="OMP_WAIT_POLICY of the children "

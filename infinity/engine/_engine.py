@@ -55,7 +55,6 @@ from infinity.engine._timeline import Timeline
 from infinity.errors import ClosedError, ConfigError, NonFiniteGradientError
 from infinity.memory import peak_rss_bytes, set_mmap_threshold
 from infinity.optim import DynamicLossScaler, SwappedOptimizer
-from infinity.store import Tier
 from infinity.zero import (
     FetchUnit,
     ModelHooks,
@@ -169,11 +168,7 @@ class Engine:
         """`infinity.defer_to_forward` resolved: on one process only (with several ranks
         step() waits for the tail, so a unit left to it would only wait longer)."""
         share = self.config.infinity.defer_to_forward
-        if self.ranks.world > 1:
-            return 0.0
-        if share == "auto":
-            return 1 / 3 if self.plan.state_tier == Tier.NVME else 0.0
-        return share
+        return 0.0 if share == "auto" or self.ranks.world > 1 else share
 
     def _make_optimizer(self) -> SwappedOptimizer:
         """Per-unit CPU Adam with its state in the store's host tier (offload_optimizer "none"

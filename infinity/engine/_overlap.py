@@ -50,8 +50,10 @@ the step and then join the tail, in forward order after the first layers, so the
 while the next forward computes the layers before them. Each gets the kernel call it got
 before, with the same gradient, scale and learning rate, so the result is the same; a forward
 that reaches one before its step is done waits for it, as for any unit of the tail. On the
-294M GPT (int8 state, no master) a third measured 0.86-0.89 of the step's time, ABBA step by
-step (docs/performance.md); a sixth of the units changed nothing.
+294M GPT (int8 state, no master) a third measured 0.86-0.96 of the step's time, ABBA step by
+step (docs/performance.md); a sixth of the units changed nothing. The units' values are read
+again in the tail (after backward the store keeps what the trace needs next), so it is not
+the default yet (`infinity.defer_to_forward` "auto" is 0).
 
 [Note: speculate, then validate] The clip factor, the fp16 overflow check and the finiteness
 of every gradient are known only when backward ends. The worker steps each unit anyway, as if

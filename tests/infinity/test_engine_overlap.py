@@ -351,13 +351,14 @@ def test_with_clipping_the_optimizer_runs_after_backward(tmp_path):
 
 
 def test_units_last_in_forward_order_are_left_to_the_next_forward(tmp_path):
-    """With the optimizer state on NVMe, "auto" leaves the units last in forward order (a third
-    of the elements: the MLP's last layer, 132 of 1476) to the next forward: backward does not
-    hand them to the worker, step() queues them in the tail, and every step equals the step
-    after backward's, bit for bit ([Note: units left to the next forward])."""
+    """defer_to_forward 1/3 leaves the units last in forward order (the MLP's last layer, 132
+    of 1476 elements) to the next forward: backward does not hand them to the worker, step()
+    queues them in the tail, and every step equals the step after backward's, bit for bit
+    ([Note: units left to the next forward])."""
     data, model = mlp_batches(3), mlp()
     (tmp_path / "overlapped").mkdir()
-    engine = infinity.initialize(model, config(tmp_path / "overlapped", "nvme", "nvme"))
+    engine = infinity.initialize(model, config(tmp_path / "overlapped", "nvme", "nvme", infinity={
+        "host_memory_budget": "1GB", "defer_to_forward": 1 / 3}))
     trained = engine.ranked.trained
     last = next(i for i, u in enumerate(trained) if u.key == "param/4")
     assert units_left_to_forward(trained, 1 / 3) == [last]

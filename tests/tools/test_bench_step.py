@@ -76,6 +76,10 @@ def test_nvme_fp32_is_the_uncompressed_baseline_of_the_same_parameters(tmp_path)
     compressed = bench_step.engine_config(args, "nvme", str(tmp_path))
     baseline = bench_step.engine_config(args, "nvme-fp32", str(tmp_path))
     assert compressed["infinity"]["optimizer_state"] == {"moments": "int8", "master": "none"}
+    assert compressed["infinity"]["defer_to_forward"] == 0.0
+    deferred = bench_step.parse_args(["--path", str(tmp_path), "--defer-to-forward", "0.25"])
+    assert bench_step.engine_config(deferred, "nvme", str(tmp_path))["infinity"][
+        "defer_to_forward"] == 0.25
     assert baseline["infinity"]["optimizer_state"] == {"moments": "fp32", "master": "fp32"}
     assert baseline["bf16"] == {"enabled": True}
     assert baseline["zero_optimization"]["offload_optimizer"]["device"] == "nvme"
