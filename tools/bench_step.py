@@ -204,27 +204,31 @@ def run_child(args: argparse.Namespace, config: str, directory: str) -> dict:
             result["compactions_per_step"] = per_timed_step("compactions")
             result["compaction_s_per_step"] = per_timed_step("compaction_s")
             result["raw_gbps"] = raw_stream_gbps(directory, options)
-    steps = [[b_ - a_ for a_, b_ in zip(a, b)] for a, b in zip(marks, marks[1:])][args.warmup:]
-    result["step_s"] = statistics.median(s[0] for s in steps)
-    result["cpu_s"] = statistics.median(s[1] for s in steps)
-    runq = marks[0][3] is not None
-    result["main_runq_s"] = statistics.median(s[3] for s in steps) if runq else None
-    result["main_sleep_s"] = (statistics.median(max(0.0, s[0] - s[2] - s[3]) for s in steps)
-                              if runq else None)  # the clocks read apart: a few ns below 0
+    pairs = list(zip(marks, marks[1:]))[args.warmup:]
+    result["step_s"] = statistics.median(b[0] - a[0] for a, b in pairs)
+    result["cpu_s"] = statistics.median(b[1] - a[1] for a, b in pairs)
+    result["main_runq_s"] = result["main_sleep_s"] = None
+    if all(m[2] is not None for m in marks):
+        result["main_runq_s"] = statistics.median(b[3] - a[3] for a, b in pairs)
+        result["main_sleep_s"] = statistics.median(  # the clocks read apart: a few ns below 0
+            max(0.0, (b[0] - a[0]) - (b[2] - a[2]) - (b[3] - a[3])) for a, b in pairs)
     result["cores"] = usable_cores()
     result["peak_rss"] = peak_rss_bytes()
     return result
 
 
-def _now() -> tuple[float, float, float, float | None]:
+SCHEDSTAT = "/proc/thread-self/schedstat"  # the calling thread's ns on a core, ns queued
+
+
+def _now() -> tuple[float, float, float | None, float | None]:
     """Wall seconds, this process's CPU seconds, and the calling thread's seconds on a core and
-    waiting in a run queue for one (None for both without /proc/thread-self/schedstat)."""
+    waiting in a run queue for one (None for both without SCHEDSTAT)."""
     wall, cpu = time.perf_counter(), time.process_time()
     try:
-        with open("/proc/thread-self/schedstat") as f:
+        with open(SCHEDSTAT) as f:
             on_core_ns, queued_ns = f.read().split()[:2]
     except OSError:
-        return wall, cpu, time.thread_time(), None
+        return wall, cpu, None, None
     return wall, cpu, int(on_core_ns) / 1e9, int(queued_ns) / 1e9
 
 

@@ -35,6 +35,14 @@ def test_a_child_reports_its_figures(tmp_path, config):
         assert result["compactions_per_step"] == 0 and result["compaction_s_per_step"] == 0
 
 
+def test_a_kernel_without_schedstat_gives_null_thread_figures(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_step, "SCHEDSTAT", str(tmp_path / "no-schedstat"))
+    args = bench_step.parse_args(["--path", str(tmp_path), *TINY, "--steps", "2", "--warmup", "1"])
+    result = bench_step.run_child(args, "torch", str(tmp_path))
+    assert result["step_s"] > 0 and result["cpu_s"] > 0
+    assert result["main_runq_s"] is None and result["main_sleep_s"] is None
+
+
 def test_main_runs_each_config_in_a_child(tmp_path):
     out = tmp_path / "out.json"
     assert bench_step.main(["--path", str(tmp_path), *TINY, "--steps", "2", "--warmup", "1",
