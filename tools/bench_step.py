@@ -380,6 +380,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not set(args.configs.split(",")) <= set(CONFIGS) or not 1 <= args.warmup < args.steps:
         parser.error(f"--configs takes {','.join(CONFIGS)}; --warmup at least 1 and below --steps")
+    if not 0 <= args.defer_to_forward < 1:
+        parser.error("--defer-to-forward takes a share in [0, 1)")
     if args.no_master and not args.bf16:
         parser.error("--no-master needs --bf16 (fp32 parameters are their own master)")
     return args

@@ -129,6 +129,9 @@ def test_bad_arguments_are_refused(tmp_path):
         bench_step.parse_args(["--path", str(tmp_path), "--configs", "nvme,cuda"])
     with pytest.raises(SystemExit):
         bench_step.parse_args(["--path", str(tmp_path), "--steps", "2", "--warmup", "2"])
+    for share in ("1", "-0.1", "nan"):
+        with pytest.raises(SystemExit):
+            bench_step.parse_args(["--path", str(tmp_path), "--defer-to-forward", share])
     assert bench_step.main(["--path", str(tmp_path / "missing" / "dir"), *TINY]) == 2
 
 
