@@ -405,11 +405,12 @@ class InfinityConfig(Section):
     stepped once the step is decided while the next forward runs the layers before them, so
     their state's reads and writes share the disk with the forward's parameter reads instead
     of crowding backward's ([Note: units left to the next forward], infinity/engine/_overlap.py).
-    The results are the same bit for bit. On one process only (with several ranks step() waits
-    for the tail). Measured: 1/3 took the 294M GPT's NVMe step (int8 state) to 0.91-0.96 of its
-    time, step by step (docs/performance.md); it also reads those units' values again in the
-    tail (the store let them go after backward), so it is not yet the default: "auto" is 0
-    until it is measured on a model far larger than the host budget. Default "auto"."""
+    The results are the same bit for bit. With overlap_optimizer on, on one process only (with
+    several ranks step() waits for the tail); elsewhere a share is said and ignored. Measured:
+    1/3 took the 294M GPT's NVMe step (int8 state) to 0.91-0.96 of its time, step by step
+    (docs/performance.md); it also reads those units' values again in the tail (the store let
+    them go after backward), so it is not yet the default: "auto" is 0 until it is measured on
+    a model far larger than the host budget. Default "auto"."""
     nvme_keep_free: ByteSize = 0
     """Bytes of the disk under nvme_path that the swap file leaves free beside its 1/64 slack,
     for what the run writes next to it (infinity-train sets the size of its export when

@@ -120,6 +120,21 @@ from infinity.zero.next_use import NextUseClock
 logger = logging.getLogger(__name__)
 
 
+def defer_share(asked: float | str, *, world: int, overlap: bool) -> float:
+    """`infinity.defer_to_forward` as it applies: "auto" is 0 for now ([Note: units left to
+    the next forward]); a share asked for where it cannot act is said once and taken as 0:
+    without overlap every unit is stepped after backward, and with several ranks step() waits
+    for the tail, so a unit left to it would only be stepped later."""
+    if asked == "auto" or asked == 0:
+        return 0.0
+    why = ("overlap_optimizer is off (every unit is stepped after backward)" if not overlap else
+           f"there are {world} ranks (step() waits for the tail)" if world > 1 else None)
+    if why is None:
+        return float(asked)
+    logger.warning("infinity.defer_to_forward %s is ignored: %s", asked, why)
+    return 0.0
+
+
 def units_left_to_forward(units: Sequence[FetchUnit], share: float) -> list[int]:
     """The units last in forward order (by `index`, resident ones never) whose elements add up
     to at most `share` of all the units' ([Note: units left to the next forward])."""

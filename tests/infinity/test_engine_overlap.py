@@ -16,7 +16,7 @@ import torch
 
 import infinity
 from infinity.engine import StepPhase
-from infinity.engine._overlap import units_left_to_forward
+from infinity.engine._overlap import defer_share, units_left_to_forward
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_engine import (  # noqa: E402
@@ -392,3 +392,26 @@ def test_a_share_left_to_forward_counts_elements_from_the_last_unit_back():
     assert units_left_to_forward(units, 0.65) == [4, 1]  # the resident unit 3 skipped
     assert units_left_to_forward(units, 0.84) == [4, 1]  # unit 2 (200 more) does not fit
     assert units_left_to_forward(units, 0.9) == [4, 1, 2]  # unit 0 (100 more) does not fit
+
+
+def test_a_share_left_to_forward_where_it_cannot_act_is_said_and_ignored(caplog):
+    with caplog.at_level("WARNING", logger="infinity.engine._overlap"):
+        assert defer_share("auto", world=1, overlap=True) == 0.0  # not the default yet
+        assert defer_share(0.0, world=4, overlap=False) == 0.0
+        assert defer_share(0.25, world=1, overlap=True) == 0.25
+        assert not caplog.records
+        assert defer_share(0.25, world=2, overlap=True) == 0.0
+        assert defer_share(0.25, world=1, overlap=False) == 0.0
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["infinity.defer_to_forward 0.25 is ignored: there are 2 ranks (step() waits "
+                    "for the tail)",
+                    "infinity.defer_to_forward 0.25 is ignored: overlap_optimizer is off (every "
+                    "unit is stepped after backward)"]
+
+
+def test_an_engine_without_overlap_says_it_ignores_defer_to_forward(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="infinity.engine._overlap"):
+        engine = infinity.initialize(mlp(), config(tmp_path, "nvme", "nvme", infinity={
+            "host_memory_budget": "1GB", "overlap_optimizer": False, "defer_to_forward": 0.5}))
+    engine.close()
+    assert "infinity.defer_to_forward 0.5 is ignored: overlap_optimizer is off" in caplog.text
