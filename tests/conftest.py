@@ -61,7 +61,7 @@ def pytest_configure(config):
     _CONFIG = config
 
 
-@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: the suite runs without it too
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook (a dev dependency: addopts names --dist)
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (the README's test command): a worker a core, at most four; each imports torch
     and most tests are one core's work, so more buy little and cost memory."""
