@@ -41,8 +41,7 @@ turn (--steps pairs), for the "none over torch" ratio without the spread between
         --clip 1e9                                      # a rollback's cost
 
 --bf16, --optimizer-state and --no-master set the engine configurations' parameter dtype and
-`infinity.optimizer_state` (docs/engine.md "Optimizer state formats"), --defer-to-forward
-`infinity.defer_to_forward`; the torch ones keep
+`infinity.optimizer_state` (docs/engine.md "Optimizer state formats"); the torch ones keep
 fp32 AdamW. "nvme-fp32" is "nvme" with the default state (fp32 moments and master) whatever
 they say: the compressed state's baseline in the same run. Each of "nvme" and "nvme-fp32" is
 also reported against its own I/O floor (its bytes / the raw stream of its child), and with
@@ -104,8 +103,7 @@ def engine_config(args: argparse.Namespace, config: str, directory: str) -> dict
             "zero_optimization": {"stage": 3, "offload_param": device, "offload_optimizer": device,
                                   "sub_group_size": args.sub_group_size},
             "bf16": {"enabled": args.bf16},
-            "infinity": {"optimizer_state": state, "defer_to_forward": args.defer_to_forward,
-                         **overlap}}
+            "infinity": {"optimizer_state": state, **overlap}}
 
 
 def _nvme_bytes(stats: dict) -> int:
@@ -366,9 +364,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="engine configs: infinity.optimizer_state.moments")
     parser.add_argument("--no-master", action="store_true",
                         help="engine configs: no fp32 master (needs --bf16)")
-    parser.add_argument("--defer-to-forward", type=float, default=0.0,
-                        help="engine configs: infinity.defer_to_forward (the share of elements "
-                             "whose optimizer step waits for the next forward)")
     parser.add_argument("--omp-wait-policy", choices=("passive", "active", "inherit"),
                         default="passive",
                         help="OMP_WAIT_POLICY of the children "
@@ -380,8 +375,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not set(args.configs.split(",")) <= set(CONFIGS) or not 1 <= args.warmup < args.steps:
         parser.error(f"--configs takes {','.join(CONFIGS)}; --warmup at least 1 and below --steps")
-    if not 0 <= args.defer_to_forward < 1:
-        parser.error("--defer-to-forward takes a share in [0, 1)")
     if args.no_master and not args.bf16:
         parser.error("--no-master needs --bf16 (fp32 parameters are their own master)")
     return args

@@ -399,18 +399,6 @@ class InfinityConfig(Section):
     the step after one where clipping acted (it would most likely be rolled back and redone;
     the units are stepped once the step is validated, in the tail), "always" every step. The
     results are the same bit for bit. Default "auto"."""
-    defer_to_forward: float | Literal["auto"] = "auto"
-    """The share of the trained elements whose optimizer step the overlapped step leaves to
-    the next forward, in [0, 1): the units last in forward order (their gradients final first),
-    stepped once the step is decided while the next forward runs the layers before them, so
-    their state's reads and writes share the disk with the forward's parameter reads instead
-    of crowding backward's ([Note: units left to the next forward], infinity/engine/_overlap.py).
-    The results are the same bit for bit. With overlap_optimizer on, on one process only (with
-    several ranks step() waits for the tail); elsewhere a share is said and ignored. Measured:
-    1/3 took the 294M GPT's NVMe step (int8 state) to 0.91-0.96 of its time, step by step
-    (docs/performance.md); it also reads those units' values again in the tail (the store let
-    them go after backward), so it is not yet the default: "auto" is 0 until it is measured on
-    a model far larger than the host budget. Default "auto"."""
     nvme_keep_free: ByteSize = 0
     """Bytes of the disk under nvme_path that the swap file leaves free beside its 1/64 slack,
     for what the run writes next to it (infinity-train sets the size of its export when
@@ -430,9 +418,6 @@ class InfinityConfig(Section):
         check(self.collective_timeout > 0, "collective_timeout", self.collective_timeout,
               "seconds > 0")
         check(self.nvme_keep_free >= 0, "nvme_keep_free", self.nvme_keep_free, "a byte count >= 0")
-        defer = self.defer_to_forward
-        check(defer == "auto" or (isinstance(defer, float) and 0 <= defer < 1),
-              "defer_to_forward", defer, 'a share in [0, 1) or "auto"')
         threshold = self.mmap_threshold
         check(threshold in (None, "auto") or 0 < threshold <= 32 << 20, "mmap_threshold", threshold,
               'a byte count in (0, "32MiB"], "auto" or null')

@@ -38,12 +38,7 @@ from infinity.engine import _checkpoint
 from infinity.engine._client import LRSource
 from infinity.engine._grad_checks import global_norm, grad_square
 from infinity.engine._optimizer_step import OptimizerStep
-from infinity.engine._overlap import (
-    OverlappedStep,
-    StepUndoError,
-    defer_share,
-    units_left_to_forward,
-)
+from infinity.engine._overlap import OverlappedStep, StepUndoError
 from infinity.engine._partition import RankedUnits
 from infinity.engine._placement import (
     choose_model_precision,
@@ -160,15 +155,12 @@ class Engine:
         self._steps = OptimizerStep(config, self.ranked, self.optimizer, self.store,
                                     self.coordinator, self.timeline, schedule)
         self._boundary: bool | None = None  # set_gradient_accumulation_boundary
-        share = defer_share(config.infinity.defer_to_forward, world=self.ranks.world,
-                            overlap=self.overlap)
         if self.overlap:
             steps = self._steps
             self._stepper = OverlappedStep(
                 self.ranked.trained, steps.step_at, steps.settle, steps.prefetch_state,
                 self.coordinator.next_use,
-                always_speculate=self.config.infinity.speculate == "always",
-                deferred=units_left_to_forward(self.ranked.trained, share))
+                always_speculate=self.config.infinity.speculate == "always")
         self._pending_save: Future[Path] | None = None  # a background checkpoint save
 
     def _make_optimizer(self) -> SwappedOptimizer:

@@ -40,21 +40,6 @@ is stepped again on the waiting thread (retry-safe) and its error raised there i
 which leaves the step to be tried again (the step was validated: its gradients are finite).
 With several ranks `step()` waits as before (stages 1-2 gather the values after the step).
 
-[Note: units left to the next forward] Backward carries most of a step's disk traffic: the
-state of every unit stepped during it is read and written back, beside backward's own
-parameter reads, while the next forward only reads parameters (the 294M GPT with int8 state:
-2.1 GB in backward, 0.6 GB in forward, the forward paced by its compute). So the units last in
-forward order, holding `infinity.defer_to_forward` of the trained elements, are not handed to
-the worker when their gradients become final: they keep their gradients until step() decides
-the step and then join the tail, in forward order after the first layers, so their state moves
-while the next forward computes the layers before them. Each gets the kernel call it got
-before, with the same gradient, scale and learning rate, so the result is the same; a forward
-that reaches one before its step is done waits for it, as for any unit of the tail. On the
-294M GPT (int8 state, no master) a third measured 0.86-0.96 of the step's time, ABBA step by
-step (docs/performance.md); a sixth of the units changed nothing. The units' values are read
-again in the tail (after backward the store keeps what the trace needs next), so it is not
-the default yet (`infinity.defer_to_forward` "auto" is 0).
-
 [Note: speculate, then validate] The clip factor, the fp16 overflow check and the finiteness
 of every gradient are known only when backward ends. The worker steps each unit anyway, as if
 the step will stand unclipped and finite (gradient scale 1 / loss scale, the step's learning
@@ -110,7 +95,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from infinity.errors import NonFiniteGradientError, described
@@ -118,36 +103,6 @@ from infinity.zero import FetchUnit
 from infinity.zero.next_use import NextUseClock
 
 logger = logging.getLogger(__name__)
-
-
-def defer_share(asked: float | str, *, world: int, overlap: bool) -> float:
-    """`infinity.defer_to_forward` as it applies: "auto" is 0 for now ([Note: units left to
-    the next forward]); a share asked for where it cannot act is said once and taken as 0:
-    without overlap every unit is stepped after backward, and with several ranks step() waits
-    for the tail, so a unit left to it would only be stepped later."""
-    if asked == "auto" or asked == 0:
-        return 0.0
-    why = ("overlap_optimizer is off (every unit is stepped after backward)" if not overlap else
-           f"there are {world} ranks (step() waits for the tail)" if world > 1 else None)
-    if why is None:
-        return float(asked)
-    logger.warning("infinity.defer_to_forward %s is ignored: %s", asked, why)
-    return 0.0
-
-
-def units_left_to_forward(units: Sequence[FetchUnit], share: float) -> list[int]:
-    """The units last in forward order (by `index`, resident ones never) whose elements add up
-    to at most `share` of all the units' ([Note: units left to the next forward])."""
-    budget = share * sum(u.numel for u in units)
-    left: list[int] = []
-    for i in sorted(range(len(units)), key=lambda i: units[i].index, reverse=True):
-        if units[i].persistent:
-            continue
-        budget -= units[i].numel
-        if budget < 0:
-            break
-        left.append(i)
-    return left
 
 
 class StepUndoError(RuntimeError):
@@ -168,17 +123,13 @@ class OverlappedStep:
             step.
         read_ahead: starts reading unit i's optimizer state without waiting (a hint).
         next_use: the units' next-use clock (infinity.zero.next_use).
-        deferred: the units whose step waits for step() and the next forward even when their
-            gradients are final during backward ([Note: units left to the next forward]).
     """
 
     def __init__(self, units: Sequence[FetchUnit],
                  step: Callable[[int, float, float, bool], bool],
                  settle: Callable[[int, bool], None], read_ahead: Callable[[int], None],
-                 next_use: NextUseClock, *, always_speculate: bool = False,
-                 deferred: Collection[int] = ()) -> None:
+                 next_use: NextUseClock, *, always_speculate: bool = False) -> None:
         self._units, self._step, self._decide_unit = list(units), step, settle
-        self._deferred = frozenset(deferred)
         self._always_speculate = always_speculate
         self._clipping_acted = False  # at the last decided step ([Note: when not to speculate])
         self._next_use = next_use
@@ -214,7 +165,7 @@ class OverlappedStep:
         """Unit i's gradient is final, with sum of squares `square`; `hand_over`: step it on the
         worker now."""
         self._squares[i] = square
-        if hand_over and self.speculating and i not in self._deferred:
+        if hand_over and self.speculating:
             # The worker reads these values again soon (not at the next forward, as the trace
             # says): keep the copy backward used in RAM.
             ahead = [self._units[k].key for k in self._stepper.queued()]

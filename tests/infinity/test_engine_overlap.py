@@ -16,7 +16,6 @@ import torch
 
 import infinity
 from infinity.engine import StepPhase
-from infinity.engine._overlap import defer_share, units_left_to_forward
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_engine import (  # noqa: E402
@@ -32,10 +31,6 @@ from test_engine import (  # noqa: E402
     train_engine,
     train_reference,
 )
-
-# Every unit handed to the worker in backward, none left to the next forward: what these tests
-# count ([Note: units left to the next forward]).
-NO_DEFER = {"infinity": {"host_memory_budget": "1GB", "defer_to_forward": 0.0}}
 
 
 class _WaitInBackward(torch.autograd.Function):
@@ -68,7 +63,7 @@ def test_optimizer_overlaps_backward_on_the_timeline(tmp_path):
     model = torch.nn.Sequential(layers[0], gate, *layers[1:])
     reference = copy.deepcopy(model)
     data = mlp_batches(2)
-    engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme", **NO_DEFER))
+    engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme"))
     assert engine.overlap
     last = next(i for i, u in enumerate(engine.ranked.trained) if u.key == "param/4")
 
@@ -98,7 +93,7 @@ def test_the_worker_reads_the_next_units_state_while_it_steps_one(tmp_path):
     """Units queue on the optimizer worker when it is slower than backward; the one after the
     running unit has its state read meanwhile (prefetch_unit), and the result is unchanged."""
     model, reference, data = mlp(), mlp(), mlp_batches(2)
-    engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme", **NO_DEFER))
+    engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme"))
     opt, asked = engine.optimizer, []
     prefetch_unit = opt.prefetch_unit
 
@@ -348,70 +343,3 @@ def test_with_clipping_the_optimizer_runs_after_backward(tmp_path):
         following = backwards[n + 1][0] if n + 1 < len(backwards) else math.inf
         own = [s for s in steps if start <= s < following]
         assert len(own) == len(engine.optimizer.units) and min(own) >= end, (n, own, end)
-
-
-def test_units_last_in_forward_order_are_left_to_the_next_forward(tmp_path):
-    """defer_to_forward 1/3 leaves the units last in forward order (the MLP's last layer, 132
-    of 1476 elements) to the next forward: backward does not hand them to the worker, step()
-    queues them in the tail, and every step equals the step after backward's, bit for bit
-    ([Note: units left to the next forward])."""
-    data, model = mlp_batches(3), mlp()
-    (tmp_path / "overlapped").mkdir()
-    engine = infinity.initialize(model, config(tmp_path / "overlapped", "nvme", "nvme", infinity={
-        "host_memory_budget": "1GB", "defer_to_forward": 1 / 3}))
-    trained = engine.ranked.trained
-    last = next(i for i, u in enumerate(trained) if u.key == "param/4")
-    assert units_left_to_forward(trained, 1 / 3) == [last]
-    losses = []
-    for args, kwargs in data:
-        loss = loss_of(engine(*args, **kwargs))
-        engine.backward(loss)
-        handed = {i for i in range(len(trained)) if engine._stepper.future(i) is not None}
-        assert handed == set(range(len(trained))) - {last}, handed
-        engine.step()
-        assert engine._stepper.future(last) is not None  # in the tail, for the next forward
-        losses.append(loss.item())
-    assert engine.units_stepped_in_backward == 2 * len(data)
-    assert engine.stats()["optimizer"]["units_left_to_forward"] >= len(data)
-    engine.close()
-    (tmp_path / "after").mkdir()
-    assert_identical(model, losses, stepped_after_backward(mlp(), tmp_path / "after", data))
-
-
-def test_a_share_left_to_forward_counts_elements_from_the_last_unit_back():
-    """Units by forward order (`index`), last first, while their elements fit the share;
-    resident units are never left (they are stepped after backward anyway)."""
-    class Unit:
-        def __init__(self, index, numel, persistent=False):
-            self.index, self.numel, self.persistent = index, numel, persistent
-    units = [Unit(0, 100), Unit(2, 300), Unit(1, 200), Unit(3, 50, persistent=True),
-             Unit(4, 350)]  # 1000 elements; forward order: 0, 2, 1, 3, 4
-    assert units_left_to_forward(units, 0.0) == []
-    assert units_left_to_forward(units, 0.34) == []  # the last unit alone is 350 > 340
-    assert units_left_to_forward(units, 0.35) == [4]
-    assert units_left_to_forward(units, 0.65) == [4, 1]  # the resident unit 3 skipped
-    assert units_left_to_forward(units, 0.84) == [4, 1]  # unit 2 (200 more) does not fit
-    assert units_left_to_forward(units, 0.9) == [4, 1, 2]  # unit 0 (100 more) does not fit
-
-
-def test_a_share_left_to_forward_where_it_cannot_act_is_said_and_ignored(caplog):
-    with caplog.at_level("WARNING", logger="infinity.engine._overlap"):
-        assert defer_share("auto", world=1, overlap=True) == 0.0  # not the default yet
-        assert defer_share(0.0, world=4, overlap=False) == 0.0
-        assert defer_share(0.25, world=1, overlap=True) == 0.25
-        assert not caplog.records
-        assert defer_share(0.25, world=2, overlap=True) == 0.0
-        assert defer_share(0.25, world=1, overlap=False) == 0.0
-    said = [r.getMessage() for r in caplog.records]
-    assert said == ["infinity.defer_to_forward 0.25 is ignored: there are 2 ranks (step() waits "
-                    "for the tail)",
-                    "infinity.defer_to_forward 0.25 is ignored: overlap_optimizer is off (every "
-                    "unit is stepped after backward)"]
-
-
-def test_an_engine_without_overlap_says_it_ignores_defer_to_forward(tmp_path, caplog):
-    with caplog.at_level("WARNING", logger="infinity.engine._overlap"):
-        engine = infinity.initialize(mlp(), config(tmp_path, "nvme", "nvme", infinity={
-            "host_memory_budget": "1GB", "overlap_optimizer": False, "defer_to_forward": 0.5}))
-    engine.close()
-    assert "infinity.defer_to_forward 0.5 is ignored: overlap_optimizer is off" in caplog.text

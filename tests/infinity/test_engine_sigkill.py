@@ -39,9 +39,7 @@ def config(swap):
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                                   "sub_group_size": 64,
                                   "offload_optimizer": {"device": "nvme", "nvme_path": swap}},
-            # every unit stepped in backward: the kill plan counts its unit steps
-            "infinity": {"host_memory_budget": "1GB", "speculate": "always",
-                         "defer_to_forward": 0.0}}
+            "infinity": {"host_memory_budget": "1GB", "speculate": "always"}}
 
 def counted(engine, kill):
     # Counts this attempt's save durability steps and unit steps; SIGKILL at kill = (where, n).

@@ -87,9 +87,8 @@ def config(clip, overlap):
                                   "offload_optimizer": {"device": "nvme", "nvme_path": swap}},
             # "always": with clipping acting at every step, every step still speculates (and
             # rolls back), so each has a validation and a rollback to be killed in
-            # and every unit in backward (none left to the next forward): the kills count them
             "infinity": {"host_memory_budget": "1GB", "overlap_optimizer": overlap,
-                         "speculate": "always", "defer_to_forward": 0.0}}
+                         "speculate": "always"}}
 
 def train(run, out, clip, overlap, kill, save):
     torch.manual_seed(0)

@@ -44,8 +44,8 @@ def patient_worker(monkeypatch):
 
 def _engine(tmp_path, offload, overlap, **extra):
     extra.setdefault("infinity", {})
-    extra["infinity"] = {"host_memory_budget": "1GB", "defer_to_forward": 0.0,  # counted
-                         **extra["infinity"], "overlap_optimizer": overlap}
+    extra["infinity"] = {"host_memory_budget": "1GB", **extra["infinity"],
+                         "overlap_optimizer": overlap}
     path = tmp_path / ("overlapped" if overlap else "after")
     path.mkdir(exist_ok=True)
     engine = infinity.initialize(mlp(), config(path, *offload, **extra))

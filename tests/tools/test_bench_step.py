@@ -84,10 +84,6 @@ def test_nvme_fp32_is_the_uncompressed_baseline_of_the_same_parameters(tmp_path)
     compressed = bench_step.engine_config(args, "nvme", str(tmp_path))
     baseline = bench_step.engine_config(args, "nvme-fp32", str(tmp_path))
     assert compressed["infinity"]["optimizer_state"] == {"moments": "int8", "master": "none"}
-    assert compressed["infinity"]["defer_to_forward"] == 0.0
-    deferred = bench_step.parse_args(["--path", str(tmp_path), "--defer-to-forward", "0.25"])
-    assert bench_step.engine_config(deferred, "nvme", str(tmp_path))["infinity"][
-        "defer_to_forward"] == 0.25
     assert baseline["infinity"]["optimizer_state"] == {"moments": "fp32", "master": "fp32"}
     assert baseline["bf16"] == {"enabled": True}
     assert baseline["zero_optimization"]["offload_optimizer"]["device"] == "nvme"
@@ -129,9 +125,6 @@ def test_bad_arguments_are_refused(tmp_path):
         bench_step.parse_args(["--path", str(tmp_path), "--configs", "nvme,cuda"])
     with pytest.raises(SystemExit):
         bench_step.parse_args(["--path", str(tmp_path), "--steps", "2", "--warmup", "2"])
-    for share in ("1", "-0.1", "nan"):
-        with pytest.raises(SystemExit):
-            bench_step.parse_args(["--path", str(tmp_path), "--defer-to-forward", share])
     assert bench_step.main(["--path", str(tmp_path / "missing" / "dir"), *TINY]) == 2
 
 
