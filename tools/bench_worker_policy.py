@@ -4,10 +4,14 @@ On 2 cores the worker that steps units during backward preempts one of torch's t
 threads inside its parallel regions, and the other waits at the region's end (docs/performance.md
 "Backward beside the optimizer's worker"). Whether a policy for the worker thread gives that
 back is a few percent of a step, while whole-run A/B pairs on a shared host swing by +-20% with
-the host's speed. So this builds bench_step's "nvme" engine and model once and, before each step,
-sets the worker thread to the trial policy or to SCHED_OTHER in ABBA order (pairs B A, A B, ...
-after the warm-up steps): both sides see the same minutes. Each step is timed from its forward to
-the next step's forward, as bench_step times it. Linux only.
+the host's speed. So this builds bench_step's "nvme" engine and model once and sets the worker
+thread to the trial policy or to SCHED_OTHER in blocks of --block steps, the blocks in ABBA order
+after the warm-up steps: both sides see the same minutes. Each step is timed from its forward to
+the next step's forward, as bench_step times it, but for the first step of each block: it
+carries what the block before left running (the step's tail runs into the next forward), which
+would be charged to the other side. Step by step (--block 1) is fair only for a change that
+moves no work from one step to the next: leaving units to the next forward measured 0.86-0.96
+of the step that way and 1.15x in blocks of 4 (docs/performance.md). Linux only.
 
 `--policy torch-1` instead gives torch one intra-op thread in the trial steps (the default
 count in the others): the training thread computes alone while the worker has the other core.
@@ -18,7 +22,7 @@ two busy processes, the same page), and leaving SCHED_IDLE needs CAP_SYS_NICE or
 of 20.
 
     python -m tools.bench_worker_policy --policy idle --path /nvme --bf16 \
-        --optimizer-state int8 --no-master --steps 34
+        --optimizer-state int8 --no-master --steps 34          # 8 blocks of 4 after 2 warm-up
 
 Every option after --policy is bench_step's (the model, the engine configuration, --steps,
 --warmup); --rounds, --configs and --trace are not used.
@@ -60,8 +64,10 @@ def _optimizer_workers() -> set[int]:
     return {t.native_id for t in threading.enumerate() if t.name.startswith("infinity-optim")}
 
 
-def run(args: argparse.Namespace, trial: str, directory: str) -> dict[str, list[float]]:
-    """Step the engine; the timed steps' wall seconds under each policy."""
+def run(args: argparse.Namespace, trial: str, directory: str,
+        blocks: int = 4) -> dict[str, list[float]]:
+    """Step the engine, the sides alternating in `blocks` steps; the timed steps' wall seconds
+    under each policy."""
     import infinity
     model, batch = bench_step.build(args)
     engine = infinity.initialize(model, bench_step.engine_config(args, "nvme", directory))
@@ -87,11 +93,12 @@ def run(args: argparse.Namespace, trial: str, directory: str) -> dict[str, list[
                 if i == args.warmup:  # timed steps start with nothing left from untimed ones
                     engine.synchronize()
                     engine.store.flush()
-                side = trial if (i - args.warmup) % 4 in (1, 2) else "other"  # ABBA
+                block, at = divmod(i - args.warmup, blocks)
+                side = trial if block % 4 in (1, 2) else "other"  # blocks in ABBA order
                 apply(side)
                 start = time.perf_counter()
                 step()
-                if i >= args.warmup:
+                if i >= args.warmup and (at > 0 or blocks == 1):  # not what a block inherits
                     times[side].append(time.perf_counter() - start)
         finally:
             apply("other")
@@ -107,7 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policy", choices=("idle", "batch", ONE_TORCH_THREAD), required=True,
                         help="the worker's policy tried against SCHED_OTHER, or torch-1: one "
                              "torch thread against the default count")
+    parser.add_argument("--block", type=int, default=4,
+                        help="steps per block of one side; the first of each is not timed")
     ours, rest = parser.parse_known_args(argv)
+    if ours.block < 1:
+        parser.error("--block takes a step count >= 1")
     args = bench_step.parse_args(rest)
     if sys.platform != "linux":
         parser.error("scheduling policies per thread are Linux's")
@@ -115,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     if directory is None:
         return 2
     try:
-        times = run(args, ours.policy, directory)
+        times = run(args, ours.policy, directory, ours.block)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     trial, other = times[ours.policy], times["other"]

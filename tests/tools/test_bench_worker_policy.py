@@ -24,8 +24,8 @@ def test_steps_alternate_and_each_side_is_reported(tmp_path, capsys, monkeypatch
     monkeypatch.setattr(bench_worker_policy, "set_policy",
                         lambda tid, name: (seen.append((tid, name)), real(tid, name)))
     try:
-        assert bench_worker_policy.main(["--policy", "batch", "--path", str(tmp_path),
-                                         "--steps", "10", *TINY]) == 0
+        assert bench_worker_policy.main(["--policy", "batch", "--block", "1", "--path",
+                                         str(tmp_path), "--steps", "10", *TINY]) == 0
     finally:
         other_done.set()
         other.join()
@@ -85,8 +85,8 @@ def test_one_torch_thread_alternates_with_the_default_count_and_is_restored(tmp_
     real = torch.set_num_threads
     monkeypatch.setattr(torch, "set_num_threads", lambda n: (seen.append(n), real(n)))
     try:
-        assert bench_worker_policy.main(["--policy", "torch-1", "--path", str(tmp_path),
-                                         "--steps", "10", *TINY]) == 0
+        assert bench_worker_policy.main(["--policy", "torch-1", "--block", "1", "--path",
+                                         str(tmp_path), "--steps", "10", *TINY]) == 0
     finally:
         real(before)
     out = capsys.readouterr().out
@@ -94,3 +94,25 @@ def test_one_torch_thread_alternates_with_the_default_count_and_is_restored(tmp_
     abba = [before, 1, 1, before]
     # step 1, the timed steps 2..9 in ABBA order, then the default count restored
     assert seen == [before] + abba + abba + [before]
+
+
+def test_blocks_alternate_and_the_first_step_of_each_is_not_timed(tmp_path, capsys, monkeypatch):
+    """What a block's first step inherits from the block before (the step's tail) is not
+    charged to its side: blocks of 2, so one timed step a block."""
+    seen = []
+    real = bench_worker_policy.set_policy
+    monkeypatch.setattr(bench_worker_policy, "set_policy",
+                        lambda tid, name: (seen.append(name), real(tid, name)))
+    assert bench_worker_policy.main(["--policy", "batch", "--block", "2", "--path", str(tmp_path),
+                                     "--steps", "10", *TINY]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"SCHED_BATCH: steps=2 ", out) and re.search(r"SCHED_OTHER: steps=2 ", out)
+    other, batch = "SCHED_OTHER", "SCHED_BATCH"
+    # step 1, then 4 blocks of 2 (B A A B), then restored
+    assert seen == [other] + [other] * 2 + [batch] * 4 + [other] * 2 + [other]
+
+
+def test_a_block_of_no_steps_is_refused(tmp_path):
+    with pytest.raises(SystemExit):
+        bench_worker_policy.main(["--policy", "batch", "--block", "0", "--path", str(tmp_path),
+                                  *TINY])
