@@ -6,8 +6,10 @@ store's lock (see [Note: the store's lock] in `_runner`) except where it says ot
 
 [Note: room on a fragmented tier] A copy in use stays put (see [Note: fetched tensors stay put]
 in `_copies`), but nothing else does: when a tier's free bytes would hold a request but no hole
-does, the arena compacts around the copies in use and those with I/O in flight
-(`Arena.compact(keep=...)`), before evicting anything, unless the copy next in line to go is
+does, the arena compacts around the copies in use and those with I/O in flight, moving only
+the cheapest stretch of copies that opens the hole (`Arena.compact(keep=..., need=...)`, [Note:
+compacting just enough] in infinity/memory/arena.py), before evicting anything, unless the
+copy next in line to go is
 needed further away (in fetches) than the tier has evictable copies: the tier turns over before
 that use, so evicting it now costs no read that keeping it would save, and a compaction would
 move every block for nothing (measured on the 294M GPT with everything on NVMe: a 566 MB host
@@ -248,14 +250,18 @@ class Tiers:
             victim = queue.pick() if queue is not None else None
             if victim is not None and self.prefetching and victim.copies[tier].prefetched:
                 victim = None  # only prefetched copies are left: a read ahead never undoes another
-            # Moving bytes is cheaper than reading an evicted copy again: compact first, and
-            # again once evictions have freed another request's worth; unless the victim would
-            # be gone before its next use anyway (see [Note: room on a fragmented tier]).
+            # Moving a few copies is cheaper than reading an evicted one again: slide the
+            # cheapest stretch first, and again once evictions have freed another request's
+            # worth; unless the victim would be gone before its next use anyway. Only with
+            # nothing left to evict, slide everything (see [Note: room on a fragmented tier]).
             if st.free_nbytes >= span and (compacted_at is None or victim is None
                                            or st.free_nbytes >= compacted_at + span) \
                     and not (victim is not None
                              and self.clock.fetches_until(victim) > len(queue)):
-                arena.compact(keep=self._staying(tier))
+                staying = self._staying(tier)
+                arena.compact(keep=staying, need=span)
+                if victim is None and arena.stats().largest_hole_nbytes < span:
+                    arena.compact(keep=staying)
                 compacted_at = st.free_nbytes
                 if arena.stats().largest_hole_nbytes >= span:
                     continue

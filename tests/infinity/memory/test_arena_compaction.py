@@ -217,3 +217,118 @@ def test_random_compactions_around_kept_blocks_keep_every_byte(seed):
         live.append((block, pattern))
     _check_all(live)
     assert arena.stats().compactions > 10  # the layouts really were fragmented (28-39 here)
+
+
+def test_compacting_for_a_need_moves_only_the_cheapest_stretch():
+    """Holes of 1 KiB at 1, 3 and 10 and of 2 KiB at 12-13: 3 KiB is gathered by sliding block
+    11 alone down to 10, not by moving everything above the first hole."""
+    arena = Arena(16 * 1024, pinned=False, alignment=1024)
+    blocks = [arena.alloc(1024, torch.uint8) for _ in range(16)]
+    for i, block in enumerate(blocks):
+        block.tensor.fill_(i)
+    for i in (1, 3, 10, 12, 13):
+        arena.free(blocks[i])
+    live = [i for i in range(16) if i not in (1, 3, 10, 12, 13)]
+    before = {i: blocks[i].offset for i in live}
+    assert arena.compact(need=3 * 1024) == 1024
+    assert {i: blocks[i].offset for i in live} == {**before, 11: 10 * 1024}
+    assert (11 * 1024, 3 * 1024) in arena._free.holes()
+    assert arena.stats().largest_hole_nbytes == 3 * 1024
+    for i in live:
+        assert bool((blocks[i].tensor == i).all()), i
+    # all 5 KiB free: the stretch from the hole at 1 to the hole at 11-13; 14 and 15 stay,
+    # where a full compaction would slide them too
+    assert arena.compact(need=5 * 1024) == 8 * 1024
+    assert (blocks[14].offset, blocks[15].offset) == (14 * 1024, 15 * 1024)
+    assert arena._free.holes() == [(9 * 1024, 5 * 1024)]
+    for i in live:
+        assert bool((blocks[i].tensor == i).all()), i
+
+
+def test_compacting_for_a_need_leaves_kept_blocks_and_moves_nothing_without_a_stretch():
+    """A kept block splits the stretches: the cheapest one that does not cross it moves; when
+    no stretch holds `need` free bytes nothing moves (the caller evicts, or compacts everything,
+    which slides blocks past the kept one)."""
+    arena = Arena(16 * 1024, pinned=False, alignment=1024)
+    blocks = [arena.alloc(1024, torch.uint8) for _ in range(16)]
+    for i, block in enumerate(blocks):
+        block.tensor.fill_(i)
+    for i in (1, 3, 10, 12, 13):
+        arena.free(blocks[i])
+    live = [i for i in range(16) if i not in (1, 3, 10, 12, 13)]
+    # 4 KiB: 3 free below kept block 11, 2 above it: no stretch, nothing moves
+    before = {i: blocks[i].offset for i in live}
+    assert arena.compact(keep=[blocks[11]], need=4 * 1024) == 0
+    assert {i: blocks[i].offset for i in live} == before and arena.stats().compactions == 0
+    # 3 KiB: the stretch below block 11 that gathers the holes at 1, 3 and 10
+    assert arena.compact(keep=[blocks[11]], need=3 * 1024) == 7 * 1024  # 2, 4..9; 0 stays
+    assert blocks[11].offset == 11 * 1024 and blocks[0].offset == 0
+    assert (8 * 1024, 3 * 1024) in arena._free.holes()
+    for i in live:
+        assert bool((blocks[i].tensor == i).all()), i
+    # everything (no need): 14 and 15 slide below kept 11, gathering 4 KiB above it
+    assert arena.compact(keep=[blocks[11]]) == 2 * 1024
+    assert [blocks[i].offset // 1024 for i in (14, 15)] == [8, 9]
+    assert arena.stats().largest_hole_nbytes == 4 * 1024
+
+
+def _cheapest_by_brute_force(arena, keep, need):
+    """The fewest bytes (aligned spans) a stretch of consecutive unkept blocks must move to open
+    a hole of `need`; None when no stretch can."""
+    live = sorted(arena._live, key=lambda b: b.offset)
+    best = None
+    for i in range(len(live)):
+        for j in range(i + 1, len(live) + 1):
+            if any(b in keep for b in live[i:j]):
+                break
+            lo = live[i - 1].offset + _round_up(live[i - 1].nbytes, 256) if i else 0
+            hi = live[j].offset if j < len(live) else arena.capacity_nbytes
+            spans = sum(_round_up(b.nbytes, 256) for b in live[i:j])
+            if hi - lo - spans >= need:
+                best = spans if best is None else min(best, spans)
+                break
+    return best
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_compactions_for_a_need_move_the_fewest_bytes_and_keep_every_byte(seed):
+    """Random layouts, kept sets and needs: the hole opens, contents survive, kept blocks stay,
+    and no other stretch would have moved fewer bytes (brute force over every stretch)."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    arena = Arena(1 << 16, pinned=False, alignment=256)
+    live: list[tuple[Block, torch.Tensor]] = []
+    checked = 0
+    for _ in range(1500):
+        stats = arena.stats()
+        if live and rng.random() < (stats.live_nbytes / stats.capacity_nbytes) ** 2:
+            block, _ = live.pop(rng.randrange(len(live)))
+            arena.free(block)
+            continue
+        nbytes = rng.randint(1, 6000)
+        need = _round_up(nbytes, 256)
+        if need > arena.stats().largest_hole_nbytes:
+            kept = [b for b, _ in rng.sample(live, k=len(live) // 5)]
+            where = {id(b): b.offset for b in kept}
+            offsets = {id(b): b.offset for b, _ in live}
+            cheapest = _cheapest_by_brute_force(arena, set(kept), need)
+            arena.compact(keep=kept, need=need)
+            moved = sum(_round_up(b.nbytes, 256) for b, _ in live if b.offset != offsets[id(b)])
+            if cheapest is None:  # no stretch: nothing moved
+                assert moved == 0
+            else:  # the blocks that moved are the cheapest stretch, and the hole is there
+                assert moved == cheapest and arena.stats().largest_hole_nbytes >= need
+                checked += 1
+            assert all(b.offset == where[id(b)] for b in kept)
+            _check_all(live)
+            spans = sorted((b.offset, b.offset + _round_up(b.nbytes, 256)) for b, _ in live)
+            assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+            assert sum(n for _, n in arena._free.holes()) == arena.stats().free_nbytes
+            if need > arena.stats().largest_hole_nbytes:
+                continue
+        block = arena.alloc(nbytes, torch.uint8)
+        pattern = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+        block.tensor.copy_(pattern)
+        live.append((block, pattern))
+    _check_all(live)
+    assert checked > 10  # many layouts had a stretch to open
