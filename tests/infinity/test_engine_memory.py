@@ -87,6 +87,27 @@ def test_prefetch_window_shrinks_to_what_the_host_budget_leaves():
     assert 0 < tight.prefetch_numel * 4 <= (48 << 20) - 5 * (4 << 20) - 3 * (2 << 20)
 
 
+def test_what_the_budget_leaves_caches_parameters_on_nvme_up_to_all_of_them():
+    """Parameters at home on NVMe: the host tier gets the working set (three of the largest
+    unit here) plus what the budget leaves, up to every parameter; none without a budget, none
+    at the least budget, and host-homed values (all in the tier already) take nothing more."""
+    units = [_unit(i, 1 << 20) for i in range(40)]  # 40 units of 4 MiB: 160 MiB of values
+    kwargs = {"offload_param": "nvme", "offload_optimizer": "nvme", "accelerator": False,
+              "prefetch_numel": 0, "tile_numel": 1 << 18}
+    bare = plan_memory(units, host_memory_budget=None, **kwargs)
+    room = bare.budgets[Tier.HOST] + bare.outside_store_nbytes  # what the plan needs
+    some = plan_memory(units, host_memory_budget=room + (20 << 20), **kwargs)
+    assert some.budgets[Tier.HOST] == bare.budgets[Tier.HOST] + (20 << 20)
+    for budget in (room + (1 << 30), room + (2 << 30)):  # all 160 MiB, 12 of them the working set
+        every = plan_memory(units, host_memory_budget=budget, **kwargs)
+        assert every.budgets[Tier.HOST] == bare.budgets[Tier.HOST] + 40 * (4 << 20) - 3 * (4 << 20)
+    least = plan_memory(units, host_memory_budget=bare.min_host_budget, **kwargs)
+    assert least.budgets[Tier.HOST] + least.outside_store_nbytes <= bare.min_host_budget
+    host = {**kwargs, "offload_param": "cpu"}
+    assert plan_memory(units, host_memory_budget=1 << 32, **host).budgets[Tier.HOST] == \
+        plan_memory(units, host_memory_budget=None, **host).budgets[Tier.HOST]
+
+
 def test_sub_group_size_is_an_upper_bound_the_plan_shrinks_to_fit(caplog):
     """At the default sub_group_size (1e9) a tile is a whole unit: three tiles of a big
     embedding (8 B an element: fp32 units' tiles hold the moments) exceed a modest budget. The
