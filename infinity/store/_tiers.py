@@ -236,7 +236,6 @@ class Tiers:
         evictions; see [Note: room on a fragmented tier]."""
         arena = self.arenas[tier]
         span = _span(arena, entry.nbytes)
-        compacted_at = None  # free bytes at this call's last compaction
         while True:
             st = arena.stats()
             if st.largest_hole_nbytes >= span:
@@ -251,18 +250,16 @@ class Tiers:
             if victim is not None and self.prefetching and victim.copies[tier].prefetched:
                 victim = None  # only prefetched copies are left: a read ahead never undoes another
             # Moving a few copies is cheaper than reading an evicted one again: slide the
-            # cheapest stretch first, and again once evictions have freed another request's
-            # worth; unless the victim would be gone before its next use anyway. Only with
-            # nothing left to evict, slide everything (see [Note: room on a fragmented tier]).
-            if st.free_nbytes >= span and (compacted_at is None or victim is None
-                                           or st.free_nbytes >= compacted_at + span) \
-                    and not (victim is not None
-                             and self.clock.fetches_until(victim) > len(queue)):
+            # cheapest stretch that opens the hole (a scan; nothing moves where none does, and
+            # each eviction may make one), unless the victim would be gone before its next use
+            # anyway. Only with nothing left to evict, slide everything (see [Note: room on a
+            # fragmented tier]).
+            if st.free_nbytes >= span and not (victim is not None
+                                               and self.clock.fetches_until(victim) > len(queue)):
                 staying = self._staying(tier)
                 arena.compact(keep=staying, need=span)
                 if victim is None and arena.stats().largest_hole_nbytes < span:
                     arena.compact(keep=staying)
-                compacted_at = st.free_nbytes
                 if arena.stats().largest_hole_nbytes >= span:
                     continue
             if victim is None:
