@@ -24,8 +24,9 @@ of 20.
     python -m tools.bench_worker_policy --policy idle --path /nvme --bf16 \
         --optimizer-state int8 --no-master --steps 34          # 8 blocks of 4 after 2 warm-up
 
-Every option after --policy is bench_step's (the model, the engine configuration, --steps,
---warmup); --rounds, --configs and --trace are not used.
+Every option after --policy and --block is bench_step's (the model, the engine configuration,
+--steps, by default 8 blocks after the warm-up, --warmup); --rounds, --configs and --trace are
+not used.
 """
 
 from __future__ import annotations
@@ -119,7 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     ours, rest = parser.parse_known_args(argv)
     if ours.block < 1:
         parser.error("--block takes a step count >= 1")
-    args = bench_step.parse_args(rest)
+    # 8 blocks after bench_step's warm-up unless --steps says otherwise (the last one counts)
+    args = bench_step.parse_args(["--steps", str(2 + 8 * ours.block), *rest])
+    least = ours.block + 1 + (ours.block > 1)  # the trial side's first timed step is the last
+    if args.steps - args.warmup < least:
+        parser.error(f"--steps {args.steps} after --warmup {args.warmup} times no step of the "
+                     f"trial side in blocks of {ours.block}: at least {least} after the warm-up")
     if sys.platform != "linux":
         parser.error("scheduling policies per thread are Linux's")
     directory = bench_step.scratch_directory(args.path, "infinity-bench-policy-")

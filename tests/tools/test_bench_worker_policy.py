@@ -112,7 +112,14 @@ def test_blocks_alternate_and_the_first_step_of_each_is_not_timed(tmp_path, caps
     assert seen == [other] + [other] * 2 + [batch] * 4 + [other] * 2 + [other]
 
 
-def test_a_block_of_no_steps_is_refused(tmp_path):
+def test_a_block_of_no_steps_or_too_few_steps_for_a_block_a_side_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench_worker_policy.main(["--policy", "batch", "--block", "0", "--path", str(tmp_path),
                                   *TINY])
+    # 5 timed steps after 2 warm-up: block 0 (4 steps) is the other side's, and the first
+    # step of block 1 is not timed, so the trial side would have none
+    with pytest.raises(SystemExit):
+        bench_worker_policy.main(["--policy", "batch", "--block", "4", "--steps", "7", "--path",
+                                  str(tmp_path), *TINY])
+    assert "times no step of the trial side in blocks of 4: at least 6" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []  # refused before anything was built
