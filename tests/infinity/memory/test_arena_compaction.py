@@ -185,38 +185,48 @@ def test_compaction_keep_rejects_a_block_of_another_arena():
         arena.compact(keep=[other.alloc(16, torch.uint8)])
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_compactions_around_kept_blocks_keep_every_byte(seed):
-    """Random layouts, random kept sets: contents survive, kept blocks stay, the holes are
-    exactly the gaps between blocks and no block overlaps another."""
+def _random_compactions(seed: int, ops: int, kept_share: int, compact) -> Arena:
+    """Random allocs and frees in a 64 KiB arena; where a request fits in no hole, a random
+    `1 / kept_share` of the blocks is kept and `compact(arena, live, kept, need)` runs. Checked
+    after each: contents survive, kept blocks stay, the holes are exactly the gaps between
+    blocks and no block overlaps another."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     arena = Arena(1 << 16, pinned=False, alignment=256)
     live: list[tuple[Block, torch.Tensor]] = []
-    for _ in range(2000):
+    for _ in range(ops):
         stats = arena.stats()
         if live and rng.random() < (stats.live_nbytes / stats.capacity_nbytes) ** 2:
             block, _ = live.pop(rng.randrange(len(live)))
             arena.free(block)
             continue
         nbytes = rng.randint(1, 6000)
-        if nbytes > arena.stats().largest_hole_nbytes:
-            kept = [b for b, _ in rng.sample(live, k=len(live) // 4)]
+        need = _round_up(nbytes, 256)
+        if need > arena.stats().largest_hole_nbytes:
+            kept = [b for b, _ in rng.sample(live, k=len(live) // kept_share)]
             where = {id(b): b.offset for b in kept}
-            arena.compact(keep=kept)
+            compact(arena, live, kept, need)
             assert all(b.offset == where[id(b)] for b in kept)
             _check_all(live)
             spans = sorted((b.offset, b.offset + _round_up(b.nbytes, 256)) for b, _ in live)
             assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
             assert sum(n for _, n in arena._free.holes()) == arena.stats().free_nbytes
-            if nbytes > arena.stats().largest_hole_nbytes:
+            if need > arena.stats().largest_hole_nbytes:
                 continue
         block = arena.alloc(nbytes, torch.uint8)
         pattern = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
         block.tensor.copy_(pattern)
         live.append((block, pattern))
     _check_all(live)
-    assert arena.stats().compactions > 10  # the layouts really were fragmented (28-39 here)
+    return arena
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_compactions_around_kept_blocks_keep_every_byte(seed):
+    """Random layouts, random kept sets (see _random_compactions)."""
+    arena = _random_compactions(seed, 2000, 4,
+                                lambda arena, live, kept, need: arena.compact(keep=kept))
+    assert arena.stats().compactions > 10  # the layouts really were fragmented
 
 
 def test_compacting_for_a_need_moves_only_the_cheapest_stretch():
@@ -292,43 +302,20 @@ def _cheapest_by_brute_force(arena, keep, need):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_compactions_for_a_need_move_the_fewest_bytes_and_keep_every_byte(seed):
-    """Random layouts, kept sets and needs: the hole opens, contents survive, kept blocks stay,
-    and no other stretch would have moved fewer bytes (brute force over every stretch)."""
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    arena = Arena(1 << 16, pinned=False, alignment=256)
-    live: list[tuple[Block, torch.Tensor]] = []
-    checked = 0
-    for _ in range(1500):
-        stats = arena.stats()
-        if live and rng.random() < (stats.live_nbytes / stats.capacity_nbytes) ** 2:
-            block, _ = live.pop(rng.randrange(len(live)))
-            arena.free(block)
-            continue
-        nbytes = rng.randint(1, 6000)
-        need = _round_up(nbytes, 256)
-        if need > arena.stats().largest_hole_nbytes:
-            kept = [b for b, _ in rng.sample(live, k=len(live) // 5)]
-            where = {id(b): b.offset for b in kept}
-            offsets = {id(b): b.offset for b, _ in live}
-            cheapest = _cheapest_by_brute_force(arena, set(kept), need)
-            arena.compact(keep=kept, need=need)
-            moved = sum(_round_up(b.nbytes, 256) for b, _ in live if b.offset != offsets[id(b)])
-            if cheapest is None:  # no stretch: nothing moved
-                assert moved == 0
-            else:  # the blocks that moved are the cheapest stretch, and the hole is there
-                assert moved == cheapest and arena.stats().largest_hole_nbytes >= need
-                checked += 1
-            assert all(b.offset == where[id(b)] for b in kept)
-            _check_all(live)
-            spans = sorted((b.offset, b.offset + _round_up(b.nbytes, 256)) for b, _ in live)
-            assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
-            assert sum(n for _, n in arena._free.holes()) == arena.stats().free_nbytes
-            if need > arena.stats().largest_hole_nbytes:
-                continue
-        block = arena.alloc(nbytes, torch.uint8)
-        pattern = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
-        block.tensor.copy_(pattern)
-        live.append((block, pattern))
-    _check_all(live)
-    assert checked > 10  # many layouts had a stretch to open
+    """Random layouts, kept sets and needs: the hole opens and no other stretch would have
+    moved fewer bytes (brute force over every stretch); nothing moves where none can; and what
+    _random_compactions checks."""
+    opened = []
+
+    def compact(arena, live, kept, need):
+        offsets = {id(b): b.offset for b, _ in live}
+        cheapest = _cheapest_by_brute_force(arena, set(kept), need)
+        arena.compact(keep=kept, need=need)
+        moved = sum(_round_up(b.nbytes, 256) for b, _ in live if b.offset != offsets[id(b)])
+        if cheapest is None:  # no stretch: nothing moved
+            assert moved == 0
+        else:  # the blocks that moved are the cheapest stretch, and the hole is there
+            assert moved == cheapest and arena.stats().largest_hole_nbytes >= need
+            opened.append(need)
+    _random_compactions(seed, 1500, 5, compact)
+    assert len(opened) > 10  # many layouts had a stretch to open

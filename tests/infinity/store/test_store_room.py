@@ -27,6 +27,19 @@ def _slots(s, keep=(1, 3, 5, 7)):
     return small
 
 
+def _cached_between_holes(s):
+    """s1, s3, s5, s7 (120 KB each, home on NVMe) cached in the 1 MiB host tier with 120 KB
+    holes between them (s0, s2, s4, s6 dropped); returns all eight tensors by key."""
+    small = {f"s{i}": torch.full((30_000,), float(i)) for i in range(8)}
+    for key, t in small.items():
+        s.put(key, t, "nvme")
+        s.fetch(key, "host").result()
+        s.release(key, "host")
+    for i in range(0, 8, 2):
+        s.drop(f"s{i}")
+    return small
+
+
 def _until(condition, timeout=10.0):
     end = time.monotonic() + timeout
     while not condition():
@@ -60,13 +73,7 @@ def test_a_copy_needed_after_the_tier_turns_over_is_evicted_rather_than_compacte
     Needed 1000 fetches away: the tier turns over before then, so evict instead of moving every
     block (the compaction churn measured in issue 7: ~8.7 GB moved per step)."""
     with TensorStore({"host": MiB, "nvme": 8 * MiB}, nvme_path=tmp_path) as s:
-        small = {f"s{i}": torch.full((30_000,), float(i)) for i in range(8)}
-        for key, t in small.items():
-            s.put(key, t, "nvme")
-            s.fetch(key, "host").result()
-            s.release(key, "host")
-        for i in range(0, 8, 2):
-            s.drop(f"s{i}")  # 120 KB holes between the cached copies
+        small = _cached_between_holes(s)
         s.put("wide", torch.arange(WIDE, dtype=torch.float32), "nvme")
         s.set_next_use({f"s{i}": distance for i in (1, 3, 5, 7)})
         assert torch.equal(s.fetch("wide", "host").result(),
@@ -240,13 +247,7 @@ def test_where_no_stretch_between_copies_in_use_gathers_the_room_a_copy_is_evict
     evictable copy (cached, home on NVMe) the tier evicts one and slides at most one copy
     ([Note: compacting just enough] in infinity/memory/arena.py)."""
     with TensorStore({"host": MiB, "nvme": 8 * MiB}, nvme_path=tmp_path) as s:
-        small = {f"s{i}": torch.full((30_000,), float(i)) for i in range(8)}
-        for key, t in small.items():
-            s.put(key, t, "nvme")
-            s.fetch(key, "host").result()
-            s.release(key, "host")
-        for i in (0, 2, 4, 6):
-            s.drop(f"s{i}")
+        small = _cached_between_holes(s)
         s.put("wide", torch.arange(WIDE, dtype=torch.float32), "nvme")
         s.set_next_use({f"s{i}": 2 for i in (1, 3, 5, 7)})  # needed soon: worth keeping
         held = s.fetch("s3", "host").result()
