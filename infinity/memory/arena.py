@@ -408,12 +408,9 @@ def _cheapest_stretch(live: list[Block], keep: frozenset[Block], need: int,
     free bytes between that end and the start of the block after them (or the arena's end).
     Among the stretches whose hole would hold `need` bytes, the one with the fewest bytes to
     move: (its blocks, where the first one goes), or None when none would. A full compaction
-    moves every block above the first hole, so a tier that caches many blocks paid a copy of
-    most of itself per allocation: the store's host tier 400 MB larger than the plan's on the
-    294M GPT (int8 state, 32 tokens) compacted 60 times a step moving ~84 MB each, 0.5-0.6 s
-    of a 2 s step. Where copies in use split the free bytes so that no stretch holds the
-    request, the store evicts first and slides everything only with nothing left to evict:
-    then 0.035 s a step. Two pointers over each run of movable blocks between kept ones."""
+    moves every block above the first hole, so an arena holding many blocks pays a copy of most
+    of itself per request (the store's host tier 400 MB larger than the plan's on the 294M GPT:
+    ~84 MB a compaction). Two pointers over each run of movable blocks between kept ones."""
     best: tuple[int, list[Block], int] | None = None
     start = 0
     while start < len(live):
