@@ -17,7 +17,8 @@ offload_optimizer "cpu" or "none" (the optimizer runs on the CPU either way), el
 optimizer tiles. NVMe holds parameters and/or optimizer state per the offload devices, with
 a little slack (1/64). When `host_memory_budget` cannot hold the gradient buffers beside the
 smallest host tier, they go to the store too (at home on NVMe, two of the largest passing
-through the host tier): each micro-batch then reads and writes them. There they are kept in the
+through the host tier): each micro-batch then writes them, later ones of a step and the
+optimizer read them (a step's first overwrites them unread). There they are kept in the
 dtype of the unit's values, not the compute dtype: bf16 values computed in fp32 (a CPU
 without bf16 units) keep bf16 gradients on NVMe, half the bytes on disk and per micro-batch
 (a 7 B model: 13.5 GB, not 27), rounded once per micro-batch as bf16 compute would be (sums
@@ -38,8 +39,8 @@ buffers: at stage 3 the gathered units in use (resident units, two of the larges
 the plan's to choose within `host_memory_budget`: it takes the first that fits of the
 configured tiles with the gradients in RAM, the largest smaller tiles that fit (down to 2**18
 elements) with them in RAM, then both again with the gradients on NVMe, and logs what it chose.
-Smaller tiles cost only smaller reads; gradients on NVMe cost a write and a read per
-micro-batch, so they come last. When nothing fits, the BudgetError names the smallest budget
+Smaller tiles cost only smaller reads; gradients on NVMe cost a write per micro-batch and
+reads, so they come last. When nothing fits, the BudgetError names the smallest budget
 that does (`MemoryPlan.min_host_budget`: the smallest tiles, the cheaper gradient home).
 
 When the modules compute from the host tier, a prefetched unit holds its block until it is
@@ -269,7 +270,7 @@ def _log_choice(budget: int, asked_tiles: int, tiles: int, grads_on_nvme: bool) 
     chose = [] if tiles == asked_tiles else \
         [f"optimizer tiles of {tiles} elements (sub_group_size {asked_tiles} is the most)"]
     if grads_on_nvme:
-        chose.append("the gradients on NVMe (read and written every micro-batch)")
+        chose.append("the gradients on NVMe (written every micro-batch, read to add to and step)")
     logger.info("memory plan: host_memory_budget %d bytes fits with %s", budget,
                 " and ".join(chose))
 

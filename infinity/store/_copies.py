@@ -142,9 +142,11 @@ class Copies:
 
     # -- uses ----------------------------------------------------------------------------------
 
-    def start_use(self, entry: Entry, tier: Tier, next_use: float | None) -> None:
-        """A fetch: the copy on `tier` is started (if need be) and held by this thread."""
-        copy = self.start_fetch(entry, tier)
+    def start_use(self, entry: Entry, tier: Tier, next_use: float | None, *,
+                  overwrite: bool = False) -> None:
+        """A fetch: the copy on `tier` is started (if need be) and held by this thread.
+        overwrite: the holder writes every byte, so none is read in (`start_overwrite`)."""
+        copy = self.start_overwrite(entry, tier) if overwrite else self.start_fetch(entry, tier)
         self.clock.fetched()
         self.clock.touch(copy)
         copy.holders.append(threading.get_ident())
@@ -243,6 +245,21 @@ class Copies:
             return copy or self.allocate(entry, tier)
         copy = copy or self.allocate(entry, tier)
         self.fill(entry, copy, entry.source_for(tier))  # making room may have evicted `source`
+        return copy
+
+    def start_overwrite(self, entry: Entry, tier: Tier) -> Copy:
+        """A copy on `tier` whose holder will write every byte: a current one as it is, else one
+        made current with undefined bytes and no read (the holder releases it dirty). Nobody
+        else may hold the entry meanwhile: they would see the undefined bytes."""
+        in_use = [t.label for t, c in entry.copies.items() if c.uses]
+        if in_use:
+            raise ValueError(f"cannot overwrite {entry.key!r}: it is in use on "
+                             f"{', '.join(in_use)} (fetched, not released)")
+        copy = entry.copies.get(tier)
+        if copy is not None and copy.current:
+            return copy
+        copy = copy or self.allocate(entry, tier)
+        copy.filled()  # no move touches an EMPTY copy: nothing to wait for
         return copy
 
     def fetched_tensor(self, entry: Entry, tier: Tier) -> torch.Tensor:

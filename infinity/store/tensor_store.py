@@ -202,34 +202,39 @@ class TensorStore:
             self._copies.finish_chunks(entry, copy, crc if self.checksum and tier == Tier.NVME
                                        else None, start)
 
-    def fetch(self, key: str, tier: Tier | str = Tier.HOST, *,
-              next_use: float | None = None) -> TensorFuture:
+    def fetch(self, key: str, tier: Tier | str = Tier.HOST, *, next_use: float | None = None,
+              overwrite: bool = False) -> TensorFuture:
         """Start bringing `key` to `tier` ("device" or "host"); the copy is in use until release().
 
         `next_use`: when it is needed again, as a distance on the store's clock from now
-        (as in set_next_use)."""
+        (as in set_next_use). overwrite=True: the caller writes every element and releases
+        dirty, so the value is not read in (where no copy on `tier` is current, the tensor's
+        bytes are undefined); ValueError if the key is in use meanwhile."""
         tier = self._tiers.fast(tier)
         if next_use is not None:
             check_distance(key, next_use)
 
         def start() -> TensorFuture:
             entry = self._copies.entry(key)
-            self._copies.start_use(entry, tier, next_use)
+            self._copies.start_use(entry, tier, next_use, overwrite=overwrite)
             return TensorFuture(self._runner, self._copies, entry, tier)
 
         return self._runner.run(start)
 
     @contextlib.contextmanager
     def hold(self, key: str, tier: Tier | str = Tier.HOST, *, dirty: bool = False,
-             timeout: float | None = None) -> Iterator[torch.Tensor]:
+             overwrite: bool = False, timeout: float | None = None) -> Iterator[torch.Tensor]:
         """`with store.hold(key) as tensor:` fetch `key` to `tier` and hand its tensor to the
         block; released on every path, the block's error (or the read's) going on.
 
         dirty=True: the block writes into the tensor. It is released dirty once its bytes were
         handed to the block, on an error too (the block may have changed part of them), and
         clean when the read itself failed (nothing was handed out, nothing changed).
+        overwrite=True (dirty implied): the block writes every element, so the old value is
+        not read (see `fetch`); after an error in the block the key holds what it wrote.
         """
-        future = self.fetch(key, tier)
+        dirty = dirty or overwrite
+        future = self.fetch(key, tier, overwrite=overwrite)
         handed = False
         try:
             tensor = future.result(timeout)

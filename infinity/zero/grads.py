@@ -117,9 +117,10 @@ class FlatGrad(GradBuffer):
         if self.scatter is not None:
             self._accumulate_shard(slots, self.scatter)
             return
-        with self._writable() as flat:
-            first = not self.has_grad  # the buffer holds the previous step's values: overwrite
-            if first and any(s.param.grad is None for s in slots):
+        first = not self.has_grad  # the buffer holds the previous step's values: overwrite
+        with self._writable(overwrite=first) as flat:
+            arrived = sum(s.shape.numel() for s in slots if s.param.grad is not None)
+            if first and arrived != flat.numel():
                 flat.zero_()  # a parameter without a gradient this step contributes zeros
             for s in slots:
                 g = s.param.grad
@@ -143,7 +144,7 @@ class FlatGrad(GradBuffer):
                 full[s.offset:s.offset + s.shape.numel()].copy_(g.detach().reshape(-1))
                 s.param.grad = None
         shard = ranks.reduce_scatter_mean(full, f"gradient {self.name}").to("cpu")
-        with self._writable() as flat:
+        with self._writable(overwrite=not self.has_grad) as flat:
             if self.has_grad:
                 flat.add_(shard)
             else:
@@ -153,7 +154,7 @@ class FlatGrad(GradBuffer):
     def average_over(self, ranks: Ranks) -> None:
         """Replace the gradient by its average over the ranks (zeros count where nothing
         arrived, so every rank takes part whatever reached it)."""
-        with self._writable() as flat:
+        with self._writable(overwrite=not self.has_grad) as flat:
             if not self.has_grad:
                 flat.zero_()
             ranks.all_reduce_mean_(flat, f"gradient {self.name}")
@@ -168,7 +169,9 @@ class FlatGrad(GradBuffer):
             yield [flat]
 
     @abstractmethod
-    def _writable(self) -> contextlib.AbstractContextManager[torch.Tensor]: ...
+    def _writable(self, *, overwrite: bool = False
+                  ) -> contextlib.AbstractContextManager[torch.Tensor]:
+        """The buffer to change; overwrite: every element is written, the old ones unread."""
 
     @abstractmethod
     def _readable(self) -> contextlib.AbstractContextManager[torch.Tensor]: ...
@@ -183,15 +186,18 @@ class RamGrad(FlatGrad):
         self.tensor = torch.zeros(numel, dtype=dtype)  # 1D
 
     @contextlib.contextmanager
-    def _writable(self) -> Iterator[torch.Tensor]:
+    def _writable(self, *, overwrite: bool = False) -> Iterator[torch.Tensor]:
         yield self.tensor
 
-    _readable = _writable
+    @contextlib.contextmanager
+    def _readable(self) -> Iterator[torch.Tensor]:
+        yield self.tensor
 
 
 class StoredGrad(FlatGrad):
     """The gradient as a store entry at home on `home` (NVMe), fetched to the host to add to or
-    read, written back after each add."""
+    read, written back after each add. A step's first gradient overwrites the entry whole, so
+    the last step's is not read in for it (a read of every gradient a step saved)."""
 
     def __init__(self, key: str, numel: int, dtype: torch.dtype, store: TensorStore, home: Tier, *,
                  scatter: Ranks | None = None, name: str = "") -> None:
@@ -199,8 +205,9 @@ class StoredGrad(FlatGrad):
         self.key, self.store = key, store
         store.put(key, torch.zeros(numel, dtype=dtype), home)
 
-    def _writable(self) -> contextlib.AbstractContextManager[torch.Tensor]:
-        return self.store.hold(self.key, Tier.HOST, dirty=True)
+    def _writable(self, *, overwrite: bool = False
+                  ) -> contextlib.AbstractContextManager[torch.Tensor]:
+        return self.store.hold(self.key, Tier.HOST, dirty=True, overwrite=overwrite)
 
     def _readable(self) -> contextlib.AbstractContextManager[torch.Tensor]:
         return self.store.hold(self.key, Tier.HOST)

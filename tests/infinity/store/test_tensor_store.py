@@ -400,3 +400,39 @@ def test_put_chunks_streams_a_tensor_in_pieces(tmp_path, tier, checksum):
             assert s.stats()["tiers"][tier].used_nbytes == used
         with pytest.raises(ValueError, match="already in the store"):
             s.put_chunks("t", (1,), torch.float32, [torch.zeros(1)], tier)
+
+
+def _reads(store):
+    return store.stats()["moves"].get("nvme->host", {}).get("moves", 0)
+
+
+def test_an_overwrite_reads_nothing_and_its_bytes_become_the_value(store):
+    store.put("a", torch.ones(100_000), "nvme")
+    with store.hold("a", overwrite=True) as a:  # no host copy: its bytes are not read in
+        a.fill_(7.0)
+    store.flush()
+    assert _reads(store) == 0
+    assert store.tiers_of("a") == ["host", "nvme"]  # written down (overwrite implies dirty)
+    store.evict("a", "host")
+    _assert_holds(store, {"a": torch.full((100_000,), 7.0)})
+    assert _reads(store) == 1
+    with store.hold("a", overwrite=True) as a:  # a current host copy is used as it is
+        a[:10] = 3.0  # (a caller writes every element; this one checks no copy was made)
+    store.evict("a", "host")
+    _assert_holds(store, {"a": torch.cat([torch.full((10,), 3.0), torch.full((99_990,), 7.0)])})
+
+
+def test_an_overwrite_is_refused_while_the_key_is_in_use_and_holds_what_a_failed_block_wrote(
+        store):
+    store.put("a", torch.ones(1000), "nvme")
+    store.fetch("a", "host").result()
+    with pytest.raises(ValueError, match="cannot overwrite 'a': it is in use on host"):
+        store.fetch("a", "host", overwrite=True)
+    store.release("a", "host")
+    store.evict("a", "host")
+    with pytest.raises(RuntimeError, match="halfway"), store.hold("a", overwrite=True) as a:
+        a.fill_(5.0)
+        raise RuntimeError("halfway")
+    store.flush()
+    store.evict("a", "host")  # the block's bytes were released dirty: they are the value
+    _assert_holds(store, {"a": torch.full((1000,), 5.0)})

@@ -230,3 +230,28 @@ def test_a_held_gradient_off_the_boundary_is_not_checked_until_the_boundary(monk
     buffer.accumulate(unit.slots)
     assert buffer.finite is True and sorted(calls) == [2, 60]
     assert buffer.square() == 62.0 and sorted(calls) == [2, 60]
+
+
+def test_a_stored_gradient_overwrites_its_entry_without_reading_the_last_steps(tmp_path):
+    layer = torch.nn.Linear(3, 2)
+    (unit,), _ = plan_units(layer, persistence_numel=0)
+    with TensorStore({"host": 1 << 16, "nvme": 1 << 20}, nvme_path=tmp_path) as store:
+        buffer = StoredGrad("grad/u", unit.numel, torch.float32, store, Tier.NVME)
+
+        def step(weight, bias):
+            buffer.zero()
+            store.flush()
+            store.evict("grad/u", "host")  # only the NVMe copy holds the last step's
+            reads = store.stats()["moves"].get("nvme->host", {}).get("moves", 0)
+            layer.weight.grad = torch.full((2, 3), weight)
+            layer.bias.grad = None if bias is None else torch.full((2,), bias)
+            buffer.accumulate(unit.slots)
+            store.flush()
+            assert store.stats()["moves"].get("nvme->host", {}).get("moves", 0) == reads
+            store.evict("grad/u", "host")
+            with buffer.read() as flat:
+                return flat.tolist()
+
+        assert step(2.0, -2.0) == [2.0] * 6 + [-2.0] * 2
+        assert step(4.0, -4.0) == [4.0] * 6 + [-4.0] * 2
+        assert step(1.0, None) == [1.0] * 6 + [0.0] * 2  # not the last step's -4
