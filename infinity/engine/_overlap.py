@@ -6,9 +6,9 @@ layers. The unit was released first, so nothing computes from its values while t
 Each unit gets the same kernel call with the same gradient and grad_scale as after backward, so
 the result is the same. The store is told the unit's values are needed again soon (the worker reads
 them; the trace alone says "at the next forward", so they went first and were read from NVMe
-again), and once stepped, that they are needed last. Without clipping a unit's gradient is
-let go as soon as it is stepped, so the gradients held at once are those of the units backward
-is ahead of the worker by, not the whole model's. Resident units (held until the step) are
+again), and once stepped, where the next forward first uses them (`NextUseClock.stepped`).
+Without clipping a unit's gradient is let go as soon as it is stepped, so the gradients held
+at once are those of the units backward is ahead of the worker by, not the whole model's. Resident units (held until the step) are
 stepped after backward. Whether the step stands is known only when backward ends (the norm for
 clipping, the fp16 overflow check, a NaN in any gradient): the units are stepped speculatively
 ([Note: speculate, then validate]). Each unit's gradient sum of squares is taken as the
@@ -330,7 +330,7 @@ class OverlappedStep:
                                "backward, once the step is validated", self._units[i].key)
             self._unspeculated.add(i)
             return
-        if not self._tail:  # stepped during backward: next used at the far end of the next forward
+        if not self._tail:  # stepped during backward: next used where the next forward reaches it
             self._next_use.stepped(self._units[i].key)
 
 

@@ -112,6 +112,7 @@ class SwappedOptimizer:
         self.tiles.check_budget(tile_numel)
         self.tiles.write_initial(self._values())
         self._kept = KeptValues(store, self.units, name, self.state_tier)
+        self._updated_at: dict[int, int] = {}  # tile -> the store's clock at its last update
 
     # -- steps ---------------------------------------------------------------------------------
 
@@ -286,13 +287,22 @@ class SwappedOptimizer:
                     self.tiles.format(t).step(kernels, entry, values.get(u)[tile.start:tile.stop],
                                               grad, tile.start, self._index(u, tile.start))
                     values.modified(u)
-                    if streamed:  # needed again at the next step, after every other tile
-                        self.store.set_next_use({key: len(self.tiles)})
+                    if streamed:
+                        self.store.set_next_use({key: self._reuse_distance(t)})
             values.release(u)
             if not todo:  # a retry: values whose write-back failed
                 self.tiles.rewrite_if_unsaved(self.units[u].values_key)
         finally:
             values.release_all()
+
+    def _reuse_distance(self, t: int) -> int:
+        """Fetches until tile t is needed again: at the next step, after every other tile and
+        whatever else a step fetches (the store's fetches since its last update; at least one
+        per tile). The forward's values, needed sooner, are then evicted after it."""
+        now = self.store.clock
+        last = self._updated_at.get(t)
+        self._updated_at[t] = now
+        return max(len(self.tiles), 0 if last is None else now - last)
 
     def _index(self, u: int, start: int) -> int:
         """The rounding counter of element `start` of unit u: unique to the element in the

@@ -96,7 +96,12 @@ class ParamCoordinator:
         self.max_live_numel = int(max_live_numel)
         self.max_reuse_numel = int(max_reuse_numel)
         self.stats = PrefetchStats()
-        self.next_use = NextUseClock(store)
+        self.next_use = NextUseClock(store, next_pass=self._fetches_until_next_pass)
+        self._positions = {u.key: i for i, u in enumerate(self.units)}  # as traces name them
+        # the store's clock at the latest pass's start, and fetches from the one before to it
+        self._pass_start: int | None = None
+        self._pass_span: int | None = None
+        self._ended_trace: Trace | None = None  # the trace of the latest pass that ended
         self._placeholders = {u.compute_dtype: torch.empty(0, dtype=u.compute_dtype, device=device)
                               for u in self.units}
         self._book = TraceBook([u.numel for u in self.units], max_traces)
@@ -119,6 +124,10 @@ class ParamCoordinator:
         with self._lock:
             if self._cursor is not None:
                 self.end_pass()
+            now = self.store.clock
+            if self._pass_start is not None:
+                self._pass_span = now - self._pass_start
+            self._pass_start = now
             self._cursor = self._book.start(key)
             if self._cursor.started_on_trace:
                 self.stats.trace_switches += 1
@@ -141,7 +150,7 @@ class ParamCoordinator:
         with self._lock:
             if self._cursor is None:
                 return
-            self._book.finish(self._cursor)
+            self._ended_trace = self._book.finish(self._cursor)
             self._cursor = None
             self.in_backward = False
             for u in self.units:
@@ -388,6 +397,20 @@ class ParamCoordinator:
             return None
         nxt = trace.next_pos[u.last_pos]
         return nxt - self._cursor.pos if nxt < len(trace) else None
+
+    def _fetches_until_next_pass(self, key: str) -> int | None:
+        """Store fetches from now until the next pass, as long as the latest one and following
+        its trace, first uses unit `key` (None: no trace or span yet, or the trace does not
+        use the unit). Called from the optimizer's worker without the lock: a pass starting or
+        ending meanwhile only makes the hint stale."""
+        cursor, start, span = self._cursor, self._pass_start, self._pass_span
+        trace = cursor.trace if cursor is not None else self._ended_trace
+        if trace is None or start is None or span is None:
+            return None
+        first = trace.first_pos.get(self._positions[key])
+        if first is None:
+            return None
+        return max(0, start + span + first - self.store.clock)
 
     def _reused_soon(self, u: FetchUnit) -> bool:
         if self.gather is not None:  # See [Note: gathers in step on every rank]

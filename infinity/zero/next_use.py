@@ -11,13 +11,14 @@ into fetches, so the hints of the two compare:
 - read by the optimizer worker: after the steps queued before it, each as many fetches as
   that unit's step makes (`set_step_fetches`: its tiles, its values, a gradient kept in the
   store);
-- stepped during backward: needed last (its next use is the far end of the next forward).
+- stepped during backward: needed where the next pass first uses it (`next_pass`: the
+  coordinator's trace; the same pass follows), never before; with no trace, last.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from infinity.store import TensorStore
 
@@ -28,8 +29,12 @@ class NextUseClock:
     """Next-use hints for units' values keys, in store fetches (see the module docstring).
     Thread-safe (the store's calls are); holds no lock of its own."""
 
-    def __init__(self, store: TensorStore) -> None:
+    def __init__(self, store: TensorStore, *,
+                 next_pass: Callable[[str], int | None] | None = None) -> None:
+        """next_pass(key): fetches from now until the next pass first uses the unit (None: no
+        trace says)."""
         self._store = store
+        self._next_pass = next_pass
         self._step_fetches: dict[str, int] = {}
 
     def set_step_fetches(self, counts: Mapping[str, int]) -> None:
@@ -56,6 +61,9 @@ class NextUseClock:
         self._store.set_next_use(hints)
 
     def stepped(self, key: str) -> None:
-        """The unit was stepped during backward: nothing reads it before the next forward, which
-        reaches it last (backward made it final first)."""
-        self._store.set_next_use({key: math.inf})
+        """The unit was stepped during backward: nothing reads it before the next pass, which
+        uses it where the trace says. Saying "last" instead made a host tier that holds every
+        value evict these first and read them again each step (the optimizer's tiles, needed a
+        whole step later, stayed)."""
+        uses = self._next_pass(key) if self._next_pass is not None else None
+        self._store.set_next_use({key: math.inf if uses is None else float(uses)})

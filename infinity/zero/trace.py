@@ -16,7 +16,7 @@ from collections.abc import Hashable, Sequence
 class Trace:
     """One recorded pass: unit indices in order of use, with O(1) look-ups for the scheduler."""
 
-    __slots__ = ("units", "next_pos", "_cum_numel")
+    __slots__ = ("units", "next_pos", "first_pos", "_cum_numel")
 
     def __init__(self, units: Sequence[int], numels: Sequence[int]) -> None:
         self.units = tuple(units)
@@ -26,6 +26,7 @@ class Trace:
             next_pos[i] = following.get(self.units[i], len(self.units))
             following[self.units[i]] = i
         self.next_pos = tuple(next_pos)
+        self.first_pos = following  # unit -> its first position
         cum = [0]
         for u in self.units:
             cum.append(cum[-1] + numels[u])
@@ -90,19 +91,21 @@ class TraceBook:
             return PassCursor(key, list(own))
         return PassCursor(key, [t for traces in self._traces.values() for t in traces])
 
-    def finish(self, cursor: PassCursor) -> None:
-        """Memoise the pass: move the trace it followed to the front, or add what it did."""
+    def finish(self, cursor: PassCursor) -> Trace | None:
+        """Memoise the pass: move the trace it followed to the front, or add what it did;
+        returns that trace (None for a pass that used no unit)."""
         traces = self._traces.setdefault(cursor.key, [])
         done = len(cursor.recorded)
         match = next((t for t in cursor.candidates if len(t) == done), None)
         if match is None:
             if not done:
-                return
+                return None
             match = Trace(cursor.recorded, self._numels)
         else:
             traces.remove(match)
         traces.insert(0, match)
         del traces[self._max:]
+        return match
 
     def count(self, key: Hashable) -> int:
         return len(self._traces.get(key, ()))

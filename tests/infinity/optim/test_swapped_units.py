@@ -441,3 +441,28 @@ def test_bad_gradient_pieces(tmp_path, put_units):
         with pytest.raises(ValueError, match="unit 0's gradient has non-finite values"):
             opt.step_unit(0, [torch.ones(50), nan])
         assert opt.tiles.steps == [0]  # nothing was updated
+
+
+def test_a_streamed_tile_is_needed_again_after_what_a_step_fetches(tmp_path, put_units):
+    """After its update a tile's next-use hint is the store's fetches since its last update (a
+    whole step's, however many values and gradients the step fetches beside the tiles), at
+    least one per tile: values the next forward needs sooner are evicted after it."""
+    with _store(tmp_path) as store:
+        _, specs = put_units(store, [torch.float32] * len(NUMELS), NUMELS)
+        opt = SwappedOptimizer(specs, store, lr=1e-2, tile_numel=TILE)
+        hints, set_next_use = [], store.set_next_use
+        store.set_next_use = lambda h: (hints.append((dict(h), store.clock)), set_next_use(h))
+        clocks = []
+        for step in range(3):
+            if step == 2:  # 50 fetches of something else between the steps
+                for _ in range(50):
+                    with store.hold(specs[0].values_key):
+                        pass
+            clocks.append(store.clock)
+            _run_steps(opt, [_grads(specs, step)], [1e-2], range(len(specs)), [1.0])
+        key = opt.tiles.key(0)
+        after = [d for h, _ in hints for k, d in h.items() if k == key and d >= len(opt.tiles)]
+        assert after[0] == len(opt.tiles)  # first update: no last one to measure from
+        assert after[1] == clocks[1] - clocks[0]  # a step's fetches (here above the tile count)
+        assert after[1] > len(opt.tiles)
+        assert after[2] == clocks[2] - clocks[1]

@@ -8,6 +8,7 @@ from infinity.zero import Trace, TraceBook
 def test_trace_lookups():
     trace = Trace([0, 1, 2, 1, 0], numels=[10, 20, 30])
     assert trace.next_pos == (4, 3, 5, 5, 5)
+    assert trace.first_pos == {0: 0, 1: 1, 2: 2}
     assert trace.numel_between(1, 4) == 20 + 30 + 20
     assert trace.numel_between(2, 2) == 0
 
