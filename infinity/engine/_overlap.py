@@ -8,12 +8,12 @@ the result is the same. The store is told the unit's values are needed again soo
 them; the trace alone says "at the next forward", so they went first and were read from NVMe
 again), and once stepped, where the next forward first uses them (`NextUseClock.stepped`).
 Without clipping a unit's gradient is let go as soon as it is stepped, so the gradients held
-at once are those of the units backward is ahead of the worker by, not the whole model's. Resident units (held until the step) are
-stepped after backward. Whether the step stands is known only when backward ends (the norm for
-clipping, the fp16 overflow check, a NaN in any gradient): the units are stepped speculatively
-([Note: speculate, then validate]). Each unit's gradient sum of squares is taken as the
-gradient becomes final,
-before the worker frees it; step() sums them in unit order (over every rank's shard), so
+at once are those of the units backward is ahead of the worker by, not the whole model's.
+Resident units (held until the step) are stepped after backward. Whether the step stands is
+known only when backward ends (the norm for clipping, the fp16 overflow check, a NaN in any
+gradient): the units are stepped speculatively ([Note: speculate, then validate]). Each
+unit's gradient sum of squares is taken as the gradient becomes final, before the worker
+frees it; step() sums them in unit order (over every rank's shard), so
 `last_grad_norm` is the norm the step after backward reports, to the bit. It pays where the
 step waits on something other than the cores backward computes on (NVMe, an accelerator); with
 CPU compute and everything in RAM the worker and backward only take turns on the same cores
