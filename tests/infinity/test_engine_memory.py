@@ -87,10 +87,11 @@ def test_prefetch_window_shrinks_to_what_the_host_budget_leaves():
     assert 0 < tight.prefetch_numel * 4 <= (48 << 20) - 5 * (4 << 20) - 3 * (2 << 20)
 
 
-def test_what_the_budget_leaves_caches_parameters_on_nvme_up_to_all_of_them():
-    """Parameters at home on NVMe: the host tier gets the working set (three of the largest
-    unit here) plus what the budget leaves, up to every parameter; none without a budget, none
-    at the least budget, and host-homed values (all in the tier already) take nothing more."""
+def test_what_the_budget_leaves_caches_what_lives_on_nvme_up_to_all_of_it():
+    """Parameters and optimizer state at home on NVMe: the host tier gets the working set
+    (three of the largest unit here) and a few tiles, plus what the budget leaves, up to every
+    parameter and all the state; none without a budget, none at the least budget, and nothing
+    more where nothing lives on NVMe."""
     units = [_unit(i, 1 << 20) for i in range(40)]  # 40 units of 4 MiB: 160 MiB of values
     kwargs = {"offload_param": "nvme", "offload_optimizer": "nvme", "accelerator": False,
               "prefetch_numel": 0, "tile_numel": 1 << 18}
@@ -98,12 +99,19 @@ def test_what_the_budget_leaves_caches_parameters_on_nvme_up_to_all_of_them():
     room = bare.budgets[Tier.HOST] + bare.outside_store_nbytes  # what the plan needs
     some = plan_memory(units, host_memory_budget=room + (20 << 20), **kwargs)
     assert some.budgets[Tier.HOST] == bare.budgets[Tier.HOST] + (20 << 20)
-    for budget in (room + (1 << 30), room + (2 << 30)):  # all 160 MiB, 12 of them the working set
+    values, state = 40 * (4 << 20), 40 * (8 << 20)  # fp32 units: two fp32 moments, no master
+    for budget in (room + (1 << 30), room + (2 << 30)):  # all 160 + 320 MiB
         every = plan_memory(units, host_memory_budget=budget, **kwargs)
-        assert every.budgets[Tier.HOST] == bare.budgets[Tier.HOST] + 40 * (4 << 20) - 3 * (4 << 20)
+        assert values + state <= every.budgets[Tier.HOST] <= values + state + (64 << 20)
+        assert every.budgets[Tier.HOST] == plan_memory(units, host_memory_budget=budget * 2,
+                                                       **kwargs).budgets[Tier.HOST]
+    params_only = {**kwargs, "offload_optimizer": "cpu"}  # the state is in the tier already
+    assert plan_memory(units, host_memory_budget=1 << 32, **params_only).budgets[Tier.HOST] == \
+        plan_memory(units, host_memory_budget=None, **params_only).budgets[Tier.HOST] + values \
+        - 3 * (4 << 20)  # every parameter, 12 MiB of them the working set
     least = plan_memory(units, host_memory_budget=bare.min_host_budget, **kwargs)
     assert least.budgets[Tier.HOST] + least.outside_store_nbytes <= bare.min_host_budget
-    host = {**kwargs, "offload_param": "cpu"}
+    host = {**kwargs, "offload_param": "cpu", "offload_optimizer": "cpu"}
     assert plan_memory(units, host_memory_budget=1 << 32, **host).budgets[Tier.HOST] == \
         plan_memory(units, host_memory_budget=None, **host).budgets[Tier.HOST]
 
