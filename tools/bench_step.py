@@ -49,6 +49,15 @@ both, the speedup (paired per round) beside the ratio of their bytes per step:
 
     python -m tools.bench_step --path /nvme --bf16 --optimizer-state int8 --no-master \
         --configs nvme,nvme-fp32 --rounds 3
+
+The engine configs' `infinity.host_memory_budget` is the shipped "auto" (80% of the memory
+available), whose rest caches parameters and optimizer state: on a machine with RAM to spare
+the model's NVMe traffic is then mostly writes. --host-memory sets a smaller budget for the
+NVMe configs (offload off keeps "auto": it holds the model in RAM), so the step moves what a
+model far larger than RAM would (the plan refuses one below its least):
+
+    python -m tools.bench_step --path /nvme --bf16 --optimizer-state int8 --no-master \
+        --configs nvme,nvme-fp32 --host-memory 1.5GB
 """
 
 from __future__ import annotations
@@ -103,7 +112,8 @@ def engine_config(args: argparse.Namespace, config: str, directory: str) -> dict
             "zero_optimization": {"stage": 3, "offload_param": device, "offload_optimizer": device,
                                   "sub_group_size": args.sub_group_size},
             "bf16": {"enabled": args.bf16},
-            "infinity": {"optimizer_state": state, **overlap}}
+            "infinity": {"optimizer_state": state, **overlap,
+                         "host_memory_budget": args.host_memory if offload == "nvme" else "auto"}}
 
 
 def _nvme_bytes(stats: dict) -> int:
@@ -364,6 +374,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="engine configs: infinity.optimizer_state.moments")
     parser.add_argument("--no-master", action="store_true",
                         help="engine configs: no fp32 master (needs --bf16)")
+    parser.add_argument("--host-memory", default="auto",
+                        help="nvme configs: infinity.host_memory_budget (bytes or '1.5GB')")
     parser.add_argument("--omp-wait-policy", choices=("passive", "active", "inherit"),
                         default="passive",
                         help="OMP_WAIT_POLICY of the children "

@@ -87,6 +87,12 @@ def test_nvme_fp32_is_the_uncompressed_baseline_of_the_same_parameters(tmp_path)
     assert baseline["infinity"]["optimizer_state"] == {"moments": "fp32", "master": "fp32"}
     assert baseline["bf16"] == {"enabled": True}
     assert baseline["zero_optimization"]["offload_optimizer"]["device"] == "nvme"
+    assert compressed["infinity"]["host_memory_budget"] == "auto"  # its rest caches
+    small = bench_step.parse_args(["--path", str(tmp_path), "--host-memory", "1.5GB"])
+    assert bench_step.engine_config(small, "nvme", str(tmp_path))["infinity"][
+        "host_memory_budget"] == "1.5GB"
+    assert bench_step.engine_config(small, "none", str(tmp_path))["infinity"][
+        "host_memory_budget"] == "auto"  # it holds the whole model in RAM
     fp32 = bench_step.run_child(args, "nvme-fp32", str(tmp_path))
     int8 = bench_step.run_child(args, "nvme", str(tmp_path))
     assert fp32["raw_gbps"] > 0 and fp32["bytes_per_step"] > int8["bytes_per_step"] > 0
