@@ -221,6 +221,24 @@ def _random_compactions(seed: int, ops: int, kept_share: int, compact) -> Arena:
     return arena
 
 
+def _holey_arena() -> tuple[Arena, list[Block], list[int]]:
+    """16 blocks of 1 KiB, block i filled with i, with holes at 1, 3, 10, 12 and 13: the arena,
+    the blocks and the indices still live."""
+    arena = Arena(16 * 1024, pinned=False, alignment=1024)
+    blocks = [arena.alloc(1024, torch.uint8) for _ in range(16)]
+    for i, block in enumerate(blocks):
+        block.tensor.fill_(i)
+    holes = (1, 3, 10, 12, 13)
+    for i in holes:
+        arena.free(blocks[i])
+    return arena, blocks, [i for i in range(16) if i not in holes]
+
+
+def _assert_filled(blocks: list[Block], live: list[int]) -> None:
+    for i in live:
+        assert bool((blocks[i].tensor == i).all()), i
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_compactions_around_kept_blocks_keep_every_byte(seed):
     """Random layouts, random kept sets (see _random_compactions)."""
@@ -232,40 +250,26 @@ def test_random_compactions_around_kept_blocks_keep_every_byte(seed):
 def test_compacting_for_a_need_moves_only_the_cheapest_stretch():
     """Holes of 1 KiB at 1, 3 and 10 and of 2 KiB at 12-13: 3 KiB is gathered by sliding block
     11 alone down to 10, not by moving everything above the first hole."""
-    arena = Arena(16 * 1024, pinned=False, alignment=1024)
-    blocks = [arena.alloc(1024, torch.uint8) for _ in range(16)]
-    for i, block in enumerate(blocks):
-        block.tensor.fill_(i)
-    for i in (1, 3, 10, 12, 13):
-        arena.free(blocks[i])
-    live = [i for i in range(16) if i not in (1, 3, 10, 12, 13)]
+    arena, blocks, live = _holey_arena()
     before = {i: blocks[i].offset for i in live}
     assert arena.compact(need=3 * 1024) == 1024
     assert {i: blocks[i].offset for i in live} == {**before, 11: 10 * 1024}
     assert (11 * 1024, 3 * 1024) in arena._free.holes()
     assert arena.stats().largest_hole_nbytes == 3 * 1024
-    for i in live:
-        assert bool((blocks[i].tensor == i).all()), i
+    _assert_filled(blocks, live)
     # all 5 KiB free: the stretch from the hole at 1 to the hole at 11-13; 14 and 15 stay,
     # where a full compaction would slide them too
     assert arena.compact(need=5 * 1024) == 8 * 1024
     assert (blocks[14].offset, blocks[15].offset) == (14 * 1024, 15 * 1024)
     assert arena._free.holes() == [(9 * 1024, 5 * 1024)]
-    for i in live:
-        assert bool((blocks[i].tensor == i).all()), i
+    _assert_filled(blocks, live)
 
 
 def test_compacting_for_a_need_leaves_kept_blocks_and_moves_nothing_without_a_stretch():
     """A kept block splits the stretches: the cheapest one that does not cross it moves; when
     no stretch holds `need` free bytes nothing moves (the caller evicts, or compacts everything,
     which slides blocks past the kept one)."""
-    arena = Arena(16 * 1024, pinned=False, alignment=1024)
-    blocks = [arena.alloc(1024, torch.uint8) for _ in range(16)]
-    for i, block in enumerate(blocks):
-        block.tensor.fill_(i)
-    for i in (1, 3, 10, 12, 13):
-        arena.free(blocks[i])
-    live = [i for i in range(16) if i not in (1, 3, 10, 12, 13)]
+    arena, blocks, live = _holey_arena()
     # 4 KiB: 3 free below kept block 11, 2 above it: no stretch, nothing moves
     before = {i: blocks[i].offset for i in live}
     assert arena.compact(keep=[blocks[11]], need=4 * 1024) == 0
@@ -274,8 +278,7 @@ def test_compacting_for_a_need_leaves_kept_blocks_and_moves_nothing_without_a_st
     assert arena.compact(keep=[blocks[11]], need=3 * 1024) == 7 * 1024  # 2, 4..9; 0 stays
     assert blocks[11].offset == 11 * 1024 and blocks[0].offset == 0
     assert (8 * 1024, 3 * 1024) in arena._free.holes()
-    for i in live:
-        assert bool((blocks[i].tensor == i).all()), i
+    _assert_filled(blocks, live)
     # everything (no need): 14 and 15 slide below kept 11, gathering 4 KiB above it
     assert arena.compact(keep=[blocks[11]]) == 2 * 1024
     assert [blocks[i].offset // 1024 for i in (14, 15)] == [8, 9]
