@@ -73,6 +73,7 @@ import sys
 import tempfile
 import time
 
+from infinity.cli.args import parse_size
 from infinity.memory import peak_rss_bytes, usable_cores
 
 CONFIGS = ("nvme", "nvme-clip", "nvme-rollback", "nvme-clip-after", "nvme-fp32", "none",
@@ -113,7 +114,8 @@ def engine_config(args: argparse.Namespace, config: str, directory: str) -> dict
                                   "sub_group_size": args.sub_group_size},
             "bf16": {"enabled": args.bf16},
             "infinity": {"optimizer_state": state, **overlap,
-                         "host_memory_budget": args.host_memory if offload == "nvme" else "auto"}}
+                         "host_memory_budget": args.host_memory if offload == "nvme" and
+                         args.host_memory is not None else "auto"}}
 
 
 def _nvme_bytes(stats: dict) -> int:
@@ -374,8 +376,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="engine configs: infinity.optimizer_state.moments")
     parser.add_argument("--no-master", action="store_true",
                         help="engine configs: no fp32 master (needs --bf16)")
-    parser.add_argument("--host-memory", default="auto",
-                        help="nvme configs: infinity.host_memory_budget (bytes or '1.5GB')")
+    parser.add_argument("--host-memory", type=parse_size,
+                        help="nvme configs: infinity.host_memory_budget (bytes or '1.5GB'; "
+                             "default: the shipped \"auto\")")
     parser.add_argument("--omp-wait-policy", choices=("passive", "active", "inherit"),
                         default="passive",
                         help="OMP_WAIT_POLICY of the children "

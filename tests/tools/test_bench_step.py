@@ -90,7 +90,7 @@ def test_nvme_fp32_is_the_uncompressed_baseline_of_the_same_parameters(tmp_path)
     assert compressed["infinity"]["host_memory_budget"] == "auto"  # its rest caches
     small = bench_step.parse_args(["--path", str(tmp_path), "--host-memory", "1.5GB"])
     assert bench_step.engine_config(small, "nvme", str(tmp_path))["infinity"][
-        "host_memory_budget"] == "1.5GB"
+        "host_memory_budget"] == 1_500_000_000
     assert bench_step.engine_config(small, "none", str(tmp_path))["infinity"][
         "host_memory_budget"] == "auto"  # it holds the whole model in RAM
     fp32 = bench_step.run_child(args, "nvme-fp32", str(tmp_path))
@@ -181,3 +181,12 @@ def test_the_clipped_configs_speculate_roll_back_or_step_after_backward(tmp_path
     assert results["nvme-rollback over nvme"]["ratio"] == pytest.approx(1.35)
     assert results["nvme-rollback over nvme"]["rollbacks"] == [3, 3]
     assert results["nvme-rollback over nvme"]["steps_not_speculated"] == [0, 0]
+
+
+@pytest.mark.parametrize("size", ["banana", "0", "-1GB"])
+def test_a_bad_host_memory_is_refused_in_one_line(size, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench_step.parse_args(["--path", "/tmp", f"--host-memory={size}"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "--host-memory" in err[-1] and repr(size) in err[-1] and "is not a size" in err[-1]
