@@ -365,9 +365,10 @@ class InfinityConfig(Section):
 
     host_memory_budget: ByteSize | None = None
     """Bytes of host memory the engine may allocate (arenas, pools, gradients, optimizer
-    tiles); an integer or a string such as "8GB" or "512MiB". With parameters on NVMe what the
-    memory plan leaves of it caches parameters (up to all of them). Absent, null or "auto": 80%
-    of the memory available when the config is loaded. None only on a config built by hand."""
+    tiles); an integer or a string such as "8GB" or "512MiB". What the memory plan leaves of it
+    caches what lives on NVMe (parameters, then optimizer state, up to all of them). Absent,
+    null or "auto": 80% of the memory available when the config is loaded. None only on a
+    config built by hand."""
     trace_prefetch: bool = True
     """Record the order of fetches in step 1 and prefetch along it afterwards. Default true."""
     compute_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"

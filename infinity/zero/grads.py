@@ -189,9 +189,7 @@ class RamGrad(FlatGrad):
     def _writable(self, *, overwrite: bool = False) -> Iterator[torch.Tensor]:
         yield self.tensor
 
-    @contextlib.contextmanager
-    def _readable(self) -> Iterator[torch.Tensor]:
-        yield self.tensor
+    _readable = _writable
 
 
 class StoredGrad(FlatGrad):
