@@ -120,8 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     ours, rest = parser.parse_known_args(argv)
     if ours.block < 1:
         parser.error("--block takes a step count >= 1")
-    # 8 blocks after bench_step's warm-up unless --steps says otherwise (the last one counts)
-    args = bench_step.parse_args(["--steps", str(2 + 8 * ours.block), *rest])
+    args = bench_step.parse_args(rest)
+    if not any(a == "--steps" or a.startswith("--steps=") for a in rest):
+        args.steps = args.warmup + 8 * ours.block  # 8 blocks after the warm-up
     least = ours.block + 1 + (ours.block > 1)  # the trial side's first timed step is the last
     if args.steps - args.warmup < least:
         parser.error(f"--steps {args.steps} after --warmup {args.warmup} times no step of the "

@@ -123,3 +123,19 @@ def test_a_block_of_no_steps_or_too_few_steps_for_a_block_a_side_is_refused(tmp_
                                   str(tmp_path), *TINY])
     assert "times no step of the trial side in blocks of 4: at least 6" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []  # refused before anything was built
+
+
+@pytest.mark.parametrize("extra, steps", [([], 2 + 8 * 3), (["--warmup", "3"], 3 + 8 * 3),
+                                          (["--steps", "9"], 9), (["--steps=9"], 9)])
+def test_steps_default_to_eight_blocks_after_the_warm_up(tmp_path, capsys, monkeypatch, extra,
+                                                         steps):
+    asked = []
+
+    def fake_run(args, trial, directory, blocks):
+        asked.append((args.steps, blocks))
+        return {trial: [1.0], "other": [1.0]}
+
+    monkeypatch.setattr(bench_worker_policy, "run", fake_run)
+    assert bench_worker_policy.main(["--policy", "batch", "--block", "3", "--path", str(tmp_path),
+                                     *extra, *TINY]) == 0
+    assert asked == [(steps, 3)]
