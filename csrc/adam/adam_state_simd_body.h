@@ -210,32 +210,20 @@ INF_ADAM__SIMD_FN void state_convert(float *dst, const void *src, int dtype, siz
         dst[k] = inf_adam__load_any(src, dtype, k);
 }
 
-/* The random bits of the elements whose counters' low halves are the lanes of lo: mix32 of lo
- * xor the key of their high half (inf_adam__random_key). mix32's first step, x ^ (x >> 16), is
- * folded into the key (random_key_folded): while the lanes' counters share their top 48 bits,
- * x >> 16 is the same in every lane and on every vector. */
-INF_ADAM__SIMD_INLINE vec_i32 random_bits(vec_i32 lo, vec_i32 folded_key)
+/* The 16 random bits of the elements whose counters' low halves are the lanes of lo and
+ * whose high halves have the key inf_adam__random_key (inf_adam__random). */
+INF_ADAM__SIMD_INLINE vec_i32 random_bits(vec_i32 lo, vec_i32 key)
 {
-    vec_i32 x = vec_i32_mullo(vec_i32_xor(lo, folded_key), vec_i32_set1(0x7feb352d));
+    const vec_i32 mul = vec_i32_set1((int32_t)INF_ADAM__ROUNDING_MUL);
 
-    x = vec_i32_xor(x, vec_i32_srli(x, 15));
-    x = vec_i32_mullo(x, vec_i32_set1((int32_t)0x846ca68bu));
-    return vec_i32_xor(x, vec_i32_srli(x, 16));
-}
-
-/* The key random_bits takes for the counters that share j's top 48 bits. */
-static inline uint32_t random_key_folded(const struct inf_adam__state_coef *c, uint64_t j)
-{
-    uint32_t key = inf_adam__random_key(c, (uint32_t)(j >> 32));
-
-    return key ^ (((uint32_t)j ^ key) >> 16);
+    return vec_i32_srli(vec_i32_mullo(vec_i32_xor(lo, key), mul), 16);
 }
 
 /* [Note: stochastic rounding]; `exact`: some lane may be NaN, which rounds as the master's
  * copy does. */
 INF_ADAM__SIMD_INLINE vec_u16 sr_bf16(vec_f32 p, vec_i32 r, int exact)
 {
-    vec_i32 sum = vec_i32_add(vec_as_i32(p), vec_i32_and(r, vec_i32_set1(0xffff)));
+    vec_i32 sum = vec_i32_add(vec_as_i32(p), r);
 
     if (!exact)
         return vec_pack_hi16(sum);
@@ -363,7 +351,7 @@ INF_ADAM__SIMD_INLINE struct simd_coef simd_coef_of(const struct inf_adam__state
 /* One pass over a block: per element the new moments, then the parameter from them (see
  * inf_adam__moments_one and inf_adam__param_one, which the tail runs). Every int argument is a
  * constant at its call site: one loop each. Without a master the block's rounding counters
- * must share their top 48 bits (update_block splits the blocks that cross a multiple of 2^16
+ * must share their high halves (update_block splits the blocks that cross a multiple of 2^32
  * there). */
 INF_ADAM__SIMD_INLINE void update(const struct inf_adam__state_coef *c,
                                   const struct simd_coef *vc, const struct inf_adam_segment *s,
@@ -387,7 +375,8 @@ INF_ADAM__SIMD_INLINE void update(const struct inf_adam__state_coef *c,
     const vec_f32 m_scale = vec_set1(q8_f16_scale(b->m_scale, INF_ADAM__QM_BIAS));
     const vec_f32 v_scale = vec_set1(q8_f16_scale(b->v_scale, INF_ADAM__QV_BIAS));
     const int l2 = c->l2, decoupled = c->decoupled;
-    const vec_i32 key = vec_i32_set1((int32_t)random_key_folded(c, s->index + lo));
+    const vec_i32 key =
+        vec_i32_set1((int32_t)inf_adam__random_key(c, (uint32_t)((s->index + lo) >> 32)));
     vec_i32 counter = vec_i32_add(vec_i32_set1((int32_t)(uint32_t)(s->index + lo)), vec_iota());
     vec_i32 m_max = vec_i32_set1(0), v_max = m_max;
     const int rounds_bf16 = moments == INF_ADAM_MOMENTS_BF16 || values_dtype == INF_ADAM_DTYPE_BF16;
@@ -439,10 +428,10 @@ INF_ADAM__SIMD_INLINE void update(const struct inf_adam__state_coef *c,
 }
 
 /* The pieces of a master-free block that update runs: the block, or if its rounding counters
- * cross a multiple of 2^16 (one block in 2^16 / block; a multiple of 2^32 is one too) the
- * elements before it and those after; returns how many. A block crosses at most one. */
+ * cross a multiple of 2^32 the elements before it and those after; returns how many. A block
+ * crosses at most one. */
 _Static_assert(INF_ADAM_BLOCK_MAX <= 1 << 16 && INF_ADAM__STATE_UNIT <= 1 << 16,
-               "a block's rounding counters cross at most one multiple of 2^16");
+               "a block's rounding counters cross at most one multiple of 2^32");
 
 INF_ADAM__SIMD_INLINE int split_block(const struct inf_adam_segment *s,
                                       const struct inf_adam__block *b,
@@ -452,9 +441,9 @@ INF_ADAM__SIMD_INLINE int split_block(const struct inf_adam_segment *s,
     size_t cut;
 
     parts[0] = *b;
-    if (first >> 16 == last >> 16)
+    if (first >> 32 == last >> 32)
         return 1;
-    cut = b->lo + (size_t)((last >> 16 << 16) - first);
+    cut = b->lo + (size_t)((last >> 32 << 32) - first);
     parts[0].hi = cut;
     parts[1] = *b;
     parts[1].lo = cut;

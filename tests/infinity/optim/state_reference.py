@@ -62,10 +62,11 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def random_bits(seed: int, step: int, index: int, n: int) -> torch.Tensor:
-    """The 32 random bits (in int64) of elements index .. index + n - 1 at this step."""
+    """The 16 random bits (in int64) of elements index .. index + n - 1 at this step."""
     key0, key1 = rounding_key(seed, step)
     j = index + torch.arange(n, dtype=torch.int64)
-    return _mix32((j & MASK32) ^ key0 ^ _mix32((j >> 32) ^ key1))
+    key = key0 ^ _mix32((j >> 32) ^ key1)
+    return _mul32((j & MASK32) ^ key, 0x9E3779B1) >> 16
 
 
 def _u32(x: torch.Tensor) -> torch.Tensor:
@@ -80,7 +81,7 @@ def _as16(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def stochastic_round(p: torch.Tensor, r: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """float32 p rounded to bf16 or fp16 with the random bits r."""
     if dtype == torch.bfloat16:
-        bits = _as16((_u32(p) + (r & 0xFFFF)) >> 16, torch.bfloat16)
+        bits = _as16((_u32(p) + r) >> 16, torch.bfloat16)
         return torch.where(p.isnan(), p.to(torch.bfloat16), bits)
     low = f32(2.0**-14)
     a = p.abs()

@@ -110,16 +110,16 @@ MASTER_FREE = [(m, ma, v) for m, ma, v in CASES if ma == "none"]
 
 @pytest.mark.parametrize(("moments", "master", "values_dtype"), MASTER_FREE,
                          ids=[f"{m}-{str(v).removeprefix('torch.')}" for m, _, v in MASTER_FREE])
-def test_rounding_counters_across_2_16_equal_reference(moments, master, values_dtype, isa):
-    """Master-free blocks whose rounding counters cross a multiple of 2**16 (which the SIMD
-    loops split there: the hash's first step is folded into the key of each side) round as the
-    reference, with the crossing at every offset within a vector."""
+def test_rounding_counters_across_2_32_equal_reference(moments, master, values_dtype, isa):
+    """Master-free blocks whose rounding counters cross a multiple of 2**32 (which the SIMD
+    loops split there: each side has its own key) round as the reference, with the crossing at
+    every offset within a vector."""
     fmt = StateFormat(moments, master, block=64)
     n = 64 * 9 + 5
     for shift in range(17):
         seg = Segment(fmt, n, values_dtype, seed=shift)
         grad = random_grad(n, torch.bfloat16 if shift % 2 else torch.float32, seed=shift)
-        seg.step([grad], step=1, isa=isa, index=3 * 2**16 - 64 * 4 - shift, seed=4)
+        seg.step([grad], step=1, isa=isa, index=3 * 2**32 - 64 * 4 - shift, seed=4)
         seg.check(f"shift={shift} {isa}")
 
 
