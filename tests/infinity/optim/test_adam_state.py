@@ -348,6 +348,32 @@ def test_stochastic_rounding_is_unbiased_and_seeded(dtype, isa):
     assert abs(up - 1e-4 / spacing) < 5 * (1e-4 / spacing / n) ** 0.5, up
 
 
+def test_each_elements_rounding_is_fresh_every_step(isa):
+    """Each element's random bits are uniform and new every step, not only spread over the
+    elements of one step: over 400 steps each element of 1000 rounds up as often as the steps'
+    probabilities say (a stream that repeated an element's bits from step to step would round
+    it up always or never)."""
+    n, steps, lr, spacing = 1000, 400, 2e-3, 2.0**-7
+    ups = torch.zeros(n, dtype=torch.float64)
+    expected = 0.0
+    variance = 0.0
+    for step in range(1, steps + 1):
+        values = torch.full((n,), 1.0, dtype=torch.bfloat16)
+        state = SegmentState(None, torch.zeros(n), torch.zeros(n))
+        StateKernel(StateFormat("fp32", "none"), step=step, lr=lr, beta1=0.9, beta2=0.999,
+                    eps=1e-8, weight_decay=0.0, adamw=True, seed=5, isa=isa, threads=1)(
+            state, -torch.ones(n), values)
+        ups += (values.float() > 1.0).double()
+        # Adam's update with a gradient of -1 from zero moments: lr * m_hat / sqrt(v_hat)
+        m_hat = 0.1 / (1 - 0.9**step)
+        v_hat = 0.001 / (1 - 0.999**step)
+        chance = lr * m_hat / (v_hat**0.5 + 1e-8) / spacing
+        expected += chance
+        variance += chance * (1 - chance)
+    worst = (ups - expected).abs().max().item()
+    assert worst < 6 * variance**0.5, (worst, expected, variance**0.5)
+
+
 def test_fp16_stochastic_rounding_of_subnormals(isa):
     """fp16 values below 2**-14 are spaced 2**-24: rounding picks one of the two neighbours
     with the right probability there too (through the shift into the binade above)."""
