@@ -43,7 +43,7 @@
  * odd constant and the product's top half. Within a step, consecutive elements' r are spread
  * evenly over [0, 2^16) (a Weyl sequence, scrambled by the xor) rather than independent, which
  * keeps the mean of many roundings closer to its expectation. One multiply where a full hash
- * of each element took two: the master-free kernels run 5-8% faster for it
+ * of each element took two: the master-free kernels run 3-8% faster for it
  * (docs/performance.md). bf16: r is added to p's bits below bf16 precision, then cut off.
  * fp16: the same with r's low 13 bits; |p| under 2^-14 (fp16 subnormals, spaced 2^-24) is
  * first shifted up by adding 2^-14, so it has the spacing of the binade above, and shifted back
