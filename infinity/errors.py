@@ -9,6 +9,12 @@ class BudgetError(MemoryError):
     """A memory budget (arena, tier, pool) cannot hold what was asked; the message has the stats."""
 
 
+class WouldWait(BudgetError):
+    """A fetch asked not to wait (`TensorStore.fetch(wait=False)`, a read ahead) found no room
+    on its tier without waiting for I/O in flight or another thread's release: nothing was
+    fetched; ask again later."""
+
+
 class ConfigPathError(OSError, ConfigError):
     """A path in the configuration cannot be used (missing, not a directory, not writable).
 

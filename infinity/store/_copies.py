@@ -338,6 +338,10 @@ class Copies:
                 self.fill(entry, dst, src)
             src = dst
 
+    def evicts_now(self, entry: Entry, tier: Tier) -> bool:
+        copy = entry.copies[tier]
+        return copy.moves_done() and (not copy.current or entry.current_below(tier) is not None)
+
     def evict(self, entry: Entry, tier: Tier) -> None:
         """Drop entry's copy on `tier`; the last current copy is first written down a tier."""
         copy = entry.copies[tier]

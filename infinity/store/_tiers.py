@@ -43,7 +43,7 @@ import torch
 
 import aio
 from aio.buffers import PAGE_NBYTES
-from infinity.errors import BudgetError
+from infinity.errors import BudgetError, WouldWait
 from infinity.memory import Arena, Block
 from infinity.store._common import Tier
 from infinity.store._entry import Copy, Entry, Kept, PendingMove
@@ -71,6 +71,9 @@ class Evictor(Protocol):
 
     def evict(self, entry: Entry, tier: Tier) -> None:
         """Drop `entry`'s copy on `tier`, writing it down first when it is the last one."""
+
+    def evicts_now(self, entry: Entry, tier: Tier) -> bool:
+        """Whether `evict` would drop the copy without waiting for any I/O."""
 
     def moves_in_flight(self) -> Iterable[PendingMove]:
         """The moves started and not yet settled."""
@@ -100,6 +103,7 @@ class Tiers:
         self.handle = aio_handle
         self._own_handle = False
         self.prefetching = False  # a prefetch may not evict copies prefetched before it
+        self.waits_for_room = True  # False: WouldWait where making room would wait
         try:
             # Host blocks start on pages so aio moves them with O_DIRECT, never through the cache.
             if budgets.get(Tier.DEVICE):
@@ -223,6 +227,16 @@ class Tiers:
         finally:
             self.prefetching = False
 
+    @contextlib.contextmanager
+    def room_now_only(self) -> Iterator[None]:
+        """Within: making room never waits (for a copy's I/O, or another thread's release):
+        WouldWait instead, before anything is evicted for it."""
+        self.waits_for_room = False
+        try:
+            yield
+        finally:
+            self.waits_for_room = True
+
     def _extent(self, entry: Entry) -> aio.Extent:
         try:
             return self.swap.allocate(entry.nbytes)
@@ -267,6 +281,9 @@ class Tiers:
                     continue
             if victim is None:
                 self._no_room(entry, tier, span, copies)
+            if not self.waits_for_room and not copies.evicts_now(victim, tier):
+                raise WouldWait(f"{entry.key!r}: room on {tier.label} waits for {victim.key!r}'s "
+                                f"I/O")
             copies.evict(victim, tier)
 
     def _staying(self, tier: Tier) -> list[Block]:
@@ -275,10 +292,13 @@ class Tiers:
 
     def _no_room(self, entry: Entry, tier: Tier, span: int, copies: Evictor) -> None:
         """Nothing left to evict or compact: wait for I/O on the tier or for a release by another
-        thread where that may help, else BudgetError; see [Note: room on a fragmented tier]."""
+        thread where that may help, else BudgetError; see [Note: room on a fragmented tier].
+        WouldWait instead of either wait within room_now_only()."""
         for move in copies.moves_in_flight():
             touches = move.dst.tier == tier or (move.src is not None and move.src.tier == tier)
             if touches and not move.done():
+                if not self.waits_for_room:
+                    raise WouldWait(f"{entry.key!r}: room on {tier.label} waits for I/O")
                 raise MustWait(move)  # its copy can move or go once it is done
         arena = self.arenas[tier]
         me = threading.get_ident()
@@ -297,6 +317,9 @@ class Tiers:
         frees_bytes = tier in self.victims or arena.stats().free_nbytes >= span
         if releasable and frees_bytes and not self.prefetching and may_wait \
                 and _gap_for(arena, held_by_stuck, span, staying):
+            if not self.waits_for_room:
+                raise WouldWait(f"{entry.key!r}: room on {tier.label} waits for another "
+                                f"thread's release")
             raise self.room.must_wait(now)
         st = arena.stats()
         nbytes = {who: sum(_span(arena, c.block.nbytes) for c in in_use if pick(c))

@@ -203,20 +203,23 @@ class TensorStore:
                                        else None, start)
 
     def fetch(self, key: str, tier: Tier | str = Tier.HOST, *, next_use: float | None = None,
-              overwrite: bool = False) -> TensorFuture:
+              overwrite: bool = False, wait: bool = True) -> TensorFuture:
         """Start bringing `key` to `tier` ("device" or "host"); the copy is in use until release().
 
         `next_use`: when it is needed again, as a distance on the store's clock from now
         (as in set_next_use). overwrite=True: the caller writes every element and releases
         dirty, so the value is not read in (where no copy on `tier` is current, the tensor's
-        bytes are undefined); ValueError if the key is in use meanwhile."""
+        bytes are undefined); ValueError if the key is in use meanwhile. wait=False (a read
+        ahead on a thread that computes): WouldWait, with nothing fetched, where making room
+        would wait for a copy's I/O or another thread's release."""
         tier = self._tiers.fast(tier)
         if next_use is not None:
             check_distance(key, next_use)
 
         def start() -> TensorFuture:
             entry = self._copies.entry(key)
-            self._copies.start_use(entry, tier, next_use, overwrite=overwrite)
+            with contextlib.nullcontext() if wait else self._tiers.room_now_only():
+                self._copies.start_use(entry, tier, next_use, overwrite=overwrite)
             return TensorFuture(self._runner, self._copies, entry, tier)
 
         return self._runner.run(start)

@@ -1,5 +1,6 @@
 """TensorStore under threads: no I/O wait under the lock, and close() racing everything else."""
 
+import contextlib
 import errno
 import random
 import sys
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 import aio
-from infinity.errors import BudgetError, ClosedError
+from infinity.errors import BudgetError, ClosedError, WouldWait
 from infinity.store import TensorStore
 
 MiB = 1 << 20
@@ -165,3 +166,61 @@ def test_close_racing_fetches_and_write_backs_never_crashes_nor_hangs(tmp_path, 
         assert "error" not in outcome, outcome["error"]
     assert sum(calls) > 0
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_fetch_that_may_not_wait_is_refused_where_room_waits_for_a_write_back(tmp_path,
+                                                                               in_thread):
+    """fetch(wait=False), a read ahead on a computing thread: where the only way to room is a
+    copy whose write-back is still running, WouldWait at once, nothing evicted or fetched (with
+    wait=True the same fetch waits for the write: the eviction test above)."""
+    handle = aio.Handle()
+    store = TensorStore({"host": MiB, "nvme": 8 * MiB}, nvme_path=tmp_path, aio_handle=handle)
+    try:
+        store.put("r", torch.arange(25_000.0), "nvme")  # 100 KB, kept resident on host
+        store.pin("r", "host")
+        store.put("w", torch.zeros(100_000), "nvme")  # 400 KB
+        store.fetch("w", "host").result(timeout=30).fill_(3.0)
+        handle.inject(aio.Fault(op="write", nth=0, kind="hang"))
+        store.release("w", "host", dirty=True)  # its write-back hangs
+        store.put("big", torch.ones(150_000), "nvme")  # 600 KB: room only where w is
+        thread, outcome = in_thread(lambda: store.fetch("big", "host", wait=False))
+        thread.join(10)
+        assert not thread.is_alive(), "fetch(wait=False) waited for the hung write-back"
+        assert isinstance(outcome.get("error"), WouldWait), outcome
+        assert "'big'" in str(outcome["error"]) and "host" in str(outcome["error"])
+        assert store.tiers_of("big") == ["nvme"]
+        assert "host" in store.tiers_of("w")  # not evicted: its write is still running
+    finally:
+        handle.close()  # cancels the hung write
+        with contextlib.suppress(aio.AIOError):
+            store.close()
+
+
+def test_a_fetch_that_may_not_wait_is_refused_where_room_waits_for_another_threads_release(
+        tmp_path, in_thread):
+    """The other wait for room, another thread's release: WouldWait too, without waiting; the
+    same fetch with wait=True gets the room once the copy is released."""
+    with TensorStore({"host": MiB, "nvme": 8 * MiB}, nvme_path=tmp_path) as store:
+        store.put("held", torch.ones(150_000), "nvme")  # 600 KB
+        store.put("big", torch.full((150_000,), 2.0), "nvme")
+        holding, may_release = threading.Event(), threading.Event()
+
+        def worker():
+            store.fetch("held", "host").result(timeout=30)
+            holding.set()
+            may_release.wait(30)
+            store.release("held", "host")
+
+        thread, outcome = in_thread(worker)
+        assert holding.wait(30)
+        refused, refusal = in_thread(lambda: store.fetch("big", "host", wait=False))
+        refused.join(10)
+        assert not refused.is_alive(), "fetch(wait=False) waited for another thread's release"
+        assert isinstance(refusal.get("error"), WouldWait), refusal
+        assert "another thread's release" in str(refusal["error"])
+        assert store.tiers_of("big") == ["nvme"]
+        may_release.set()
+        thread.join(30)
+        assert "error" not in outcome, outcome
+        assert torch.all(store.fetch("big", "host", wait=False).result(timeout=30) == 2.0)
+        store.release("big", "host")
