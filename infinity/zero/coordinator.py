@@ -15,6 +15,14 @@ stays READY. The store is told the distance to each unit's next use (`next_use`,
 writer of units' next-use hints), so its eviction follows the trace. Budgets are in elements,
 as DeepSpeed's stage3_* knobs are.
 
+[Note: read ahead without waiting] Read-ahead runs on the thread that computes. The next unit
+may wait for room (for a copy's write-back to land, or another thread's release): its read must
+start now. A unit past it may not (`store.fetch(wait=False)`): where its room would wait, the
+read-ahead stops there and goes on after the next use, when that I/O has likely landed; the
+units kept for reuse stay. Measured on the 294M GPT with the state on NVMe (docs/performance.md,
+"Read ahead that does not wait"): the compute thread had waited about 0.25 s a step for
+optimizer tiles' write-backs to make room for values read far ahead.
+
 [Note: callbacks outside the lock] The engine's callbacks run without the coordinator's lock:
 `on_grads_final` may run a collective and hand the unit to the optimizer's worker, and
 `ready(unit, True)` may wait for the worker or step the unit itself, while the worker, or
@@ -44,7 +52,7 @@ from typing import Any
 
 import torch
 
-from infinity.errors import BudgetError
+from infinity.errors import BudgetError, WouldWait
 from infinity.store import TensorStore, Tier
 from infinity.zero._common import PrefetchStats, UnitState
 from infinity.zero.next_use import NextUseClock
@@ -329,7 +337,8 @@ class ParamCoordinator:
             self._wait(u)
         self._prefetch_after(pos)
 
-    def _start(self, u: FetchUnit, *, next_use: float, make_room: bool) -> None:
+    def _start(self, u: FetchUnit, *, next_use: float, make_room: bool,
+               wait: bool = True) -> None:
         u.expect(UnitState.RELEASED)
         self._not_ready.discard(u)
         if self.ready is not None and not self.ready(u, False):
@@ -337,7 +346,7 @@ class ParamCoordinator:
                                f"waits for it before taking the lock (_wait_ready)")
 
         def fetch() -> None:
-            u.future = self.store.fetch(u.key, self.fetch_tier, next_use=next_use)
+            u.future = self.store.fetch(u.key, self.fetch_tier, next_use=next_use, wait=wait)
         if make_room:  # units kept for reuse or read ahead give way to one needed now
             self._with_room(fetch)
         else:
@@ -443,13 +452,16 @@ class ParamCoordinator:
             if self.ready is not None and not self.ready(u, False):
                 self._not_ready.add(u)
                 return  # its values are still being updated (and what follows, most likely)
+            # [Note: read ahead without waiting]
             try:
-                self._start(u, next_use=float(j - pos), make_room=False)
+                self._start(u, next_use=float(j - pos), make_room=False, wait=first)
+            except WouldWait:
+                return
             except BudgetError:
                 if not self._drop_kept_after(trace, pos, j):
                     return  # the tier is full of units in use: the rest is fetched when needed
                 try:
-                    self._start(u, next_use=float(j - pos), make_room=False)
+                    self._start(u, next_use=float(j - pos), make_room=False, wait=first)
                 except BudgetError:
                     return
 

@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 
+from infinity.errors import WouldWait
 from infinity.store import TensorStore, Tier
 from infinity.zero import ModelHooks, ParamCoordinator, UnitState, place_units, plan_units
 from infinity.zero.saved_views import SavedView
@@ -278,3 +279,51 @@ def test_callbacks_run_outside_the_lock_so_other_threads_may_use_the_coordinator
         assert coordinator.stats.after_optimizer == 2  # both waited for their "step"
     assert sorted(waits) == [("grads final", "0", True), ("grads final", "2", True),
                              ("ready", "0", True), ("ready", "2", True)]
+
+
+class Revisit(torch.nn.Module):
+    """Six layers in a row, the second called again after the fifth."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(6))
+
+    def forward(self, h):
+        for i in (0, 1, 2, 3, 4, 1, 5):
+            h = torch.tanh(self.layers[i](h))
+        return h
+
+
+def test_read_ahead_past_the_next_unit_does_not_wait_for_room(tmp_path):
+    """[Note: read ahead without waiting]: the next unit's read ahead may wait for room, those
+    after it may not (`store.fetch(wait=False)`); refused (WouldWait), the read ahead stops and
+    goes on after the next use, so each unit is still read one use ahead and nothing is fetched
+    on demand; the unit kept for reuse is not let go for it."""
+    model = Revisit()
+    reference = copy.deepcopy(model)
+    x = torch.randn(3, 16)
+    with managed(model, tmp_path, reuse_numel=10**6) as (units, coordinator), torch.no_grad():
+        model(x)  # records the trace
+        kept = coordinator.stats.kept
+        model(x)
+        kept_a_pass = coordinator.stats.kept - kept
+        assert kept_a_pass == 1  # the second layer, between its two calls
+        store = coordinator.store
+        calls = []
+        fetch = store.fetch
+
+        def refusing_fetch(key, tier=Tier.HOST, *, next_use=None, overwrite=False, wait=True):
+            calls.append((key, wait))
+            if not wait:
+                raise WouldWait(f"{key!r}: room would wait (test)")
+            return fetch(key, tier, next_use=next_use, overwrite=overwrite, wait=wait)
+
+        store.fetch = refusing_fetch
+        before, kept = coordinator.stats.on_demand, coordinator.stats.kept
+        out = model(x)
+        assert any(not wait for _, wait in calls), calls  # it reached past the next unit
+        assert any(wait for _, wait in calls), calls  # and the next one was read ahead
+        assert coordinator.stats.on_demand == before, coordinator.stats
+        assert coordinator.stats.kept - kept == kept_a_pass, coordinator.stats
+        torch.testing.assert_close(out, reference(x))
