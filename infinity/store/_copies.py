@@ -262,21 +262,25 @@ class Copies:
         copy.filled()  # no move touches an EMPTY copy: nothing to wait for
         return copy
 
-    def fetched_tensor(self, entry: Entry, tier: Tier) -> torch.Tensor:
+    def fetched_tensor(self, entry: Entry, tier: Tier, *, reads_only: bool = False
+                       ) -> torch.Tensor:
         """The fetched copy's tensor once its bytes have landed (a failed read is retried, a
-        device copy staged through host is made once the host copy has landed)."""
+        device copy staged through host is made once the host copy has landed); `reads_only`:
+        also while a write-back out of the copy is running (it only reads the bytes too)."""
         if entry.copies.get(tier) is None:
             raise RuntimeError(f"{entry.key!r} left {tier.label} before its fetch completed")
         copy = self.start_fetch(entry, tier)
         if not copy.current:  # staged: the host copy (started again if it was evicted) lands first
             self.fill(entry, copy, self.start_fetch(entry, Tier.HOST))
-        self.need_idle(copy)
+        if not (reads_only and _writing_out(copy)):
+            self.need_idle(copy)
         return copy.block.tensor
 
-    def ready(self, entry: Entry, tier: Tier) -> bool:
+    def ready(self, entry: Entry, tier: Tier, *, reads_only: bool = False) -> bool:
         """Whether `fetched_tensor` would not wait (its bytes landed, or their move failed)."""
         copy = entry.copies.get(tier)
-        return copy is not None and copy.current and copy.moves_done()
+        return (copy is not None and copy.current
+                and (copy.moves_done() or reads_only and _writing_out(copy)))
 
     def fill(self, entry: Entry, dst: Copy, src: Copy) -> None:
         """Start copying src's bytes into dst: both must be idle (src's bytes landed, earlier
@@ -443,3 +447,8 @@ class Copies:
     def current_tiers(self, entry: Entry) -> list[Tier]:
         """Tiers holding (or being filled with) the current value, fastest first."""
         return [t for t, c in sorted(entry.copies.items()) if c.current]
+
+
+def _writing_out(copy: Copy) -> bool:
+    """Whether the move running on `copy` only reads it (a write-back to a slower tier)."""
+    return copy.move is not None and copy.move.src is copy

@@ -48,20 +48,22 @@ class TensorFuture:
     Duck-compatible with concurrent.futures.Future for `result(timeout)` and `done()`.
     """
 
-    __slots__ = ("_runner", "_copies", "_entry", "_tier", "_tensor")
+    __slots__ = ("_runner", "_copies", "_entry", "_tier", "_reads_only", "_tensor")
 
-    def __init__(self, runner: Runner, copies: Copies, entry: Entry, tier: Tier) -> None:
+    def __init__(self, runner: Runner, copies: Copies, entry: Entry, tier: Tier, *,
+                 reads_only: bool = False) -> None:
         self._runner = runner
         self._copies = copies
         self._entry = entry
         self._tier = tier
+        self._reads_only = reads_only
         self._tensor: torch.Tensor | None = None
 
     def done(self) -> bool:
         if self._tensor is not None:
             return True
         with self._runner.lock:
-            return self._copies.ready(self._entry, self._tier)
+            return self._copies.ready(self._entry, self._tier, reads_only=self._reads_only)
 
     def result(self, timeout: float | None = None) -> torch.Tensor:
         """The tensor on the fetched tier, valid until release(); see [Note: fetched tensors
@@ -71,9 +73,9 @@ class TensorFuture:
         later call reads again); the fetch still counts as a use either way, so release() it.
         """
         if self._tensor is None:
-            entry, tier = self._entry, self._tier
-            self._tensor = self._runner.run(lambda: self._copies.fetched_tensor(entry, tier),
-                                            timeout)
+            entry, tier, reads_only = self._entry, self._tier, self._reads_only
+            self._tensor = self._runner.run(
+                lambda: self._copies.fetched_tensor(entry, tier, reads_only=reads_only), timeout)
         return self._tensor
 
 
@@ -203,7 +205,8 @@ class TensorStore:
                                        else None, start)
 
     def fetch(self, key: str, tier: Tier | str = Tier.HOST, *, next_use: float | None = None,
-              overwrite: bool = False, wait: bool = True) -> TensorFuture:
+              overwrite: bool = False, wait: bool = True,
+              reads_only: bool = False) -> TensorFuture:
         """Start bringing `key` to `tier` ("device" or "host"); the copy is in use until release().
 
         `next_use`: when it is needed again, as a distance on the store's clock from now
@@ -211,7 +214,9 @@ class TensorStore:
         dirty, so the value is not read in (where no copy on `tier` is current, the tensor's
         bytes are undefined); ValueError if the key is in use meanwhile. wait=False (a read
         ahead on a thread that computes): WouldWait, with nothing fetched, where making room
-        would wait for a copy's I/O or another thread's release."""
+        would wait for a copy's I/O or another thread's release. reads_only=True: the holder
+        never writes the tensor (and releases it clean), so it is handed out while a write-back
+        from it is still running instead of after (the write reads the same bytes)."""
         tier = self._tiers.fast(tier)
         if next_use is not None:
             check_distance(key, next_use)
@@ -220,7 +225,7 @@ class TensorStore:
             entry = self._copies.entry(key)
             with contextlib.nullcontext() if wait else self._tiers.room_now_only():
                 self._copies.start_use(entry, tier, next_use, overwrite=overwrite)
-            return TensorFuture(self._runner, self._copies, entry, tier)
+            return TensorFuture(self._runner, self._copies, entry, tier, reads_only=reads_only)
 
         return self._runner.run(start)
 

@@ -224,3 +224,30 @@ def test_a_fetch_that_may_not_wait_is_refused_where_room_waits_for_another_threa
         assert "error" not in outcome, outcome
         assert torch.all(store.fetch("big", "host", wait=False).result(timeout=30) == 2.0)
         store.release("big", "host")
+
+
+def test_a_fetch_that_only_reads_is_handed_out_while_its_write_back_runs(tmp_path, in_thread):
+    """fetch(reads_only=True) (the coordinator's, for forward and backward): a copy whose
+    write-back to NVMe is still running is handed out at once, with its new bytes; a fetch that
+    may write waits for the write first (its bytes are being read out)."""
+    handle = aio.Handle()
+    store = TensorStore({"host": MiB, "nvme": 8 * MiB}, nvme_path=tmp_path, aio_handle=handle)
+    try:
+        store.put("w", torch.zeros(100_000), "nvme")
+        store.fetch("w", "host").result(timeout=30).fill_(3.0)
+        handle.inject(aio.Fault(op="write", nth=0, kind="hang"))
+        store.release("w", "host", dirty=True)  # its write-back hangs
+        reader, read = in_thread(lambda: store.fetch("w", "host", reads_only=True).result())
+        reader.join(10)
+        assert not reader.is_alive(), "a fetch that only reads waited for the write-back"
+        assert torch.all(read["value"] == 3.0), read
+        assert store.fetch("w", "host", reads_only=True).done()
+        store.release("w", "host")
+        store.release("w", "host")
+        writer, _ = in_thread(lambda: store.fetch("w", "host").result())
+        writer.join(1)
+        assert writer.is_alive(), "a fetch that may write did not wait for the write-back"
+    finally:
+        handle.close()  # cancels the hung write: the waiting fetch gets ECANCELED
+        with contextlib.suppress(aio.AIOError):
+            store.close()
