@@ -346,7 +346,8 @@ class ParamCoordinator:
                                f"waits for it before taking the lock (_wait_ready)")
 
         def fetch() -> None:
-            u.future = self.store.fetch(u.key, self.fetch_tier, next_use=next_use, wait=wait)
+            u.future = self.store.fetch(u.key, self.fetch_tier, next_use=next_use, wait=wait,
+                                        reads_only=True)
         if make_room:  # units kept for reuse or read ahead give way to one needed now
             self._with_room(fetch)
         else:

@@ -299,7 +299,7 @@ def test_read_ahead_past_the_next_unit_does_not_wait_for_room(tmp_path):
     """[Note: read ahead without waiting]: the next unit's read ahead may wait for room, those
     after it may not (`store.fetch(wait=False)`); refused (WouldWait), the read ahead stops and
     goes on after the next use, so each unit is still read one use ahead and nothing is fetched
-    on demand; the unit kept for reuse is not let go for it."""
+    on demand; the unit kept for reuse is not let go for it. Every fetch only reads."""
     model = Revisit()
     reference = copy.deepcopy(model)
     x = torch.randn(3, 16)
@@ -313,11 +313,12 @@ def test_read_ahead_past_the_next_unit_does_not_wait_for_room(tmp_path):
         calls = []
         fetch = store.fetch
 
-        def refusing_fetch(key, tier=Tier.HOST, *, next_use=None, overwrite=False, wait=True):
+        def refusing_fetch(key, tier=Tier.HOST, *, wait=True, **kwargs):
             calls.append((key, wait))
+            assert kwargs.get("reads_only"), kwargs  # values are never written in a pass
             if not wait:
                 raise WouldWait(f"{key!r}: room would wait (test)")
-            return fetch(key, tier, next_use=next_use, overwrite=overwrite, wait=wait)
+            return fetch(key, tier, wait=wait, **kwargs)
 
         store.fetch = refusing_fetch
         before, kept = coordinator.stats.on_demand, coordinator.stats.kept
