@@ -266,13 +266,13 @@ class Copies:
                        ) -> torch.Tensor:
         """The fetched copy's tensor once its bytes have landed (a failed read is retried, a
         device copy staged through host is made once the host copy has landed); `reads_only`:
-        also while a write-back out of the copy is running (it only reads the bytes too)."""
+        also while the copy is DRAINING (its move out reads the bytes too)."""
         if entry.copies.get(tier) is None:
             raise RuntimeError(f"{entry.key!r} left {tier.label} before its fetch completed")
         copy = self.start_fetch(entry, tier)
         if not copy.current:  # staged: the host copy (started again if it was evicted) lands first
             self.fill(entry, copy, self.start_fetch(entry, Tier.HOST))
-        if not (reads_only and _writing_out(copy)):
+        if not (reads_only and copy.state is CopyState.DRAINING):  # a move out only reads it
             self.need_idle(copy)
         return copy.block.tensor
 
@@ -280,7 +280,7 @@ class Copies:
         """Whether `fetched_tensor` would not wait (its bytes landed, or their move failed)."""
         copy = entry.copies.get(tier)
         return (copy is not None and copy.current
-                and (copy.moves_done() or reads_only and _writing_out(copy)))
+                and (copy.moves_done() or reads_only and copy.state is CopyState.DRAINING))
 
     def fill(self, entry: Entry, dst: Copy, src: Copy) -> None:
         """Start copying src's bytes into dst: both must be idle (src's bytes landed, earlier
@@ -343,14 +343,15 @@ class Copies:
             src = dst
 
     def evicts_now(self, entry: Entry, tier: Tier) -> bool:
-        copy = entry.copies[tier]
-        return copy.moves_done() and (not copy.current or entry.current_below(tier) is not None)
+        """Whether `evict` drops the copy at once: no move on it, nothing to write down (a
+        write-down counts as a wait even where it is a synchronous copy)."""
+        return entry.copies[tier].moves_done() and not _last_current(entry, tier)
 
     def evict(self, entry: Entry, tier: Tier) -> None:
         """Drop entry's copy on `tier`; the last current copy is first written down a tier."""
         copy = entry.copies[tier]
         self.need_idle(copy)
-        if copy.current and entry.current_below(tier) is None:
+        if _last_current(entry, tier):
             below = self.tiers.below(tier)
             if below is None:
                 raise BudgetError(f"cannot evict {entry.key!r} from {tier.label}: no slower tier "
@@ -449,6 +450,6 @@ class Copies:
         return [t for t, c in sorted(entry.copies.items()) if c.current]
 
 
-def _writing_out(copy: Copy) -> bool:
-    """Whether the move running on `copy` only reads it (a write-back to a slower tier)."""
-    return copy.move is not None and copy.move.src is copy
+def _last_current(entry: Entry, tier: Tier) -> bool:
+    """Whether entry's copy on `tier` holds the current value and no slower copy does."""
+    return entry.copies[tier].current and entry.current_below(tier) is None
