@@ -33,18 +33,25 @@ def _waiting(thread) -> bool:
     return frame is not None
 
 
+def _store_holding_w(tmp_path):
+    """A store (host 1 MiB) with "r" (100 KB) pinned on host and "w" (400 KB) fetched to host
+    and filled with 3.0, its handle set to hang the next write; returns (handle, store): the
+    caller releases w and closes both."""
+    handle = aio.Handle()
+    store = TensorStore({"host": MiB, "nvme": 8 * MiB}, nvme_path=tmp_path, aio_handle=handle)
+    store.put("r", torch.arange(25_000.0), "nvme")  # 100 KB, kept resident on host
+    store.pin("r", "host")
+    store.put("w", torch.zeros(100_000), "nvme")  # 400 KB
+    store.fetch("w", "host").result(timeout=30).fill_(3.0)
+    handle.inject(aio.Fault(op="write", nth=0, kind="hang"))
+    return handle, store
+
+
 @pytest.mark.parametrize("blocker", ["flush", "eviction", "put"])
 def test_a_thread_waiting_for_a_hung_write_does_not_block_another_threads_fetch(tmp_path, blocker,
                                                                                 in_thread):
-    handle = aio.Handle()
-    store = TensorStore({"host": MiB, "nvme": 8 * MiB}, nvme_path=tmp_path, aio_handle=handle)
+    handle, store = _store_holding_w(tmp_path)
     try:
-        store.put("r", torch.arange(25_000.0), "nvme")  # 100 KB, kept resident on host
-        store.pin("r", "host")
-        store.put("w", torch.zeros(100_000), "nvme")  # 400 KB
-        w = store.fetch("w", "host").result(timeout=30)
-        w.fill_(3.0)
-        handle.inject(aio.Fault(op="write", nth=0, kind="hang"))
         if blocker == "put":
             store.release("w", "host")
             thread, outcome = in_thread(lambda: store.put("p", torch.ones(1000), "nvme"))
@@ -173,14 +180,8 @@ def test_a_fetch_that_may_not_wait_is_refused_where_room_waits_for_a_write_back(
     """fetch(wait=False), a read ahead on a computing thread: where the only way to room is a
     copy whose write-back is still running, WouldWait at once, nothing evicted or fetched (with
     wait=True the same fetch waits for the write: the eviction test above)."""
-    handle = aio.Handle()
-    store = TensorStore({"host": MiB, "nvme": 8 * MiB}, nvme_path=tmp_path, aio_handle=handle)
+    handle, store = _store_holding_w(tmp_path)
     try:
-        store.put("r", torch.arange(25_000.0), "nvme")  # 100 KB, kept resident on host
-        store.pin("r", "host")
-        store.put("w", torch.zeros(100_000), "nvme")  # 400 KB
-        store.fetch("w", "host").result(timeout=30).fill_(3.0)
-        handle.inject(aio.Fault(op="write", nth=0, kind="hang"))
         store.release("w", "host", dirty=True)  # its write-back hangs
         store.put("big", torch.ones(150_000), "nvme")  # 600 KB: room only where w is
         thread, outcome = in_thread(lambda: store.fetch("big", "host", wait=False))
@@ -230,12 +231,8 @@ def test_a_fetch_that_only_reads_is_handed_out_while_its_write_back_runs(tmp_pat
     """fetch(reads_only=True) (the coordinator's, for forward and backward): a copy whose
     write-back to NVMe is still running is handed out at once, with its new bytes; a fetch that
     may write waits for the write first (its bytes are being read out)."""
-    handle = aio.Handle()
-    store = TensorStore({"host": MiB, "nvme": 8 * MiB}, nvme_path=tmp_path, aio_handle=handle)
+    handle, store = _store_holding_w(tmp_path)
     try:
-        store.put("w", torch.zeros(100_000), "nvme")
-        store.fetch("w", "host").result(timeout=30).fill_(3.0)
-        handle.inject(aio.Fault(op="write", nth=0, kind="hang"))
         store.release("w", "host", dirty=True)  # its write-back hangs
         reader, read = in_thread(lambda: store.fetch("w", "host", reads_only=True).result())
         reader.join(10)
