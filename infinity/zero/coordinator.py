@@ -345,7 +345,8 @@ class ParamCoordinator:
             raise RuntimeError(f"unit {u.name!r} fetched while the optimizer updates it: a use "
                                f"waits for it before taking the lock (_wait_ready)")
 
-        def fetch() -> None:
+        def fetch() -> None:  # a pass only reads values: one still being written through is
+            # handed out at once (the optimizer's fetches, which write, wait for the write)
             u.future = self.store.fetch(u.key, self.fetch_tier, next_use=next_use, wait=wait,
                                         reads_only=True)
         if make_room:  # units kept for reuse or read ahead give way to one needed now
