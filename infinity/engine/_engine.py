@@ -53,7 +53,7 @@ from infinity.engine._schedule import build_lr_schedule
 from infinity.engine._step_state import StepCounters, StepPhase, check_move
 from infinity.engine._timeline import Timeline
 from infinity.errors import ClosedError, ConfigError, NonFiniteGradientError
-from infinity.memory import peak_rss_bytes, set_mmap_threshold
+from infinity.memory import MAX_MMAP_THRESHOLD, peak_rss_bytes, set_mmap_threshold
 from infinity.optim import DynamicLossScaler, SwappedOptimizer
 from infinity.zero import (
     FetchUnit,
@@ -116,7 +116,7 @@ class Engine:
         else:
             layout = placed.layout
         self.units, uses, self.plan = layout.units, layout.uses, layout.plan
-        threshold = _mmap_threshold(config, self.plan)
+        threshold = _mmap_threshold(config, self.plan, self.precision.compute)
         if threshold is not None:
             set_mmap_threshold(threshold)
         # its errors before anything is opened
@@ -559,12 +559,16 @@ class Engine:
             raise ClosedError("the engine is closed")
 
 
-def _mmap_threshold(config: Config, plan: MemoryPlan) -> int | None:
-    """`infinity.mmap_threshold` with "auto" decided: 8 MiB when anything lives on NVMe."""
+def _mmap_threshold(config: Config, plan: MemoryPlan, compute: torch.dtype) -> int | None:
+    """`infinity.mmap_threshold` with "auto" decided: when anything lives on NVMe, 8 MiB for a
+    model that computes in 16 bits, glibc's ceiling (32 MiB) for one that computes in fp32
+    (infinity/memory/malloc.py says why)."""
     threshold = config.infinity.mmap_threshold
     if threshold != "auto":
         return threshold
-    return 8 << 20 if plan.uses_nvme else None
+    if not plan.uses_nvme:
+        return None
+    return 8 << 20 if compute.itemsize == 2 else MAX_MMAP_THRESHOLD
 
 
 def _fingerprint(config: Config, units: list[FetchUnit]) -> str:

@@ -2,11 +2,12 @@
 kernels borrow."""
 
 from infinity.memory.arena import Arena, ArenaStats, Block
-from infinity.memory.malloc import set_mmap_threshold
+from infinity.memory.malloc import MAX_MMAP_THRESHOLD, set_mmap_threshold
 from infinity.memory.thread_pool import ThreadPool
 from infinity.memory.usage import peak_rss_bytes, rss_bytes, usable_cores
 
 __all__ = [
+    "MAX_MMAP_THRESHOLD",
     "Arena",
     "ArenaStats",
     "Block",

@@ -10,7 +10,13 @@ threshold, 2.84-2.85 GB with a fixed 1 MiB one, at the same CPU time per step (4
 rise, so every allocation at or above it has its own mapping, returned to the OS when freed.
 The engine fixes 8 MiB where something lives on NVMe (`infinity.mmap_threshold` "auto"): at
 1 MiB every activation of a step was a fresh mapping faulted in page by page, ~10% of the
-294M GPT's step's CPU once huge pages served the larger tensors (docs/performance.md).
+294M GPT's step's CPU once huge pages served the larger tensors (docs/performance.md). A model
+that computes in fp32 (fp32 parameters, or bf16 ones upcast on a CPU without bf16 units) gets
+32 MiB instead: its weight gradients and upcast parameters are twice the bytes (16 MiB for the
+294M GPT's MLP matrices), and above the threshold each was a new mapping whose huge pages the
+kernel zeroed afresh: 500-970 of them a step, 17% of the (int8, none) step's CPU on an AVX2
+machine (perf), 90-125 at 32 MiB (docs/performance.md "The mmap threshold at 32 MiB where the
+model computes in fp32").
 """
 
 from __future__ import annotations
