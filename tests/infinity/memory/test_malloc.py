@@ -1,6 +1,7 @@
 """The engine's fixed mmap threshold returns freed tensors to the OS where glibc's dynamic one
 keeps them in a fragmented heap (infinity/memory/malloc.py); "auto" fixes it when something
-lives on NVMe (8 MiB, 32 MiB where the model computes in fp32). Each case runs in a fresh child: malloc settings are per process."""
+lives on NVMe (8 MiB, 32 MiB where the model computes in fp32). Each case runs in a fresh
+child: malloc settings are per process."""
 
 import json
 
