@@ -193,6 +193,7 @@ INF_ADAM__SIMD_INLINE int32_t vec_i32_hmax(vec_i32 x)
     return _mm_cvtsi128_si32(m);
 }
 
+#define INF_ADAM__SPLIT_Q8 1  /* [Note: 8-bit update in two passes]: faster on Zen 3 */
 #include "adam_state_simd_body.h"
 
 const struct inf_adam__state_isa inf_adam__state_avx2 = {
