@@ -108,12 +108,18 @@ class FlatGrad(GradBuffer):
                  name: str = "") -> None:
         super().__init__(numel, dtype, name=name)
         self.scatter = scatter
+        # The sum of squares where accumulate last wrote the buffer with `check_now` (None: not
+        # taken since it changed): in a StoredGrad, reading the buffer back for `square()`
+        # waited on the store (~0.2 s of the training thread a step on the 294M GPT).
+        self._square: float | None = None
 
     def accumulate(self, slots: Sequence[ParamSlot]) -> None:
         """Add each parameter's `.grad` into its slice (with `scatter`: the averaged shard of
-        them all) and set `.grad` to None."""
+        them all) and set `.grad` to None; with `check_now`, take the sum's square and
+        finiteness while it is in hand."""
         if not any(s.param.grad is not None for s in slots):
             return
+        self._square = None
         if self.scatter is not None:
             self._accumulate_shard(slots, self.scatter)
             return
@@ -132,7 +138,19 @@ class FlatGrad(GradBuffer):
                     else:
                         piece.add_(g.to("cpu"))
                     s.param.grad = None
+            if self.check_now:
+                self._square = sum_squares(flat)
+                self.finite = math.isfinite(self._square)
         self.has_grad = True
+
+    def square(self) -> float:
+        if self._square is not None:
+            return self._square
+        return super().square()
+
+    def zero(self) -> None:
+        super().zero()
+        self._square = None
 
     def _accumulate_shard(self, slots: Sequence[ParamSlot], ranks: Ranks) -> None:
         first = next(s.param.grad for s in slots if s.param.grad is not None)
@@ -154,6 +172,7 @@ class FlatGrad(GradBuffer):
     def average_over(self, ranks: Ranks) -> None:
         """Replace the gradient by its average over the ranks (zeros count where nothing
         arrived, so every rank takes part whatever reached it)."""
+        self._square = None
         with self._writable(overwrite=not self.has_grad) as flat:
             if not self.has_grad:
                 flat.zero_()

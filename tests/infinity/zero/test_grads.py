@@ -232,6 +232,42 @@ def test_a_held_gradient_off_the_boundary_is_not_checked_until_the_boundary(monk
     assert buffer.square() == 62.0 and sorted(calls) == [2, 60]
 
 
+def test_a_flat_gradients_square_is_taken_at_the_boundary_without_reading_it_back(make_buffer,
+                                                                                 monkeypatch):
+    """At the boundary accumulate takes the sum's square and finiteness while the buffer is in
+    hand, and square() returns it without reading the buffer back (from the store, a wait on
+    the training thread); a change after it (a micro-batch off the boundary, averaging, a new
+    step) makes square() read again."""
+    layer = torch.nn.Linear(3, 2)
+    (unit,), _ = plan_units(layer, persistence_numel=0)
+    buffer = make_buffer(unit.numel)
+    reads = []
+    read_pieces = type(buffer).read_pieces
+    monkeypatch.setattr(type(buffer), "read_pieces",
+                        lambda self: reads.append(1) or read_pieces(self))
+
+    def add(weight, bias, *, check):
+        buffer.check_now = check
+        layer.weight.grad = torch.full((2, 3), weight)
+        layer.bias.grad = torch.full((2,), bias)
+        buffer.accumulate(unit.slots)
+
+    add(1.0, 2.0, check=False)
+    assert buffer.finite is None
+    add(1.0, 2.0, check=True)  # the boundary: weight 2, bias 4
+    assert buffer.finite is True
+    assert buffer.square() == 6 * 4.0 + 2 * 16.0 and reads == []
+    add(1.0, 0.0, check=False)  # changed after the check: read again
+    assert buffer.square() == 6 * 9.0 + 2 * 16.0 and reads == [1]
+    add(0.0, 0.0, check=True)
+    buffer.average_over(LoneRank())  # the peer sends the same values: the average is unchanged
+    assert buffer.square() == 6 * 9.0 + 2 * 16.0 and reads == [1, 1]
+    buffer.zero()
+    assert buffer.square() == 0.0
+    add(math.inf, 0.0, check=True)
+    assert buffer.finite is False and math.isinf(buffer.square()) and reads == [1, 1]
+
+
 def test_a_stored_gradient_overwrites_its_entry_without_reading_the_last_steps(tmp_path):
     layer = torch.nn.Linear(3, 2)
     (unit,), _ = plan_units(layer, persistence_numel=0)
