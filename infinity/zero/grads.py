@@ -141,6 +141,8 @@ class FlatGrad(GradBuffer):
             if self.check_now:
                 self._square = sum_squares(flat)
                 self.finite = math.isfinite(self._square)
+            elif self.finite:
+                self.finite = None  # unknown again until checked (inf/nan would stay)
         self.has_grad = True
 
     def square(self) -> float:

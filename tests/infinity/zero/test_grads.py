@@ -258,6 +258,7 @@ def test_a_flat_gradients_square_is_taken_at_the_boundary_without_reading_it_bac
     assert buffer.finite is True
     assert buffer.square() == 6 * 4.0 + 2 * 16.0 and reads == []
     add(1.0, 0.0, check=False)  # changed after the check: read again
+    assert buffer.finite is None
     assert buffer.square() == 6 * 9.0 + 2 * 16.0 and reads == [1]
     add(0.0, 0.0, check=True)
     buffer.average_over(LoneRank())  # the peer sends the same values: the average is unchanged
