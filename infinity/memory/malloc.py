@@ -15,7 +15,7 @@ that computes in fp32 (fp32 parameters, or bf16 ones upcast on a CPU without bf1
 32 MiB instead: its weight gradients and upcast parameters are twice the bytes (16 MiB for the
 294M GPT's MLP matrices), and above the threshold each was a new mapping whose huge pages the
 kernel zeroed afresh: 500-970 of them a step, 17% of the (int8, none) step's CPU on an AVX2
-machine (perf), 90-125 at 32 MiB (docs/performance.md "The mmap threshold at 32 MiB where the
+machine (perf), 90-240 at 32 MiB (docs/performance.md "The mmap threshold at 32 MiB where the
 model computes in fp32").
 """
 
