@@ -119,7 +119,7 @@ class FlatGrad(GradBuffer):
         finiteness while it is in hand."""
         if not any(s.param.grad is not None for s in slots):
             return
-        self._square = None
+        self._changed()
         if self.scatter is not None:
             self._accumulate_shard(slots, self.scatter)
             return
@@ -141,9 +141,14 @@ class FlatGrad(GradBuffer):
             if self.check_now:
                 self._square = sum_squares(flat)
                 self.finite = math.isfinite(self._square)
-            elif self.finite:
-                self.finite = None  # unknown again until checked (inf/nan would stay)
         self.has_grad = True
+
+    def _changed(self) -> None:
+        """The values are changing: the square taken before is gone, and so is a finding of
+        finite (one of inf/nan stays true: they survive sums and averages)."""
+        self._square = None
+        if self.finite:
+            self.finite = None
 
     def square(self) -> float:
         if self._square is not None:
@@ -174,7 +179,7 @@ class FlatGrad(GradBuffer):
     def average_over(self, ranks: Ranks) -> None:
         """Replace the gradient by its average over the ranks (zeros count where nothing
         arrived, so every rank takes part whatever reached it)."""
-        self._square = None
+        self._changed()  # another rank's inf/nan may arrive
         with self._writable(overwrite=not self.has_grad) as flat:
             if not self.has_grad:
                 flat.zero_()

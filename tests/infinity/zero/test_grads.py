@@ -269,6 +269,28 @@ def test_a_flat_gradients_square_is_taken_at_the_boundary_without_reading_it_bac
     assert buffer.finite is False and math.isinf(buffer.square()) and reads == [1, 1]
 
 
+class InfRank(LoneRank):
+    """A peer whose gradient holds an inf: the average does too."""
+
+    def all_reduce_mean_(self, t, what):
+        super().all_reduce_mean_(t, what)
+        t[0] = math.inf
+
+
+def test_a_flat_gradient_checked_finite_is_unknown_again_after_averaging(make_buffer):
+    """The boundary's check saw this rank's sum; the average over the ranks may bring another
+    rank's inf/nan, so neither the finding nor the square may outlive it."""
+    layer = torch.nn.Linear(3, 2)
+    (unit,), _ = plan_units(layer, persistence_numel=0)
+    buffer = make_buffer(unit.numel)
+    layer.weight.grad = torch.ones(2, 3)
+    buffer.accumulate(unit.slots)
+    assert buffer.finite is True and buffer.square() == 6.0
+    buffer.average_over(InfRank())
+    assert buffer.finite is None
+    assert not buffer.is_finite() and math.isinf(buffer.square())
+
+
 def test_a_stored_gradient_overwrites_its_entry_without_reading_the_last_steps(tmp_path):
     layer = torch.nn.Linear(3, 2)
     (unit,), _ = plan_units(layer, persistence_numel=0)
