@@ -29,6 +29,16 @@ the old state beside the new until the step is validated: room for a second copy
 and of the trained values on the state's tier (NVMe: the swap file grows by it; the host: a
 budget may cap it, and units without room are then stepped after validation).
 
+[Note: what computing holds outside the store] Modules computing on the host use a unit's
+values in the store directly, unless its compute dtype is wider than its values' (bf16
+computed in fp32 on a CPU without bf16 units): then through a copy made when it is used, outside
+the store: the resident units' and two of the largest in the compute dtype (at stage 3 over
+ranks the gathered buffers, counted with the collectives, are those copies). Gradients whose home
+is the store arrive as autograd's, in the compute dtype, before they are added in: two of
+the largest, also outside. Without these the budget held the host tier, not the process: the
+7 B Llama, bf16 computed in fp32 with `--host-memory 6G`, peaked at 9340 MiB of RSS (its head
+and embedding are 524 MB each in fp32).
+
 [Note: memory plan of a rank] With `world` data-parallel ranks every figure above is one
 rank's: from stage 1 the Adam state counts only this rank's shard of each unit (1/world of
 it, padded), from stage 2 the gradient buffers too, and at stage 3 the parameters the store
@@ -174,6 +184,8 @@ def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optim
     stored_grads = sum(_aligned(share.grad_nbytes(u, stored=True)) for u in trained)
     largest_grad = max((_aligned(share.grad_nbytes(u, stored=True)) for u in trained), default=0)
     collectives = share.collective_nbytes(units)
+    copies, arriving = _compute_nbytes(units, computes_on_host=fetch_tier == Tier.HOST,
+                                       gathers=world > 1 and stage == 3)
     has_nvme = Tier.NVME in (param_home, state_tier)  # a swap file to put gradients in
 
     def state_nbytes(tiles: int) -> int:
@@ -195,7 +207,8 @@ def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optim
 
     def needs(tiles: int, grads_on_nvme: bool) -> int:
         """The smallest host_memory_budget for this choice: the host tier plus what is outside."""
-        return host_minimum(tiles, grads_on_nvme) + collectives + (0 if grads_on_nvme else grads)
+        return (host_minimum(tiles, grads_on_nvme) + collectives + copies
+                + (arriving if grads_on_nvme else grads))
 
     gradient_homes = [False, True] if grads and has_nvme else [False]
     smallest_tiles = min(tile_numel, _MIN_TILE_NUMEL) if state_tier == Tier.NVME else tile_numel
@@ -223,7 +236,7 @@ def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optim
     kept = state + sum(_aligned(share.values_nbytes(u)) for u in trained) if speculates else 0
     host_state = state + kept if state_tier == Tier.HOST else 4 * tile_nbytes(tile_numel) + largest
     host = host_params + host_state + (2 * largest_grad if grads_on_nvme else 0)
-    outside = collectives + (0 if grads_on_nvme else grads)
+    outside = collectives + copies + (arriving if grads_on_nvme else grads)
     if host_memory_budget is not None:
         host = min(host, int(host_memory_budget) - outside)
         # the rest of the budget caches what lives on NVMe: parameters, then optimizer state
@@ -244,6 +257,23 @@ def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optim
     return MemoryPlan(fetch_tier, param_home, state_tier, budgets, outside,
                       Tier.NVME if grads_on_nvme else None, prefetch_numel, min_budget, tile_numel,
                       nvme_kept)
+
+
+def _compute_nbytes(units: Sequence[FetchUnit], *, computes_on_host: bool, gathers: bool
+                    ) -> tuple[int, int]:
+    """Host bytes computing needs outside the store: (copies, arriving); see [Note: what
+    computing holds outside the store]."""
+    if not computes_on_host:
+        return 0, 0
+    def computed(u: FetchUnit) -> int:
+        return u.numel * u.compute_dtype.itemsize
+
+    widened = [u for u in units if u.compute_dtype.itemsize > u.dtype.itemsize]
+    copies = 0 if gathers else (sum(computed(u) for u in widened if u.persistent)
+                                + 2 * max((computed(u) for u in widened if not u.persistent),
+                                          default=0))
+    arriving = 2 * max((computed(u) for u in units if u.requires_grad), default=0)
+    return copies, arriving
 
 
 def _fitting_tiles(budget: int, needs: Callable[[int, bool], int], grads_on_nvme: bool,

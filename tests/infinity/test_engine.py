@@ -165,7 +165,8 @@ def test_gradients_go_to_nvme_when_the_host_budget_cannot_hold_them(tmp_path):
     engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme",
                                                gradient_accumulation_steps=2,
                                                infinity={"host_memory_budget": 240_000}))
-    assert engine.plan.grads_tier is not None and engine.plan.outside_store_nbytes == 0
+    arriving = 2 * max(u.numel * 4 for u in engine.units if u.requires_grad)  # autograd's, fp32
+    assert engine.plan.grads_tier is not None and engine.plan.outside_store_nbytes == arriving
     assert engine.plan.budgets[Tier.HOST] <= 240_000
     losses = train_engine(engine, data)
     assert all(isinstance(u.grad, StoredGrad) for u in engine.units if u.requires_grad)

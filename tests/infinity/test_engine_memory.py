@@ -137,13 +137,16 @@ def test_sub_group_size_is_an_upper_bound_the_plan_shrinks_to_fit(caplog):
     assert one_more.tile_numel == plan.tile_numel  # the largest that fits was picked
     small = plan_memory(units, host_memory_budget=640 << 20, tile_numel=1 << 20, **kwargs)
     assert small.tile_numel == 1 << 20  # an asked size that fits is kept
-    # 380 MiB cannot hold the 256 MiB of gradients beside two units and the smallest tiles
-    tight = plan_memory(units, host_memory_budget=380 << 20, tile_numel=1_000_000_000, **kwargs)
-    assert tight.grads_tier is Tier.NVME and tight.budgets[Tier.HOST] <= 380 << 20
+    # twice the units: 600 MiB cannot hold their 512 MiB of gradients beside two units and the
+    # smallest tiles, but can with two passing through the tier and two arriving beside it
+    tight = plan_memory(units * 2, host_memory_budget=600 << 20, tile_numel=1_000_000_000,
+                        **kwargs)
+    assert tight.grads_tier is Tier.NVME
+    assert tight.budgets[Tier.HOST] + tight.outside_store_nbytes <= 600 << 20
 
 
 def test_below_the_smallest_plan_the_error_names_the_budget_that_works():
-    units = [_unit(i, 1 << 24) for i in range(4)]
+    units = [_unit(i, 1 << 24) for i in range(8)]
     kwargs = {"offload_param": "nvme", "offload_optimizer": "nvme", "accelerator": False,
               "prefetch_numel": 0, "tile_numel": 1_000_000_000}
     least = plan_memory(units, host_memory_budget=None, **kwargs).min_host_budget
@@ -195,3 +198,42 @@ def test_a_speculated_step_gets_room_for_the_old_state_beside_the_new():
     capped = plan_memory(units, offload_optimizer="cpu", speculates=True,
                          **{**kwargs, "host_memory_budget": 200 << 20})
     assert capped.budgets[Tier.HOST] <= 200 << 20  # the budget still caps it
+
+
+def test_units_computed_in_a_wider_dtype_and_arriving_gradients_count_outside_the_store():
+    """bf16 units computed in fp32 (a CPU without bf16 units) are used through fp32 copies made
+    outside the store (the resident units' and two of the largest); gradients whose home is the
+    store arrive as autograd's, in the compute dtype (two of the largest). Both come out of the
+    budget, not on top of it; computing in the values' dtype, or on an accelerator, adds no
+    copies."""
+    def unit(i: int, numel: int, compute: torch.dtype, persistent: bool = False) -> FetchUnit:
+        return FetchUnit(i, f"param/u{i}", f"u{i}", [], numel, torch.bfloat16, True, persistent,
+                         compute_dtype=compute)
+
+    def units(compute: torch.dtype) -> list[FetchUnit]:
+        return [unit(0, 1 << 10, compute, persistent=True)] + \
+            [unit(i, (1 << 20) * (2 if i == 3 else 1), compute) for i in range(1, 9)]
+
+    kwargs = {"offload_param": "nvme", "offload_optimizer": "nvme", "prefetch_numel": 0,
+              "tile_numel": 1 << 18}
+    budget = 96 << 20  # less than the tier would cache: it takes all the budget leaves
+    same = plan_memory(units(torch.bfloat16), accelerator=False, host_memory_budget=budget,
+                       **kwargs)
+    wider = plan_memory(units(torch.float32), accelerator=False, host_memory_budget=budget,
+                        **kwargs)
+    copies = 4 * (1 << 10) + 2 * 4 * (2 << 20)  # the resident unit's, two of the largest
+    assert (same.grads_tier, wider.grads_tier) == (None, None)  # gradients in RAM: no arrivals
+    grads = 4096 + 4 * 9 * (1 << 20)  # every gradient held in fp32, each page-aligned
+    assert wider.outside_store_nbytes == grads + copies
+    assert same.outside_store_nbytes == 4096 + 2 * 9 * (1 << 20)  # in bf16
+    assert wider.budgets[Tier.HOST] + wider.outside_store_nbytes == budget
+    assert same.budgets[Tier.HOST] + same.outside_store_nbytes == budget
+    assert wider.min_host_budget - same.min_host_budget >= copies
+    on_gpu = plan_memory(units(torch.float32), accelerator=True, host_memory_budget=budget,
+                         **kwargs)
+    assert on_gpu.outside_store_nbytes == grads  # upcast and computed on the device
+    tight = plan_memory(units(torch.float32), accelerator=False,
+                        host_memory_budget=wider.min_host_budget, **kwargs)
+    assert tight.grads_tier is Tier.NVME  # the smallest budget stores the gradients
+    assert tight.outside_store_nbytes == copies + 2 * 4 * (2 << 20)  # and two arrive at a time
+    assert tight.budgets[Tier.HOST] + tight.outside_store_nbytes <= wider.min_host_budget
