@@ -37,7 +37,8 @@ ranks the gathered buffers, counted with the collectives, are those copies). Gra
 is the store arrive as autograd's, in the compute dtype, before they are added in: two of
 the largest, also outside. Without these the budget held the host tier, not the process: the
 7 B Llama, bf16 computed in fp32 with `--host-memory 6G`, peaked at 9340 MiB of RSS (its head
-and embedding are 524 MB each in fp32).
+and embedding are 524 MB each in fp32), 7348 MiB with them counted; the price is a smaller
+cache (the 294M GPT at a 1 GB budget: 1.11x a step, docs/performance.md).
 
 [Note: memory plan of a rank] With `world` data-parallel ranks every figure above is one
 rank's: from stage 1 the Adam state counts only this rank's shard of each unit (1/world of
