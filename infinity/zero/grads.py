@@ -120,28 +120,37 @@ class FlatGrad(GradBuffer):
         if not any(s.param.grad is not None for s in slots):
             return
         self._changed()
-        if self.scatter is not None:
-            self._accumulate_shard(slots, self.scatter)
-            return
+        shard = None if self.scatter is None else self._reduced_shard(slots, self.scatter)
         first = not self.has_grad  # the buffer holds the previous step's values: overwrite
         with self._writable(overwrite=first) as flat:
-            arrived = sum(s.shape.numel() for s in slots if s.param.grad is not None)
-            if first and arrived != flat.numel():
-                flat.zero_()  # a parameter without a gradient this step contributes zeros
-            for s in slots:
-                g = s.param.grad
-                if g is not None:
-                    piece = flat[s.offset:s.offset + s.shape.numel()]
-                    g = g.detach().reshape(-1)
-                    if first:
-                        piece.copy_(g)  # copy_ moves device gradients to the host itself
-                    else:
-                        piece.add_(g.to("cpu"))
-                    s.param.grad = None
+            if shard is not None:
+                if first:
+                    flat.copy_(shard)
+                else:
+                    flat.add_(shard)
+            else:
+                self._add_slots(flat, slots, first)
             if self.check_now:
                 self._square = sum_squares(flat)
                 self.finite = math.isfinite(self._square)
         self.has_grad = True
+
+    @staticmethod
+    def _add_slots(flat: torch.Tensor, slots: Sequence[ParamSlot], first: bool) -> None:
+        """Each parameter's `.grad` into its slice (`first`: over the last step's values)."""
+        arrived = sum(s.shape.numel() for s in slots if s.param.grad is not None)
+        if first and arrived != flat.numel():
+            flat.zero_()  # a parameter without a gradient this step contributes zeros
+        for s in slots:
+            g = s.param.grad
+            if g is not None:
+                piece = flat[s.offset:s.offset + s.shape.numel()]
+                g = g.detach().reshape(-1)
+                if first:
+                    piece.copy_(g)  # copy_ moves device gradients to the host itself
+                else:
+                    piece.add_(g.to("cpu"))
+                s.param.grad = None
 
     def _changed(self) -> None:
         """The values are changing: the square taken before is gone, and so is a finding of
@@ -159,7 +168,9 @@ class FlatGrad(GradBuffer):
         super().zero()
         self._square = None
 
-    def _accumulate_shard(self, slots: Sequence[ParamSlot], ranks: Ranks) -> None:
+    def _reduced_shard(self, slots: Sequence[ParamSlot], ranks: Ranks) -> torch.Tensor:
+        """This rank's shard of the gradients averaged over the ranks, on the host; `.grad`
+        set to None."""
         first = next(s.param.grad for s in slots if s.param.grad is not None)
         # reduced in the gradients' own dtype, whatever the buffer keeps (padded)
         full = torch.zeros(self.numel * ranks.world, dtype=first.dtype, device=first.device)
@@ -168,13 +179,7 @@ class FlatGrad(GradBuffer):
             if g is not None:
                 full[s.offset:s.offset + s.shape.numel()].copy_(g.detach().reshape(-1))
                 s.param.grad = None
-        shard = ranks.reduce_scatter_mean(full, f"gradient {self.name}").to("cpu")
-        with self._writable(overwrite=not self.has_grad) as flat:
-            if self.has_grad:
-                flat.add_(shard)
-            else:
-                flat.copy_(shard)
-        self.has_grad = True
+        return ranks.reduce_scatter_mean(full, f"gradient {self.name}").to("cpu")
 
     def average_over(self, ranks: Ranks) -> None:
         """Replace the gradient by its average over the ranks (zeros count where nothing

@@ -269,6 +269,27 @@ def test_a_flat_gradients_square_is_taken_at_the_boundary_without_reading_it_bac
     assert buffer.finite is False and math.isinf(buffer.square()) and reads == [1, 1]
 
 
+def test_a_scattered_buffer_takes_its_shards_square_at_the_boundary_without_reading_it_back(
+        make_buffer, monkeypatch):
+    """Stages 2-3 take the square of the shard they keep as the unscattered buffers do: in
+    hand at the boundary, not read back (from the store) for square()."""
+    layer = torch.nn.Linear(3, 2)
+    (unit,), _ = plan_units(layer, persistence_numel=0)
+    buffer = make_buffer(Ranks(1, 2).shard(unit.numel).numel, scatter=LoneRank())
+    reads = []
+    read_pieces = type(buffer).read_pieces
+    monkeypatch.setattr(type(buffer), "read_pieces",
+                        lambda self: reads.append(1) or read_pieces(self))
+    for check in (False, True):
+        buffer.check_now = check
+        layer.weight.grad = torch.arange(6.0).view(2, 3)
+        layer.bias.grad = torch.full((2,), -1.0)
+        buffer.accumulate(unit.slots)
+    # rank 1 keeps elements [4, 8): weight 4, 5 and bias -1, -1, each summed twice
+    assert buffer.finite is True
+    assert buffer.square() == 8.0 ** 2 + 10.0 ** 2 + 2 * 2.0 ** 2 and reads == []
+
+
 class InfRank(LoneRank):
     """A peer whose gradient holds an inf: the average does too."""
 
