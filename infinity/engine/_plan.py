@@ -111,21 +111,35 @@ class _Share:
         dtype = unit.dtype if stored else unit.compute_dtype
         return self._numel(unit, self.partition.grads) * dtype.itemsize
 
+    @property
+    def gathers(self) -> bool:
+        """Units are gathered from the ranks' shards to compute (stage 3 over ranks)."""
+        return self.partition.ranks.world > 1 and self.partition.stage == 3
+
     def collective_nbytes(self, units: Sequence[FetchUnit]) -> int:
         """Whole-unit buffers the collectives need outside the store."""
         if self.partition.ranks.world == 1 or not units:
             return 0
         stage = self.partition.stage
-        largest = max(u.numel * u.compute_dtype.itemsize for u in units)
         nbytes = 0
-        if stage == 3:
-            nbytes += (sum(u.numel * u.compute_dtype.itemsize for u in units if u.persistent)
-                       + 2 * largest)
+        if self.gathers:
+            nbytes += _in_use(units)
+        largest = max(u.compute_nbytes for u in units)
         if stage >= 2:
             nbytes += largest
         if stage in (1, 2):
             nbytes += 2 * largest
         return nbytes
+
+    def computing_nbytes(self, units: Sequence[FetchUnit], *, on_host: bool) -> tuple[int, int]:
+        """Host bytes computing holds outside the store, (copies, arriving); see [Note: what
+        computing holds outside the store]."""
+        if not on_host:
+            return 0, 0
+        widened = [u for u in units if u.compute_dtype.itemsize > u.dtype.itemsize]
+        copies = 0 if self.gathers else _in_use(widened)  # gathered: the collectives' buffers
+        arriving = 2 * max((u.compute_nbytes for u in units if u.requires_grad), default=0)
+        return copies, arriving
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +148,9 @@ class MemoryPlan:
     param_home: Tier  # where unit values live between uses
     state_tier: Tier  # where the optimizer state lives in the store
     budgets: dict[Tier, int]  # store budget per tier, bytes
-    outside_store_nbytes: int  # gradient buffers in RAM, and whole-unit buffers of collectives
+    # gradient buffers in RAM (or those arriving), whole-unit buffers of collectives, and the
+    # copies of units computed wider than stored
+    outside_store_nbytes: int
     grads_tier: Tier | None = None  # home of the gradient buffers in the store (None: in RAM)
     prefetch_numel: int = 0  # elements the coordinator may prefetch (the config's, or less)
     min_host_budget: int = 0  # the smallest host_memory_budget this model and offload accept
@@ -185,8 +201,7 @@ def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optim
     stored_grads = sum(_aligned(share.grad_nbytes(u, stored=True)) for u in trained)
     largest_grad = max((_aligned(share.grad_nbytes(u, stored=True)) for u in trained), default=0)
     collectives = share.collective_nbytes(units)
-    copies, arriving = _compute_nbytes(units, computes_on_host=fetch_tier == Tier.HOST,
-                                       gathers=world > 1 and stage == 3)
+    copies, arriving = share.computing_nbytes(units, on_host=fetch_tier == Tier.HOST)
     has_nvme = Tier.NVME in (param_home, state_tier)  # a swap file to put gradients in
 
     def state_nbytes(tiles: int) -> int:
@@ -260,21 +275,11 @@ def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optim
                       nvme_kept)
 
 
-def _compute_nbytes(units: Sequence[FetchUnit], *, computes_on_host: bool, gathers: bool
-                    ) -> tuple[int, int]:
-    """Host bytes computing needs outside the store: (copies, arriving); see [Note: what
-    computing holds outside the store]."""
-    if not computes_on_host:
-        return 0, 0
-    def computed(u: FetchUnit) -> int:
-        return u.numel * u.compute_dtype.itemsize
-
-    widened = [u for u in units if u.compute_dtype.itemsize > u.dtype.itemsize]
-    copies = 0 if gathers else (sum(computed(u) for u in widened if u.persistent)
-                                + 2 * max((computed(u) for u in widened if not u.persistent),
-                                          default=0))
-    arriving = 2 * max((computed(u) for u in units if u.requires_grad), default=0)
-    return copies, arriving
+def _in_use(units: Sequence[FetchUnit]) -> int:
+    """Whole units in the compute dtype while modules use them: the resident ones and two of
+    the largest (the one in use and the next)."""
+    return (sum(u.compute_nbytes for u in units if u.persistent)
+            + 2 * max((u.compute_nbytes for u in units if not u.persistent), default=0))
 
 
 def _fitting_tiles(budget: int, needs: Callable[[int, bool], int], grads_on_nvme: bool,

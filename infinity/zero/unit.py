@@ -70,8 +70,10 @@ class FetchUnit:
         return self.numel * self.dtype.itemsize
 
     @property
-    def grad_nbytes(self) -> int:
+    def compute_nbytes(self) -> int:
+        """Bytes of the values while fetched (the compute dtype), and of a whole gradient."""
         return self.numel * self.compute_dtype.itemsize
+
 
     def expect(self, *states: UnitState) -> None:
         """Raise if the unit is not in one of `states` (a wrong transition is a bug, say which)."""
