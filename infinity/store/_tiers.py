@@ -24,7 +24,9 @@ help: some copy in use is held only by threads that are not themselves waiting f
 copies held by this thread and by the waiting threads leave a gap large enough. Else (every
 holder waits, so waiting would deadlock; the copies this thread holds are in the way; the tier
 is too small) it raises BudgetError at once, naming the bytes needed, free, the largest hole,
-and those in use.
+and those in use. A waiting thread has no place in line: a thread that keeps taking the room
+freed (four threads fetching and writing back 16 keys through a host tier of 12) can leave
+another waiting until its `room_wait_s` runs out, then BudgetError, never a hang.
 """
 
 from __future__ import annotations
