@@ -262,3 +262,34 @@ def test_where_no_stretch_between_copies_in_use_gathers_the_room_a_copy_is_evict
         for i in (1, 3, 5, 7):  # nothing is lost
             assert torch.equal(s.fetch(f"s{i}", "host").result(), small[f"s{i}"])
             s.release(f"s{i}", "host")
+
+
+def test_a_wait_woken_again_and_again_without_room_still_ends_after_room_wait_s(in_thread):
+    """A waiting thread keeps no place in line, so its call is bounded by room_wait_s as a
+    whole, however often other threads' releases wake it to look again."""
+    with TensorStore({"host": MiB}, room_wait_s=0.5) as s:
+        _slots(s)
+        s.fetch("s3", "host").result()
+        held = threading.Event()
+        done = threading.Event()
+
+        def hold_and_churn():
+            s.fetch("s5", "host").result()
+            held.set()
+            while not done.is_set():  # each release wakes the waiter; none frees its room
+                s.fetch("s1", "host").result()
+                s.release("s1", "host")
+            s.release("s5", "host")
+
+        h, out = in_thread(hold_and_churn)
+        held.wait(10)
+        start = time.monotonic()
+        with pytest.raises(BudgetError, match=r"waited \d+\.\d s for releases"):
+            s.put("wide", torch.ones(WIDE), "host")
+        took = time.monotonic() - start
+        done.set()
+        h.join(10)
+        assert not h.is_alive() and "error" not in out, out
+        assert s.stats()["room"]["waits"] > 1  # woken and looked again, more than once
+        assert 0.5 <= took < 10
+        s.release("s3", "host")

@@ -164,8 +164,8 @@ def test_close_racing_fetches_and_write_backs_never_crashes_nor_hangs(tmp_path, 
 
     threads = [in_thread(lambda s=s: worker(s)) for s in range(4)]
     started.wait()
-    # all in a call, most done several: no share each (a thread waiting for room has no place
-    # in line, so another can take the room it waits for again and again: see _tiers)
+    # every thread inside its loop and 80 calls done in all, not a share each: a thread waiting
+    # for room has no place in line, so another may take that room again and again (see _tiers)
     _until(lambda: (min(tries) >= 1 and sum(calls) >= 80)
            or not all(t.is_alive() for t, _ in threads))
     closer, closed = in_thread(store.close)
