@@ -453,7 +453,10 @@ class Engine:
                       "units_rolled_back": 0 if stepper is None else stepper.units_rolled_back,
                       "steps_not_speculated":
                           0 if stepper is None else stepper.steps_not_speculated}
-        return {"store": self.store.stats(), "prefetch": asdict(self.coordinator.stats),
+        upcasts = self.coordinator.upcasts
+        return {"store": self.store.stats(),
+                "prefetch": {**asdict(self.coordinator.stats), "upcasts_reused": upcasts.reused,
+                             "upcasts_fresh": upcasts.fresh},
                 "global_steps": self.global_steps, "skipped_steps": self.skipped_steps,
                 "optimizer": {"overlap": self.overlap, **overlapped,
                               "state_format": dataclasses.asdict(optimizer.state_format),

@@ -32,7 +32,8 @@ budget may cap it, and units without room are then stepped after validation).
 [Note: what computing holds outside the store] Modules computing on the host use a unit's
 values in the store directly, unless its compute dtype is wider than its values' (bf16
 computed in fp32 on a CPU without bf16 units): then through a copy made when it is used, outside
-the store: the resident units' and two of the largest in the compute dtype (at stage 3 over
+the store: the resident units' and two of the largest in the compute dtype (those copies are
+made into buffers kept within that, [Note: reused upcast buffers]; at stage 3 over
 ranks the gathered buffers, counted with the collectives, are those copies). Gradients whose home
 is the store arrive as autograd's, in the compute dtype, before they are added in: two of
 the largest, also outside. Without these the budget held the host tier, not the process: the

@@ -60,6 +60,7 @@ from infinity.zero.ranks import PendingGather, Ranks
 from infinity.zero.saved_views import SavedView, ViewIndex, pack_saved, unpack_saved
 from infinity.zero.trace import PassCursor, Trace, TraceBook
 from infinity.zero.unit import FetchUnit
+from infinity.zero.upcasts import UpcastBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,9 @@ class ParamCoordinator:
         self._cursor: PassCursor | None = None
         self._live_numel = 0  # elements of non-persistent units FETCHING or READY
         self._views = ViewIndex()  # READY units by address; see [Note: saved parameter views]
+        # wider copies of units used again; the plan sets two of the largest aside for them
+        self.upcasts = UpcastBuffers(2 * max((u.compute_nbytes for u in self.units
+                                              if _upcast(u)), default=0))
         self._resident = [u for u in self.units if u.persistent]
         self._resident_ready = False
         # see [Note: gathers in step on every rank]
@@ -367,6 +371,8 @@ class ParamCoordinator:
                 flat = pending.wait()
         finally:
             self.stats.stall_s += time.perf_counter() - start
+        if _upcast(u):
+            flat = self.upcasts.copy(flat, u.compute_dtype)
         u.bind(flat)
         u.state = UnitState.READY
         self._views.add(u)
@@ -393,7 +399,10 @@ class ParamCoordinator:
             pending.wait()
         if u.state is UnitState.READY:
             self._views.remove(u)
+            copy = u.flat
             u.unbind(self._placeholders[u.compute_dtype])
+            if _upcast(u):
+                self.upcasts.give_back(copy)
         u.future = None
         u.state = UnitState.RELEASED
         if not u.persistent:
@@ -501,3 +510,9 @@ class ParamCoordinator:
             if not u.persistent and u.users == 0 and u.state is not UnitState.RELEASED \
                     and u not in self._gathers and (not states or u.state in states):
                 self._release_unit(u)
+
+
+def _upcast(u: FetchUnit) -> bool:
+    """Whether u is used through a wider copy that comes and goes with its uses (resident units
+    keep theirs until the optimizer step)."""
+    return u.dtype != u.compute_dtype and not u.persistent

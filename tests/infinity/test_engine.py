@@ -361,7 +361,13 @@ def test_bf16_tracks_the_fp32_reference(tmp_path, optimizer, steps, compute):
     assert {p.dtype for p in model.parameters()} == {expected}
     assert {u.compute_dtype for u in engine.units} == {expected}
     losses = train_engine(engine, data)
+    prefetch = engine.stats()["prefetch"]
     engine.close()
+    if compute == "bf16":
+        assert prefetch["upcasts_reused"] == prefetch["upcasts_fresh"] == 0
+    else:  # most upcast copies go into buffers kept from earlier uses (two of the largest
+        # unit's, the embedding's, hold less than a layer's seven sizes here)
+        assert prefetch["upcasts_reused"] > 2 * prefetch["upcasts_fresh"] > 0, prefetch
     ref_losses = train_reference(reference, data, lr=3e-3)
     assert ref_losses[-1] < ref_losses[0] - 0.1  # it learned something to track
     for got, want in zip(losses, ref_losses):

@@ -16,8 +16,8 @@ from infinity.zero.saved_views import SavedView
 
 @contextlib.contextmanager
 def managed(model, tmp_path, *, host_nbytes=1 << 20, prefetch_numel=10**9, reuse_numel=0,
-            persistence=0, **callbacks):
-    units, uses = plan_units(model, persistence_numel=persistence)
+            persistence=0, storage_dtype=None, **callbacks):
+    units, uses = plan_units(model, persistence_numel=persistence, storage_dtype=storage_dtype)
     store = TensorStore({"host": host_nbytes, "nvme": 1 << 22}, nvme_path=tmp_path)
     place_units(units, store, home=Tier.NVME, device=torch.device("cpu"))
     coordinator = ParamCoordinator(units, store, fetch_tier=Tier.HOST, device=torch.device("cpu"),
@@ -99,6 +99,39 @@ def test_backward_is_right_when_released_blocks_hold_other_units(tmp_path):
         coordinator.end_backward()
         reference(x).square().sum().backward()
         assert_grads_match(units, reference)
+
+
+class Peeking(torch.nn.Linear):
+    """Keeps a view of its weight past its forward, as a careless user module may."""
+
+    def forward(self, x):
+        self.peek = self.weight[0]
+        return super().forward(x)
+
+
+def test_upcast_copies_reuse_buffers_and_keep_none_that_a_view_outlived(tmp_path):
+    """bf16 values computed in fp32: each use's copy goes into a buffer kept from an earlier
+    use ([Note: reused upcast buffers]) and backward is exactly that of the bf16-rounded
+    model in fp32; a buffer whose view outlived its unit's release is never written again."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32, bias=False) for _ in range(5)],
+                                Peeking(32, 32, bias=False))
+    reference = copy.deepcopy(model).bfloat16().float()
+    x = torch.randn(3, 4, 32)
+    with managed(model, tmp_path, prefetch_numel=0, storage_dtype=torch.bfloat16) as (
+            units, coordinator):
+        upcasts = coordinator.upcasts
+        assert upcasts.capacity == 2 * 32 * 32 * 4
+        for _ in range(2):
+            model(x).square().sum().backward()
+            coordinator.end_backward()
+            reference(x).square().sum().backward()
+            assert upcasts.lent_bytes == 0 and upcasts.kept_bytes <= upcasts.capacity
+        assert upcasts.reused >= 20 and upcasts.fresh <= 4, (upcasts.reused, upcasts.fresh)
+        peek = model[5].peek
+        assert_grads_match(units, reference)
+        model[:5](x)  # five more copies, none into the buffer `peek` views
+        assert torch.equal(peek, reference[5].weight[0])
 
 
 def test_saved_views_are_recorded_by_position(tmp_path):
