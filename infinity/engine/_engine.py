@@ -539,6 +539,7 @@ class Engine:
             if self.coordinator is not None:
                 self.coordinator.abort_pass()  # a failed forward may have left modules in use
                 self.coordinator.release_all()
+                self.coordinator.upcasts.clear()  # up to two of the largest units' copies
             if self._hooks is not None:
                 self._hooks.remove()
             if restore_params and not self.ranks.failed:

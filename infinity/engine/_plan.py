@@ -137,7 +137,7 @@ class _Share:
         computing holds outside the store]."""
         if not on_host:
             return 0, 0
-        widened = [u for u in units if u.compute_dtype.itemsize > u.dtype.itemsize]
+        widened = [u for u in units if u.widened]
         copies = 0 if self.gathers else _in_use(widened)  # gathered: the collectives' buffers
         arriving = 2 * max((u.compute_nbytes for u in units if u.requires_grad), default=0)
         return copies, arriving

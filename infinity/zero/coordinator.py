@@ -515,4 +515,4 @@ class ParamCoordinator:
 def _upcast(u: FetchUnit) -> bool:
     """Whether u is used through a wider copy that comes and goes with its uses (resident units
     keep theirs until the optimizer step)."""
-    return u.dtype != u.compute_dtype and not u.persistent
+    return u.widened and not u.persistent

@@ -70,6 +70,12 @@ class FetchUnit:
         return self.numel * self.dtype.itemsize
 
     @property
+    def widened(self) -> bool:
+        """Whether the unit computes in a wider dtype than it is stored in (used through an
+        upcast copy)."""
+        return self.compute_dtype.itemsize > self.dtype.itemsize
+
+    @property
     def compute_nbytes(self) -> int:
         """Bytes of the values while fetched (the compute dtype), and of a whole gradient."""
         return self.numel * self.compute_dtype.itemsize

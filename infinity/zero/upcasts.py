@@ -16,8 +16,6 @@ by dropping the longest-kept buffers first; a unit lent beyond it is still copie
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 
 
@@ -34,15 +32,17 @@ class UpcastBuffers:
     def __init__(self, capacity: int) -> None:
         self.capacity = int(capacity)
         self.lent_bytes = 0
-        self.kept_bytes = 0
         self.reused = 0  # copies made into a kept buffer
         self.fresh = 0  # copies made into new memory
-        self._kept: OrderedDict[int, tuple[torch.Tensor, tuple]] = OrderedDict()  # oldest first
+        self._kept: list[torch.Tensor] = []  # oldest first
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(buf.nbytes for buf in self._kept)
 
     def copy(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """`flat` converted to `dtype`, into a kept buffer of its shape when there is one."""
-        key = (flat.numel(), dtype, flat.device)
-        buf = self._take(key)
+        buf = self._take(flat.numel(), dtype, flat.device)
         if buf is None:
             self._trim(flat.numel() * dtype.itemsize)
             buf = torch.empty(flat.numel(), dtype=dtype, device=flat.device)
@@ -56,22 +56,22 @@ class UpcastBuffers:
         """Take back a buffer from `copy` once its unit let go of it: kept if nothing else
         uses its memory and it fits within the capacity."""
         self.lent_bytes -= buf.nbytes
-        if not sole_owner(buf):
-            return
-        self._kept[id(buf)] = (buf, (buf.numel(), buf.dtype, buf.device))
-        self.kept_bytes += buf.nbytes
-        self._trim(0)
+        if sole_owner(buf):
+            self._kept.append(buf)
+            self._trim(0)
 
-    def _take(self, key: tuple) -> torch.Tensor | None:
-        for ident, (buf, k) in reversed(self._kept.items()):  # the latest kept: warm in cache
-            if k == key:
-                del self._kept[ident]
-                self.kept_bytes -= buf.nbytes
-                return buf
+    def clear(self) -> None:
+        """Let every kept buffer go (the engine closes: nothing will be copied again)."""
+        self._kept.clear()
+
+    def _take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        for i in reversed(range(len(self._kept))):  # the latest kept first: warm in cache
+            buf = self._kept[i]
+            if buf.numel() == numel and buf.dtype == dtype and buf.device == device:
+                return self._kept.pop(i)
         return None
 
     def _trim(self, coming: int) -> None:
         """Drop the longest-kept buffers until lent, kept and `coming` bytes fit."""
         while self._kept and self.lent_bytes + self.kept_bytes + coming > self.capacity:
-            _, (buf, _) = self._kept.popitem(last=False)
-            self.kept_bytes -= buf.nbytes
+            self._kept.pop(0)

@@ -362,7 +362,10 @@ def test_bf16_tracks_the_fp32_reference(tmp_path, optimizer, steps, compute):
     assert {u.compute_dtype for u in engine.units} == {expected}
     losses = train_engine(engine, data)
     prefetch = engine.stats()["prefetch"]
+    kept_while_open = engine.coordinator.upcasts.kept_bytes
     engine.close()
+    assert engine.coordinator.upcasts.kept_bytes == 0  # a closed engine holds no copies
+    assert (kept_while_open > 0) == (compute == "fp32")
     if compute == "bf16":
         assert prefetch["upcasts_reused"] == prefetch["upcasts_fresh"] == 0
     else:  # most upcast copies go into buffers kept from earlier uses (two of the largest
