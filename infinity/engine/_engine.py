@@ -122,9 +122,10 @@ class Engine:
         # its errors before anything is opened
         self.overlap = optimizer_overlaps(config, self.device)
         self.ranks.check_same(_fingerprint(config, self.units), "the config or the model's layout")
-        self.timeline = Timeline(time.perf_counter())
         self.store = (open_store(layout, config, rank=self.ranks.rank) if placed is None
                       else placed.store)
+        # On the store's clock: a loaded model's store is older than the engine by the load.
+        self.timeline = Timeline(self.store.moves.t0)
         self.coordinator: ParamCoordinator | None = None
         self._hooks: ModelHooks | None = None
         self._stepper: OverlappedStep | None = None  # the overlapped step, when overlapping

@@ -42,8 +42,8 @@ class Timeline:
             self.record(name, lane, start, time.perf_counter())
 
     def merge_into(self, path: str | os.PathLike[str]) -> None:
-        """Add the regions to the Chrome trace at `path` (process 2, one row per lane). The
-        store's trace counts from the store's creation, this one from just before it."""
+        """Add the regions to the Chrome trace at `path` (process 2, one row per lane). Both
+        count from `t0`, the store's creation (`MoveLog.t0`)."""
         with open(path) as f:
             trace = json.load(f)
         with self._lock:

@@ -32,7 +32,7 @@ class MoveLog:
 
     def __init__(self, *, keep_timeline: bool = True, max_events: int = 1_000_000) -> None:
         self._lock = threading.Lock()
-        self._t0 = time.perf_counter()
+        self.t0 = time.perf_counter()  # the trace's zero: a timeline merged into it shares it
         self._keep_timeline = keep_timeline
         self._max_events = max_events
         self._events: list[tuple[str, Tier, Tier, int, float, float]] = []
@@ -74,7 +74,7 @@ class MoveLog:
             tid = rows.setdefault(lane, len(rows) + 1)
             trace.append({
                 "name": key, "cat": lane, "ph": "X", "pid": 1, "tid": tid,
-                "ts": (start - self._t0) * 1e6, "dur": max(0.0, end - start) * 1e6,
+                "ts": (start - self.t0) * 1e6, "dur": max(0.0, end - start) * 1e6,
                 "args": {"nbytes": nbytes},
             })
         for lane, tid in rows.items():

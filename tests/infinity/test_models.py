@@ -5,6 +5,7 @@ gives a CheckpointError naming file and tensor, before anything is placed."""
 import copy
 import json
 import os
+import time
 
 import pytest
 import safetensors.torch as safetensors_torch
@@ -85,6 +86,32 @@ def test_trains_as_the_original_through_initialize(tmp_path, train_lm):
     assert params["loaded"].keys() == params["original"].keys()
     for name, value in params["original"].items():
         assert torch.equal(params["loaded"][name], value), name
+
+
+def test_the_trace_puts_store_moves_and_engine_regions_on_one_clock(tmp_path, train_lm):
+    """The store of a loaded model is older than its engine (by the load: 12 s at 7 B); the
+    trace must still show each move when it happened against forward, backward and step."""
+    cfg = config(tmp_path)
+    model = infinity.models.load(saved(tmp_path, tiny_llama()), cfg, window=WINDOW)
+    time.sleep(0.5)  # the load's end to the engine's start
+    with infinity.initialize(model, cfg) as engine:
+        start = time.perf_counter()
+        train_lm(engine, batches(1))
+        end = time.perf_counter()
+        engine.write_trace(tmp_path / "trace.json")
+        t0 = engine.timeline.t0
+    events = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+              if e["ph"] == "X"]
+
+    def seconds(e):  # start and end on the perf_counter clock
+        return t0 + e["ts"] / 1e6, t0 + (e["ts"] + e["dur"]) / 1e6
+
+    regions = {e["name"]: seconds(e) for e in events if e.get("cat") == "compute"}
+    assert start <= regions["forward"][0] < regions["step"][1] <= end
+    moves = [seconds(e) for e in events if e["pid"] == 1]
+    assert [m for m in moves if m[1] < start]  # the load's writes, before the engine began
+    during = [m for m in moves if m[0] >= start]
+    assert during and all(m[1] <= end for m in during)  # the step's reads, inside it
 
 
 def test_a_tensor_larger_than_the_window_goes_in_slices(tmp_path, monkeypatch):
