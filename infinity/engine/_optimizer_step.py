@@ -153,6 +153,8 @@ class OptimizerStep:
         if j is None:  # this rank steps no element of the unit
             return True
         with self._timeline.region(unit.key, "optimizer"):
+            if speculative and not self._optimizer.keep_unit(j):
+                return False  # no room to keep its state: nothing read, not even the gradient
             if unit.grad is None:
                 return self._optimizer.step_unit(
                     j, torch.zeros(unit.numel, dtype=unit.compute_dtype), grad_scale=grad_scale,

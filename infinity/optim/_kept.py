@@ -4,7 +4,7 @@
 (the engine during backward, before the global norm and finiteness are known: issue 22) steps
 them speculatively: `step_unit(u, ..., speculative=True)`, then `commit_unit(u)` or
 `rollback_unit(u)`. Until then the store keeps what the step overwrites ([Note: kept versions]
-in infinity/store/_kept.py): each tile's bytes (`TileSet.updating(..., keep=True)`), and the
+in infinity/store/_kept.py): each tile's bytes (`TileSet.keep`), and the
 unit's values entry. On NVMe that is copy-on-write: the old extents stay as they were and the
 new state and values are written back to fresh ones, asynchronously, as an unkept step's are;
 no byte is copied. In RAM the store copies the block. The values entry belongs to the engine
@@ -15,13 +15,15 @@ state's tier (`KeptValues`). A commit lets the kept bytes go (no I/O); a rollbac
 the tiles' and values' bytes again, with the steps the tiles held; a step of the same number
 then updates the unit again from exactly the state it started from. Where the store has no
 room for what a speculation keeps (BudgetError), the unit is rolled back at once and
-`step_unit` returns False: the caller steps it once the step is validated.
+`step_unit` returns False: the caller steps it once the step is validated. It is kept before
+anything of the unit is read (`keep_unit`, which a caller may call first, before reading the
+gradient): where its values are kept in the store, a unit without room costs no I/O.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -44,9 +46,10 @@ class KeptValues:
     def _key(self, u: int) -> str:
         return f"{self._name}/kept-values{u}"
 
-    def keep(self, u: int, values: torch.Tensor) -> None:
-        """Keep unit u's values (`values`: the elements it steps) unless they are already (a
-        retried pass: what was kept first is the state before the step)."""
+    def keep(self, u: int, values: Callable[[], torch.Tensor]) -> None:
+        """Keep unit u's values unless they are already (a retried pass: what was kept first
+        is the state before the step). `values()` gives the elements it steps, called only
+        where a copy is put aside (the store keeps the others without reading them)."""
         if u in self._in_store:
             return
         key = self._units[u].values_key
@@ -54,7 +57,7 @@ class KeptValues:
             self._store.keep(key)
             self._in_store[u] = True
         else:
-            self._store.put(self._key(u), values, self._tier)
+            self._store.put(self._key(u), values(), self._tier)
             self._in_store[u] = False
 
     def commit(self, u: int) -> None:

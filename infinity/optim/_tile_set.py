@@ -11,7 +11,7 @@ dirty once changed, and the store keeps a changed copy until its write-back succ
 `TileSet.updating` (which records the step it then holds), and the unit's values, through
 `UnitValues` (released dirty once modified). A speculative step (one that may be undone, see
 [Note: speculative steps] in `_kept`) has the store keep the tile's bytes first
-(`updating(..., keep=True)`: `TensorStore.keep`; on NVMe the new state is written back to a
+(`keep`: `TensorStore.keep`; on NVMe the new state is written back to a
 fresh extent, the old one untouched) until `commit(u)` lets them go or `roll_back(u)` makes
 them the tile's state again, with the step they held. The values are kept by `_kept.KeptValues`.
 """
@@ -110,16 +110,19 @@ class TileSet:
         """Unit u's tiles that do not hold `step` yet."""
         return [t for t in self.of_unit[u] if self.steps[t] < step]
 
-    @contextlib.contextmanager
-    def updating(self, t: int, step: int, *, keep: bool = False) -> Iterator[torch.Tensor]:
-        """Tile t's entry, to be updated in place to `step` by the block: it holds `step` once
-        the block ends, and is released dirty on every path once its bytes were handed out
-        (see [Note: where a step writes]). With `keep` the store keeps the tile's bytes first
-        (BudgetError: no room, the tile unchanged), once per speculative step (a retried pass
-        finds them kept), until `commit` or `roll_back`."""
-        if keep and t not in self._previous:
+    def keep(self, t: int) -> None:
+        """Have the store keep tile t's bytes as they are (BudgetError: no room, nothing kept),
+        once per speculative step (a retried pass finds them kept), until `commit` or
+        `roll_back`; on NVMe nothing is read for it."""
+        if t not in self._previous:
             self.store.keep(self.key(t))
             self._previous[t] = self.steps[t]
+
+    @contextlib.contextmanager
+    def updating(self, t: int, step: int) -> Iterator[torch.Tensor]:
+        """Tile t's entry, to be updated in place to `step` by the block: it holds `step` once
+        the block ends, and is released dirty on every path once its bytes were handed out
+        (see [Note: where a step writes])."""
         with self.store.hold(self.key(t), Tier.HOST, dirty=True) as tile:
             yield tile
             self.steps[t] = step

@@ -171,6 +171,29 @@ class SwappedOptimizer:
             return False
         return True
 
+    def keep_unit(self, u: int) -> bool:
+        """Have the store keep what a speculative step of unit u overwrites (its tiles' and
+        values' bytes), as `step_unit(u, ..., speculative=True)` does first: a caller may call
+        it before reading the unit's gradient, so a unit without room costs no reads. False,
+        with nothing kept, where the store has no room (step it once the step is decided).
+        Once kept, until `commit_unit(u)` or `rollback_unit(u)`."""
+        self._check_index(u)
+        values = self._values()
+        try:
+            self._keep(u, self.tiles.pending(u, self._completed + 1), values)
+        except BudgetError:
+            self.rollback_unit(u)
+            return False
+        finally:
+            values.release_all()
+        return True
+
+    def _keep(self, u: int, todo: list[int], values: UnitValues) -> None:
+        if todo:
+            self._kept.keep(u, lambda: values.get(u))
+        for t in todo:
+            self.tiles.keep(t)
+
     def commit_unit(self, u: int) -> None:
         """Unit u's speculative step stands: drop the state it kept (no I/O)."""
         self._kept.commit(u)
@@ -269,10 +292,10 @@ class SwappedOptimizer:
             self.store.set_next_use({key: i for i, key in enumerate(keys)})
         values = self._values()
         try:
+            if speculative:  # before any read: a unit without room reads nothing
+                self._keep(u, todo, values)
             if todo:  # the unit's values are read with its first tile
                 self.store.prefetch([self.units[u].values_key] + (keys[:1] if streamed else []))
-                if speculative:
-                    self._kept.keep(u, values.get(u))
                 fmt = self.tiles.formats[u]
                 hyper = dict(step=target, lr=lr, beta1=self.betas[0], beta2=self.betas[1],
                              eps=self.eps, adamw=self.adamw_mode, grad_scale=grad_scale,
@@ -283,7 +306,7 @@ class SwappedOptimizer:
                 if streamed and i + 1 < len(keys):
                     self.store.prefetch(keys[i + 1:i + 2])
                 tile = self.tiles[t]
-                with self.tiles.updating(t, target, keep=speculative) as entry:
+                with self.tiles.updating(t, target) as entry:
                     self.tiles.format(t).step(kernels, entry, values.get(u)[tile.start:tile.stop],
                                               grad, tile.start, self._index(u, tile.start))
                     values.modified(u)

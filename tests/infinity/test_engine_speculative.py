@@ -221,24 +221,22 @@ def test_an_fp16_overflow_rolls_the_step_back_and_skips_it(tmp_path, patient_wor
 
 def test_a_unit_with_no_room_to_speculate_is_stepped_after_validation(tmp_path, patient_worker,
                                                                       caplog):
-    """The optimizer finds no room to keep a unit's old state (step_unit returns False): the
-    unit waits for validation, the others are speculated; the result is the same."""
+    """The optimizer finds no room to keep a unit's old state (keep_unit returns False, before
+    its gradient is read): that unit and the one whose gradient is final after it wait for
+    validation, the one before is speculated; the result is the same."""
     batches = mlp_batches(3)
     runs = {}
     for overlap in (False, True):
         with _engine(tmp_path, ("cpu", "cpu"), overlap, gradient_clipping=1e3) as engine:
-            def no_room_for_unit_1(u, grad, *, speculative=False, step_unit=engine.optimizer
-                                   .step_unit, **kw):
-                if speculative and u == 1:
-                    return False
-                return step_unit(u, grad, speculative=speculative, **kw)
+            def no_room_for_unit_1(u, keep_unit=engine.optimizer.keep_unit):
+                return u != 1 and keep_unit(u)
 
-            engine.optimizer.step_unit = no_room_for_unit_1
+            engine.optimizer.keep_unit = no_room_for_unit_1
             with caplog.at_level(logging.WARNING, logger="infinity.engine._overlap"):
                 runs[overlap] = _train(engine, batches)
             stats = engine.stats()["optimizer"]
     _identical(runs[True], runs[False])
-    assert stats["units_speculated"] == 3 * 2 and stats["rollbacks"] == 0
+    assert stats["units_speculated"] == 3 * 1 and stats["rollbacks"] == 0
     assert "no room in the store to keep the state a speculative step" in caplog.text
 
 

@@ -103,6 +103,37 @@ def test_no_room_to_keep_the_old_state_changes_nothing(tmp_path):
         opt.finish_step()
 
 
+def test_a_unit_without_room_on_nvme_reads_nothing(tmp_path, put_units):
+    """The swap file has no extent free for the new copies a speculative step writes while the
+    old ones are kept: keep_unit (what the engine asks before reading a unit's gradient) and
+    step_unit say so without reading a byte of the unit (at 7 B, 220 of 291 units read their
+    state and values for nothing), the unit as it was; with room again it steps."""
+    store, specs, opt = _nvme_run(tmp_path, put_units)
+    with store:
+        keys, before = _keys(store), _state(opt)
+        for key in keys:
+            store.evict(key, Tier.HOST)
+        free = store._tiers.swap.free_nbytes()
+        store.put("filler", torch.empty(free // 4), Tier.NVME)
+        reads = _reads(store)
+        grad = _grads(specs, 0)[0]
+        assert not opt.keep_unit(0)
+        assert not opt.step_unit(0, grad, speculative=True)
+        assert _reads(store) == reads and _kept(store, keys | {"filler"}) == 0
+        store.drop("filler")
+        assert _equal_states(_state(opt), before)
+        assert opt.keep_unit(0)
+        assert opt.step_unit(0, grad, speculative=True)
+        opt.commit_unit(0)
+        for u, g in list(enumerate(_grads(specs, 0)))[1:]:
+            assert opt.step_unit(u, g)
+        opt.finish_step()
+
+
+def _reads(store):
+    return store.stats()["moves"].get("nvme->host", {"moves": 0})["moves"]
+
+
 def test_a_unit_spec_offset_is_rolled_back_in_its_slice_only(tmp_path, values_of):
     """A rank owning a slice of a unit (ZeRO stages 1-2): the rollback restores that slice."""
     with TensorStore({"host": 4 * MiB, "nvme": 8 * MiB}, nvme_path=tmp_path,
