@@ -61,9 +61,10 @@ the code the step after backward runs too):
 A unit whose speculative step failed (on its gradient, or an I/O error) is rolled back and
 stepped again once the step is decided; a unit the store had no room to speculate (BudgetError
 keeping its old state, found before anything of it is read) is too, with one warning, and so
-are the units whose gradients become final after it: they are not handed to the worker during
-that backward (the room only shrinks until the step is decided, and a unit handed over has its
-state read ahead: at 7 B on a full disk 220 of 291 units read theirs for nothing, 13 GB).
+are the units at least as large whose gradients become final after it: they are not handed to
+the worker during that backward (the room only shrinks until the step is decided, and a unit
+handed over has its state read ahead: at 7 B on a full disk 220 of 291 units read theirs for
+nothing, 13 GB); smaller ones still are.
 An error while deciding rolls every speculated unit back; a rollback that fails leaves the
 step BROKEN (a checkpoint load goes on). The rollbacks are counted in
 `Engine.stats()["optimizer"]`. Checkpoints see only committed steps: a save between a boundary
@@ -96,6 +97,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -141,7 +143,7 @@ class OverlappedStep:
         self.grad_scale = 1.0  # of the step being built (speculated, then the validated one)
         self.speculating = False  # see [Note: speculate, then validate]
         self._unspeculated: set[int] = set()  # units a speculation found no room for
-        self._room_ran_out = False  # in this backward: hand no more units over
+        self._no_room_numel = math.inf  # in this backward: hand over only smaller units
         self._warned_no_room = False
         self._squares: list[float | None] = [None] * len(self._units)
         self._tail = False  # step() returned; the units' futures are not settled yet
@@ -163,14 +165,14 @@ class OverlappedStep:
         self.speculating = self._always_speculate or not self._clipping_acted
         self.steps_not_speculated += not self.speculating
         self._unspeculated = set()
-        self._room_ran_out = False
+        self._no_room_numel = math.inf
         self._squares = [None] * len(self._units)
 
     def grads_final(self, i: int, square: float, *, hand_over: bool) -> None:
         """Unit i's gradient is final, with sum of squares `square`; `hand_over`: step it on the
         worker now."""
         self._squares[i] = square
-        if hand_over and self.speculating and not self._room_ran_out:
+        if hand_over and self._may_speculate(i):
             # The worker reads these values again soon (not at the next forward, as the trace
             # says): keep the copy backward used in RAM.
             ahead = [self._units[k].key for k in self._stepper.queued()]
@@ -325,19 +327,24 @@ class OverlappedStep:
         self._step(i, self.lr, self.grad_scale, False)
         return True
 
+    def _may_speculate(self, i: int) -> bool:
+        """Whether unit i is stepped speculatively now: while speculating, unless a unit as
+        large found no room in this backward."""
+        return self.speculating and self._units[i].numel < self._no_room_numel
+
     def _run(self, i: int) -> None:
         speculating = self.speculating
-        if speculating and self._room_ran_out:  # handed over before a unit found no room
+        if speculating and not self._may_speculate(i):  # a unit handed over before it found none
             self._unspeculated.add(i)
             return
         if not self._step(i, self.lr, self.grad_scale, speculating) and speculating:
             if not self._warned_no_room:
                 self._warned_no_room = True
                 logger.warning("no room in the store to keep the state a speculative step of %s "
-                               "overwrites: it and the units after it are stepped after "
-                               "backward, once the step is validated", self._units[i].key)
+                               "overwrites: it and the units as large after it are stepped "
+                               "after backward, once the step is validated", self._units[i].key)
             self._unspeculated.add(i)
-            self._room_ran_out = True
+            self._no_room_numel = min(self._no_room_numel, self._units[i].numel)
             return
         if not self._tail:  # stepped during backward: next used where the next forward reaches it
             self._next_use.stepped(self._units[i].key)

@@ -219,24 +219,32 @@ def test_an_fp16_overflow_rolls_the_step_back_and_skips_it(tmp_path, patient_wor
     assert stats["rollbacks"] == 4 and stats["units_speculated"] == 3 * 3 + 2
 
 
-def test_a_unit_with_no_room_to_speculate_is_stepped_after_validation(tmp_path, patient_worker,
-                                                                      caplog):
+@pytest.mark.parametrize(("no_room_for", "speculated"), [(1, [2, 0]), (2, [])])
+def test_a_unit_with_no_room_to_speculate_is_stepped_after_validation(
+        tmp_path, patient_worker, caplog, no_room_for, speculated):
     """The optimizer finds no room to keep a unit's old state (keep_unit returns False, before
-    its gradient is read): that unit and the one whose gradient is final after it wait for
-    validation, the one before is speculated; the result is the same."""
+    its gradient is read): that unit, and those at least as large whose gradients are final
+    after it, wait for validation; the others are speculated; the result is the same. The MLP's
+    units hold 288, 1056 and 132 elements; backward finishes unit 2 first, then 1, then 0."""
     batches = mlp_batches(3)
     runs = {}
     for overlap in (False, True):
         with _engine(tmp_path, ("cpu", "cpu"), overlap, gradient_clipping=1e3) as engine:
-            def no_room_for_unit_1(u, keep_unit=engine.optimizer.keep_unit):
-                return u != 1 and keep_unit(u)
+            assert [u.numel for u in engine.units] == [288, 1056, 132]
+            tried = []
 
-            engine.optimizer.keep_unit = no_room_for_unit_1
+            def no_room(u, keep_unit=engine.optimizer.keep_unit):
+                tried.append(u)
+                return u != no_room_for and keep_unit(u)
+
+            engine.optimizer.keep_unit = no_room
             with caplog.at_level(logging.WARNING, logger="infinity.engine._overlap"):
                 runs[overlap] = _train(engine, batches)
             stats = engine.stats()["optimizer"]
     _identical(runs[True], runs[False])
-    assert stats["units_speculated"] == 3 * 1 and stats["rollbacks"] == 0
+    # in backward's order; no other unit even asked for room
+    assert tried == [u for u in (2, 1, 0) if u == no_room_for or u in speculated] * 3
+    assert stats["units_speculated"] == 3 * len(speculated) and stats["rollbacks"] == 0
     assert "no room in the store to keep the state a speculative step" in caplog.text
 
 
