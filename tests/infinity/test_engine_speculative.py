@@ -233,7 +233,7 @@ def test_a_unit_with_no_room_to_speculate_is_stepped_after_validation(
             assert [u.numel for u in engine.units] == [288, 1056, 132]
             tried = []
 
-            def no_room(u, keep_unit=engine.optimizer.keep_unit):
+            def no_room(u, keep_unit=engine.optimizer.keep_unit, tried=tried):
                 tried.append(u)
                 return u != no_room_for and keep_unit(u)
 
