@@ -82,7 +82,10 @@ class OptimizerStep:
             return
         self.begin()
         finite = norm is not None and math.isfinite(norm)
-        for i, unit in enumerate(self._ranked.trained):
+        trained = self._ranked.trained
+        for i, unit in enumerate(trained):
+            if i + 1 < len(trained):  # its reads overlap this unit's update
+                self.prefetch_state(i + 1)
             self.step_unit(i, unit, grad_scale, finite=finite)
         self.close()
         self.log_and_schedule(counters)
@@ -139,8 +142,13 @@ class OptimizerStep:
             (self._optimizer.commit_unit if commit else self._optimizer.rollback_unit)(j)
 
     def prefetch_state(self, i: int) -> None:
+        """Start reading what stepping trained unit i reads first (its gradient where it is
+        stored, its values and first tile), without waiting: the worker's read ahead."""
         j = self._ranked.optimizer_index.get(i)
         if j is not None:  # this rank steps part of the unit
+            grad = self._ranked.trained[i].grad
+            if grad is not None:
+                grad.read_ahead()
             self._optimizer.prefetch_unit(j)
 
     def step_unit(self, i: int, unit: FetchUnit, grad_scale: float, *, finite: bool = False,

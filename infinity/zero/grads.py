@@ -70,6 +70,10 @@ class GradBuffer(ABC):
         """The gradient as 1-D tensors laid end to end (zeros when nothing arrived this step),
         valid inside the block."""
 
+    def read_ahead(self) -> None:  # noqa: B027 - a hint; a gradient in RAM needs none
+        """Start bringing the gradient into RAM for a `read_pieces` soon, without waiting (a
+        hint): nothing to do where it lives in RAM."""
+
     @contextlib.contextmanager
     def read(self) -> Iterator[torch.Tensor]:
         """The gradient as one flat tensor, valid inside the block."""
@@ -240,6 +244,10 @@ class StoredGrad(FlatGrad):
 
     def _readable(self) -> contextlib.AbstractContextManager[torch.Tensor]:
         return self.store.hold(self.key, Tier.HOST)
+
+    def read_ahead(self) -> None:
+        if self.has_grad:  # (else read_pieces reads nothing)
+            self.store.prefetch([self.key], Tier.HOST)
 
 
 class HeldGrad(GradBuffer):

@@ -335,3 +335,29 @@ def test_a_stored_gradient_overwrites_its_entry_without_reading_the_last_steps(t
         assert step(2.0, -2.0) == [2.0] * 6 + [-2.0] * 2
         assert step(4.0, -4.0) == [4.0] * 6 + [-4.0] * 2
         assert step(1.0, None) == [1.0] * 6 + [0.0] * 2  # not the last step's -4
+
+
+def test_a_stored_gradient_is_read_ahead_only_when_it_holds_one(tmp_path):
+    """read_ahead starts the read of a stored gradient the host tier lost, so the optimizer's
+    read_pieces finds it there; a buffer with nothing this step reads nothing."""
+    layer = torch.nn.Linear(3, 2)
+    (unit,), _ = plan_units(layer, persistence_numel=0)
+    with TensorStore({"host": 1 << 16, "nvme": 1 << 20}, nvme_path=tmp_path) as store:
+        buffer = StoredGrad("grad/u", unit.numel, torch.float32, store, Tier.NVME)
+
+        def reads():
+            return store.stats()["moves"].get("nvme->host", {}).get("moves", 0)
+
+        store.evict("grad/u", "host")
+        buffer.read_ahead()  # no gradient yet this step
+        assert reads() == 0 and store.tiers_of("grad/u") == ["nvme"]
+        layer.weight.grad, layer.bias.grad = torch.full((2, 3), 3.0), torch.full((2,), 5.0)
+        buffer.accumulate(unit.slots)
+        store.flush()
+        store.evict("grad/u", "host")
+        buffer.read_ahead()
+        assert "host" in store.tiers_of("grad/u")  # read (or being read) into RAM
+        with buffer.read() as flat:
+            assert flat.tolist() == [3.0] * 6 + [5.0] * 2
+        assert reads() == 1  # read_pieces found it there: one read in all
+        RamGrad(8, torch.float32).read_ahead()  # in RAM: nothing to do
