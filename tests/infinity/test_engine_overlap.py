@@ -4,11 +4,13 @@ forward, a unit that failed on the worker stepped again; every case equal to pla
 (and bit for bit to the step after backward). Speculation under clipping or fp16:
 test_engine_speculative.py."""
 
+import concurrent.futures
 import copy
 import json
 import math
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -396,3 +398,42 @@ def test_a_host_tier_that_holds_every_value_reads_none_again(tmp_path):
     assert all(tiles_read[2:])  # the tier cannot hold every tile too: they come and go
     assert read[0] >= values  # the first forward reads every value
     assert sum(read[2:]) / len(read[2:]) < values / 4, (read, values)
+
+
+def test_the_worker_does_not_wait_for_a_read_ahead(caplog):
+    """Reading the next unit ahead may wait (for room in a full host tier, until the last
+    unit's write-backs are out): that holds up neither the worker's steps nor the thread that
+    queues units, and a read ahead that fails is only a hint (logged at debug level)."""
+    from infinity.engine._overlap import UnitStepper
+
+    queued, room = threading.Event(), threading.Event()
+    read = []
+
+    def step(i):
+        if i == 0:  # the others queue behind it: each has its read ahead
+            queued.wait(10)
+
+    def read_ahead(i):
+        read.append(i)
+        if i == 1:
+            room.wait(10)
+        else:
+            raise OSError("read ahead failed")
+
+    caplog.set_level("DEBUG", logger="infinity.engine._overlap")
+    stepper = UnitStepper(step, read_ahead)
+    try:
+        start = time.perf_counter()
+        for i in range(4):
+            stepper.submit(i)
+        queued.set()
+        futures = stepper.take()
+        done, _ = concurrent.futures.wait(futures.values(), timeout=5)
+        assert time.perf_counter() - start < 5 and len(done) == 4
+        assert all(f.exception() is None for f in done)
+        assert read == [1]  # still waiting for room; the others wait behind it
+    finally:
+        room.set()
+        queued.set()
+        stepper.shutdown()
+    assert read == [1, 2, 3] and "read ahead of unit 2 failed: read ahead failed" in caplog.text
