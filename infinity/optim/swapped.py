@@ -180,12 +180,13 @@ class SwappedOptimizer:
         self._check_index(u)
         values = self._values()
         try:
-            self._keep(u, self.tiles.pending(u, self._completed + 1), values)
+            try:
+                self._keep(u, self.tiles.pending(u, self._completed + 1), values)
+            finally:  # released before a rollback, as step_unit does
+                values.release_all()
         except BudgetError:
             self.rollback_unit(u)
             return False
-        finally:
-            values.release_all()
         return True
 
     def _keep(self, u: int, todo: list[int], values: UnitValues) -> None:
