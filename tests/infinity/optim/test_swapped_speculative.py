@@ -130,6 +130,32 @@ def test_a_unit_without_room_on_nvme_reads_nothing(tmp_path, put_units):
         opt.finish_step()
 
 
+def test_keep_unit_without_room_for_a_copy_aside_keeps_nothing(tmp_path):
+    """Two units step halves of one values entry, so a speculation copies its half aside
+    (`KeptValues`): with the host tier full that copy finds no room, keep_unit says so and
+    nothing is kept, not even the tiles; with room again the unit steps."""
+    numel = 2 * TILE
+    with TensorStore({"host": 4 * MiB}) as store:
+        store.put("shared", torch.randn(numel), "host")
+        specs = [UnitSpec(TILE, torch.float32, "shared", 0),
+                 UnitSpec(TILE, torch.float32, "shared", TILE)]
+        opt = SwappedOptimizer(specs, store, tile_numel=TILE, state_tier=Tier.HOST, **HYPER)
+        keys, before = _keys(store), _state(opt)
+        host = store.stats()["tiers"]["host"]
+        store.put("filler", torch.empty((host.budget_nbytes - host.used_nbytes) // 4),
+                  "host")
+        assert not opt.keep_unit(0)
+        assert _kept(store, keys | {"filler"}) == 0 and _equal_states(_state(opt), before)
+        store.drop("filler")
+        assert opt.keep_unit(0) and _kept(store, keys) == 2  # the tile, the half aside
+        grads = _grads(specs, 0)
+        assert opt.step_unit(0, grads[0], speculative=True)
+        opt.commit_unit(0)
+        assert _kept(store, keys) == 0
+        assert opt.step_unit(1, grads[1])
+        opt.finish_step()
+
+
 def _reads(store):
     return store.stats()["moves"].get("nvme->host", {"moves": 0})["moves"]
 
