@@ -26,7 +26,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -129,6 +129,8 @@ class Engine:
         self.coordinator: ParamCoordinator | None = None
         self._hooks: ModelHooks | None = None
         self._stepper: OverlappedStep | None = None  # the overlapped step, when overlapping
+        # the optimizer's read ahead (no thread until the first; OptimizerStep.prefetch_state)
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="infinity-read-ahead")
         self.ranked = RankedUnits(self.partition, [u for u in self.units if u.requires_grad])
         try:
             partition = self.partition if self.ranks.world > 1 else None
@@ -154,7 +156,7 @@ class Engine:
             self._teardown(restore_params=not self.partition.params)
             raise
         self._steps = OptimizerStep(config, self.ranked, self.optimizer, self.store,
-                                    self.coordinator, self.timeline, schedule)
+                                    self.coordinator, self.timeline, schedule, self._reader)
         self._boundary: bool | None = None  # set_gradient_accumulation_boundary
         if self.overlap:
             steps = self._steps
@@ -537,6 +539,7 @@ class Engine:
         try:
             if self._stepper is not None:
                 self._stepper.shutdown()
+            self._reader.shutdown(wait=True, cancel_futures=True)  # hints not started yet go
             if self.coordinator is not None:
                 self.coordinator.abort_pass()  # a failed forward may have left modules in use
                 self.coordinator.release_all()

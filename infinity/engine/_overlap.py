@@ -355,17 +355,13 @@ class UnitStepper:
 
     Args:
         step: steps unit i (runs on the worker).
-        read_ahead: starts reading unit i's optimizer state (a hint), called for the unit
-            queued right behind the running one, on a thread of its own: starting a read may
-            wait for room (a full host tier waits for the last unit's write-backs), and neither
-            the worker's update nor backward waits on that (at 7 B the tail's worker spent 36%
-            of its time there, and the disk read only once the last unit's writes were out).
+        read_ahead: starts reading unit i's optimizer state without waiting (a hint), called
+            for the unit queued right behind the running one.
     """
 
     def __init__(self, step: Callable[[int], None], read_ahead: Callable[[int], None]) -> None:
-        self._step, self._read_ahead_now = step, read_ahead
+        self._step, self._read_ahead = step, read_ahead
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="infinity-optim")
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="infinity-read-ahead")
         self._lock = threading.Lock()
         self._waiting: list[tuple[int, Future[None]]] = []  # queued, not started, in running order
         self._running: int | None = None
@@ -425,18 +421,8 @@ class UnitStepper:
         return futures
 
     def shutdown(self) -> None:
-        """Finish what is queued and stop the threads."""
+        """Finish what is queued and stop the thread."""
         self._executor.shutdown(wait=True)
-        self._reader.shutdown(wait=True)
-
-    def _read_ahead(self, i: int) -> None:
-        self._reader.submit(self._read_ahead_quietly, i)
-
-    def _read_ahead_quietly(self, i: int) -> None:
-        try:
-            self._read_ahead_now(i)
-        except Exception as exc:  # noqa: BLE001 - a hint: the step reads what it needs itself
-            logger.debug("read ahead of unit %d failed: %s", i, exc)
 
     def _order(self) -> list[int]:
         return ([] if self._running is None else [self._running]) + [i for i, _ in self._waiting]

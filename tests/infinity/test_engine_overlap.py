@@ -4,7 +4,6 @@ forward, a unit that failed on the worker stepped again; every case equal to pla
 (and bit for bit to the step after backward). Speculation under clipping or fp16:
 test_engine_speculative.py."""
 
-import concurrent.futures
 import copy
 import json
 import math
@@ -96,17 +95,24 @@ def test_the_worker_reads_the_next_units_state_while_it_steps_one(tmp_path):
     running unit has its state read meanwhile (prefetch_unit), and the result is unchanged."""
     model, reference, data = mlp(), mlp(), mlp_batches(2)
     engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme"))
-    opt, asked = engine.optimizer, []
-    prefetch_unit = opt.prefetch_unit
+    opt, asked, read = engine.optimizer, [], []
+    prefetch_unit, stepper = opt.prefetch_unit, engine._stepper._stepper
+    read_ahead = stepper._read_ahead
 
-    def spy_prefetch_unit(u):
+    def spy_read_ahead(u):  # asked on the worker or the thread that queues units
         asked.append((u, opt.completed_steps))
+        read_ahead(u)
+
+    def spy_prefetch_unit(u):  # done on the engine's read-ahead thread
+        read.append(u)
         return prefetch_unit(u)
 
-    opt.prefetch_unit = spy_prefetch_unit
+    stepper._read_ahead, opt.prefetch_unit = spy_read_ahead, spy_prefetch_unit
     _hold_the_worker(engine)  # slower than backward: it steps the first unit once backward ended
     losses = train_engine(engine, data)
     assert engine.units_stepped_in_backward == 6
+    engine._reader.submit(lambda: None).result()  # what was asked has run (or was let go)
+    assert len(read) >= 2, read  # the step it was asked for may be done before it runs
     engine.close()
     assert_parity(model, reference, losses, train_reference(reference, data))
     # Backward makes units 2, 1, 0 final in that order and the worker runs one while the others
@@ -400,40 +406,33 @@ def test_a_host_tier_that_holds_every_value_reads_none_again(tmp_path):
     assert sum(read[2:]) / len(read[2:]) < values / 4, (read, values)
 
 
-def test_the_worker_does_not_wait_for_a_read_ahead(caplog):
-    """Reading the next unit ahead may wait (for room in a full host tier, until the last
-    unit's write-backs are out): that holds up neither the worker's steps nor the thread that
-    queues units, and a read ahead that fails is only a hint (logged at debug level)."""
-    from infinity.engine._overlap import UnitStepper
+@pytest.mark.parametrize("overlap", [True, False], ids=["worker", "after-backward"])
+def test_a_read_ahead_that_waits_holds_up_no_step(tmp_path, caplog, overlap):
+    """Reading a unit ahead may wait (for room in a full host tier, until the last unit's
+    write-backs are out): neither the worker nor the step after backward waits with it, a read
+    ahead that fails is only a hint (logged at debug level), and training is unchanged."""
+    caplog.set_level("DEBUG", logger="infinity.engine._optimizer_step")
+    model, reference, data = mlp(), mlp(), mlp_batches(2)
+    engine = infinity.initialize(model, config(tmp_path, "nvme", "nvme", infinity={
+        "host_memory_budget": "1GB", "overlap_optimizer": overlap}))
+    room, asked = threading.Event(), []
 
-    queued, room = threading.Event(), threading.Event()
-    read = []
+    def prefetch_unit(u):
+        asked.append(u)
+        if len(asked) == 1:
+            room.wait(10)  # the first waits for room ...
+        raise OSError("read ahead failed")  # ... then fails, as the others do
 
-    def step(i):
-        if i == 0:  # the others queue behind it: each has its read ahead
-            queued.wait(10)
-
-    def read_ahead(i):
-        read.append(i)
-        if i == 1:
-            room.wait(10)
-        else:
-            raise OSError("read ahead failed")
-
-    caplog.set_level("DEBUG", logger="infinity.engine._overlap")
-    stepper = UnitStepper(step, read_ahead)
+    engine.optimizer.prefetch_unit = prefetch_unit
+    if overlap:
+        _hold_the_worker(engine)  # units queue behind the one it steps: each is read ahead
     try:
         start = time.perf_counter()
-        for i in range(4):
-            stepper.submit(i)
-        queued.set()
-        futures = stepper.take()
-        done, _ = concurrent.futures.wait(futures.values(), timeout=5)
-        assert time.perf_counter() - start < 5 and len(done) == 4
-        assert all(f.exception() is None for f in done)
-        assert read == [1]  # still waiting for room; the others wait behind it
+        losses = train_engine(engine, data)
+        assert time.perf_counter() - start < 5
+        assert len(asked) == 1  # the others wait behind it on the reader
     finally:
         room.set()
-        queued.set()
-        stepper.shutdown()
-    assert read == [1, 2, 3] and "read ahead of unit 2 failed: read ahead failed" in caplog.text
+        engine.close()
+    assert_parity(model, reference, losses, train_reference(reference, data))
+    assert "read ahead of trained unit" in caplog.text and "read ahead failed" in caplog.text
