@@ -31,22 +31,24 @@ budget may cap it, and units without room are then stepped after validation).
 
 [Note: what computing holds outside the store] Modules computing on the host use a unit's
 values in the store directly, unless its compute dtype is wider than its values' (bf16
-computed in fp32 on a CPU without bf16 units): then through a copy made when it is used, outside
-the store: the resident units' and two of the largest in the compute dtype (those copies are
-made into buffers kept within that, [Note: reused upcast buffers]; at stage 3 over
-ranks the gathered buffers, counted with the collectives, are those copies). Gradients whose home
-is the store arrive as autograd's, in the compute dtype, before they are added in: two of
-the largest, also outside. Without these the budget held the host tier, not the process: the
-7 B Llama, bf16 computed in fp32 with `--host-memory 6G`, peaked at 9340 MiB of RSS (its head
-and embedding are 524 MB each in fp32), 7348 MiB with them counted; the price is a smaller
-cache (the 294M GPT at a 1 GB budget: 1.11x a step, docs/performance.md).
+computed in fp32 on a CPU without bf16 units): then through a copy made when it is used,
+outside the store: the resident units' and two of the largest in the compute dtype (those
+copies are made into buffers kept within that, [Note: reused upcast buffers]; at stage 3 over
+ranks each is upcast from a gathered buffer in the values' dtype, counted with the
+collectives). Gradients whose home is the store arrive as autograd's, in the compute dtype,
+before they are added in: two of the largest, also outside. Without these the budget held the
+host tier, not the process: the 7 B Llama, bf16 computed in fp32 with `--host-memory 6G`,
+peaked at 9340 MiB of RSS (its head and embedding are 524 MB each in fp32), 7348 MiB with them
+counted; the price is a smaller cache (the 294M GPT at a 1 GB budget: 1.11x a step,
+docs/performance.md).
 
 [Note: memory plan of a rank] With `world` data-parallel ranks every figure above is one
 rank's: from stage 1 the Adam state counts only this rank's shard of each unit (1/world of
 it, padded), from stage 2 the gradient buffers too, and at stage 3 the parameters the store
 holds. Collectives need whole-unit buffers outside the store, counted beside the gradient
-buffers: at stage 3 the gathered units in use (resident units, two of the largest), from stage
-2 one gradient being reduce-scattered, at stages 1-2 one unit being gathered after the step.
+buffers: at stage 3 the gathered units in use (resident units, two of the largest, in the
+values' dtype), from stage 2 one gradient being reduce-scattered, at stages 1-2 one unit being
+gathered after the step.
 
 [Note: fitting the budget] `sub_group_size` (the optimizer tile) and the gradients' home are
 the plan's to choose within `host_memory_budget`: it takes the first that fits of the
@@ -123,8 +125,8 @@ class _Share:
             return 0
         stage = self.partition.stage
         nbytes = 0
-        if self.gathers:
-            nbytes += _in_use(units)
+        if self.gathers:  # in the values' dtype: a widened unit is upcast from it
+            nbytes += _in_use(units, stored=True)
         largest = max(u.compute_nbytes for u in units)
         if stage >= 2:
             nbytes += largest
@@ -137,8 +139,7 @@ class _Share:
         computing holds outside the store]."""
         if not on_host:
             return 0, 0
-        widened = [u for u in units if u.widened]
-        copies = 0 if self.gathers else _in_use(widened)  # gathered: the collectives' buffers
+        copies = _in_use([u for u in units if u.widened])
         arriving = 2 * max((u.compute_nbytes for u in units if u.requires_grad), default=0)
         return copies, arriving
 
@@ -276,11 +277,14 @@ def plan_memory(units: Sequence[FetchUnit], *, offload_param: str, offload_optim
                       nvme_kept)
 
 
-def _in_use(units: Sequence[FetchUnit]) -> int:
-    """Whole units in the compute dtype while modules use them: the resident ones and two of
-    the largest (the one in use and the next)."""
-    return (sum(u.compute_nbytes for u in units if u.persistent)
-            + 2 * max((u.compute_nbytes for u in units if not u.persistent), default=0))
+def _in_use(units: Sequence[FetchUnit], *, stored: bool = False) -> int:
+    """Whole units in the compute dtype (`stored`: the values' dtype) while modules use them:
+    the resident ones and two of the largest (the one in use and the next)."""
+    def nbytes(u: FetchUnit) -> int:
+        return u.nbytes if stored else u.compute_nbytes
+
+    return (sum(nbytes(u) for u in units if u.persistent)
+            + 2 * max((nbytes(u) for u in units if not u.persistent), default=0))
 
 
 def _fitting_tiles(budget: int, needs: Callable[[int, bool], int], grads_on_nvme: bool,

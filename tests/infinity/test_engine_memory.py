@@ -237,3 +237,30 @@ def test_units_computed_in_a_wider_dtype_and_arriving_gradients_count_outside_th
     assert tight.grads_tier is Tier.NVME  # the smallest budget stores the gradients
     assert tight.outside_store_nbytes == copies + 2 * 4 * (2 << 20)  # and two arrive at a time
     assert tight.budgets[Tier.HOST] + tight.outside_store_nbytes <= wider.min_host_budget
+
+
+@pytest.mark.parametrize("compute", [torch.bfloat16, torch.float32])
+def test_units_gathered_at_stage_3_then_widened_count_both_copies(compute):
+    """At stage 3 over ranks a unit is gathered in its values' dtype and, computed wider, upcast
+    from that: while one unit is in use the next one's gather is in flight and the one being
+    upcast still holds its gathered buffer, so the plan counts two of the largest gathered
+    buffers (bf16) beside the fp32 copies (the resident unit's and two of the largest).
+    Computed in bf16, the gathered buffers are the copies."""
+    def unit(i: int, numel: int, persistent: bool = False) -> FetchUnit:
+        return FetchUnit(i, f"param/u{i}", f"u{i}", [], numel, torch.bfloat16, True, persistent,
+                         compute_dtype=compute)
+
+    units = [unit(0, 1 << 10, persistent=True)] + \
+        [unit(i, (1 << 20) * (2 if i == 3 else 1)) for i in range(1, 9)]
+    kwargs = {"offload_param": "nvme", "offload_optimizer": "nvme", "prefetch_numel": 0,
+              "tile_numel": 1 << 18, "accelerator": False, "host_memory_budget": None}
+    one = plan_memory(units, **kwargs)
+    rank = plan_memory(units, world=2, stage=3, **kwargs)
+    gathered = 2 * 1024 + 2 * 2 * (2 << 20)  # bf16: the resident unit, two of the largest
+    copies = 4 * 1024 + 2 * 4 * (2 << 20) if compute == torch.float32 else 0
+    # one process: whole gradients in the compute dtype; a rank at stage 3: its shards, each
+    # page-aligned, and one whole gradient being reduce-scattered
+    itemsize = compute.itemsize
+    shards = 4096 + 8 * (1 << 20) // 2 * itemsize + (1 << 20) // 2 * itemsize
+    assert one.outside_store_nbytes == 4096 + 9 * (1 << 20) * itemsize + copies
+    assert rank.outside_store_nbytes == shards + (2 << 20) * itemsize + gathered + copies
