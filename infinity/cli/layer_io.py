@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 import aio
+from infinity.cli import device_pauses
 from infinity.cli import nvme_measure as bench
 from infinity.errors import described
 
@@ -170,12 +171,6 @@ class Run:
         return {**dataclasses.asdict(self), "gbps": self.gbps}
 
 
-def _device_stat_path(path: str) -> str | None:
-    dev = os.stat(path).st_dev
-    stat = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat"
-    return stat if os.path.exists(stat) else None
-
-
 def _device_counts(stat_path: str | None) -> tuple[int, int] | None:
     """(requests completed, bytes) read and written so far by the block device."""
     if stat_path is None:
@@ -286,7 +281,7 @@ def measure(config: bench.EngineConfig, directory: str, nbytes: int, rounds: int
     shapes = plan(nbytes // len({tool.files_of for tool in tools}))
     info = {"layers": LAYERS, "window": WINDOW, "shapes": [list(s) for s in shapes],
             "tools": [t.name for t in tools], "deepspeed_skipped": skipped}
-    stat_path = _device_stat_path(directory)
+    stat_path = device_pauses.stat_path(directory)
     runs: list[Run] = []
     try:
         files = [LayerFiles(tool, directory, shapes) for tool in tools]

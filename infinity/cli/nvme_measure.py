@@ -34,6 +34,7 @@ from aio.buffers import aligned_empty
 from aio.handle import Handle
 from aio.request import Request
 from aio.swap_file import Extent, SwapFile
+from infinity.cli.device_pauses import DevicePauses, Pauses
 
 logger = logging.getLogger(__name__)
 
@@ -337,6 +338,7 @@ class MixResult:
     read_nbytes: int
     write_nbytes: int
     seconds: float
+    paused: Pauses | None  # the disk's pauses in the timed span (None: no device counters)
 
     def as_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "read_gbps": self.read_nbytes / self.seconds / GB,
@@ -377,28 +379,29 @@ def mix(handle: Handle, directory: str, nbytes: int, *, window: int = 2, passes:
         reads: dict[int, list[Any]] = {}
         writes: dict[int, list[Any]] = {slot: [] for slot in range(slots)}
         issued = 0
-        begin = time.perf_counter()
-        for use, (layer, write_back) in enumerate(schedule):
-            while issued < min(len(schedule), use + window + 1):  # prefetch into a free slot
-                for request in writes[issued % slots]:
+        with DevicePauses(directory) as pauses:  # [Note: a disk that pauses]
+            begin = time.perf_counter()
+            for use, (layer, write_back) in enumerate(schedule):
+                while issued < min(len(schedule), use + window + 1):  # prefetch into a free slot
+                    for request in writes[issued % slots]:
+                        request.wait()
+                    reads[issued] = start("read", schedule[issued][0], issued % slots)
+                    issued += 1
+                for request in reads.pop(use):  # the layer in use must be here
                     request.wait()
-                reads[issued] = start("read", schedule[issued][0], issued % slots)
-                issued += 1
-            for request in reads.pop(use):  # the layer in use must be here
-                request.wait()
-            if write_back:
-                writes[use % slots] = start("write", layer, use % slots)
-            if on_progress:
-                on_progress(1)
-        handle.wait_all()
-        seconds = time.perf_counter() - begin
+                if write_back:
+                    writes[use % slots] = start("write", layer, use % slots)
+                if on_progress:
+                    on_progress(1)
+            handle.wait_all()
+            seconds = time.perf_counter() - begin
     layer_nbytes = sum(spec.nbytes for spec in specs)
     tensors = [{"name": s.name, "shape": list(s.shape),
                 "dtype": str(s.dtype).removeprefix("torch."), "nbytes": s.nbytes}
                for s in specs]
     written = sum(write_back for _, write_back in schedule)
     return MixResult(handle.backend, layers, layer_nbytes, tensors, window, passes,
-                     len(schedule) * layer_nbytes, written * layer_nbytes, seconds)
+                     len(schedule) * layer_nbytes, written * layer_nbytes, seconds, pauses.result)
 
 
 def window_stream(handle: Handle, swap: SwapFile, extents: list[Extent], nbytes: int,

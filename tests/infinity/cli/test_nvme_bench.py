@@ -132,6 +132,9 @@ def test_mix_reports_read_write_and_combined(disk, capsys, tmp_path):
     assert mix["layers"] >= bench.MIN_LAYERS
     assert mix["read_nbytes"] == 2 * mix["write_nbytes"]  # forward + backward reads, one write-back
     assert mix["combined_gbps"] == pytest.approx(mix["read_gbps"] + mix["write_gbps"])
+    paused = mix["paused"]  # the disk's own pauses in the timed span, where it has counters
+    assert paused is None or 0 <= paused["seconds"] <= paused["sampled_s"] <= mix["seconds"] + 1
+    assert ("paused" in out) == (paused is not None)
     assert list(disk.iterdir()) == []
 
 
