@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 import aio
-from infinity.cli import device_pauses
+from aio import device_pauses
 from infinity.cli import nvme_measure as bench
 from infinity.errors import described
 

@@ -29,7 +29,8 @@ from typing import Any
 from tqdm import tqdm
 
 import aio
-from infinity.cli import device_pauses, layer_io
+from aio import device_pauses
+from infinity.cli import layer_io
 from infinity.cli import nvme_measure as bench
 from infinity.cli.args import HelpFormatter, log_to_stderr, parse_size
 
@@ -320,7 +321,7 @@ def _run(args: argparse.Namespace, workdir: str, fio: str | None) -> dict[str, A
             print(f"  {key.replace('_gbps', ''):9} GB/s  "
                   f"{_fmt([run[key] for run in results['mix']])}")
         paused = [run["paused"] for run in results["mix"] if run["paused"] is not None]
-        if paused:  # [Note: a disk that pauses] in infinity/cli/device_pauses.py
+        if paused:  # [Note: a disk that pauses] in aio/device_pauses.py
             print(f"  paused    s      {_fmt([p['seconds'] for p in paused], digits=1)} of "
                   f"{_fmt([p['sampled_s'] for p in paused], digits=1)} timed: the disk busy, "
                   f"moving under {device_pauses.MIN_BYTES_PER_S / 1e6:.0f} MB/s "

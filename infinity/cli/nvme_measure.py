@@ -31,10 +31,10 @@ import numpy as np
 import torch
 
 from aio.buffers import aligned_empty
+from aio.device_pauses import DevicePauses, Pauses
 from aio.handle import Handle
 from aio.request import Request
 from aio.swap_file import Extent, SwapFile
-from infinity.cli.device_pauses import DevicePauses, Pauses
 
 logger = logging.getLogger(__name__)
 

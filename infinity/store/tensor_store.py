@@ -360,6 +360,12 @@ class TensorStore:
             with self._runner.lock:
                 self._copies.settle(move)
 
+    @property
+    def nvme_directory(self) -> str | None:
+        """The directory of the NVMe tier's swap file (None: no NVMe tier)."""
+        swap = self._tiers.swap
+        return swap.directory if swap is not None else None
+
     def __contains__(self, key: str) -> bool:
         with self._runner.lock:
             return key in self._copies.entries

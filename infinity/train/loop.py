@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from aio.device_pauses import DevicePauses
 from infinity.engine import Engine
 from infinity.memory import rss_bytes
 from infinity.train.data import Batch, Rows, in_order
@@ -44,6 +45,9 @@ class StepRecord:
     tier_used_bytes: dict[str, int] = field(default_factory=dict)
     moved_bytes: dict[str, int] = field(default_factory=dict)  # per direction, since the start
     grad_norm: float | None = None  # engine.last_grad_norm (None where the step took none)
+    # seconds the disk under the swap file was busy yet moved almost nothing during the step
+    # ([Note: a disk that pauses] in aio/device_pauses.py); None: no NVMe tier, or no counters
+    disk_paused_s: float | None = None
     eval_loss: float | None = None  # on the evaluation rows after this step, when evaluated
     eval_perplexity: float | None = None
 
@@ -97,6 +101,7 @@ def train(engine: Engine, batches: Iterator[Batch], *, steps: int,
     records: list[StepRecord] = []
     engine.train()
     moved = _moved(engine.stats())
+    disk = engine.store.nvme_directory
     start = time.perf_counter()
     for step in range(first_step, steps + 1):
         if stop is not None and stop.requested:
@@ -105,14 +110,15 @@ def train(engine: Engine, batches: Iterator[Batch], *, steps: int,
         t0 = time.perf_counter()
         lr = engine.get_lr()[0]
         losses, tokens, trained = [], 0, 0
-        for _ in range(accumulation):
-            batch = next(batches)
-            loss = engine(input_ids=batch.ids, labels=batch.labels).loss
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-            tokens += batch.ids.numel()
-            trained += batch.trained_tokens
+        with DevicePauses(disk) if disk is not None else contextlib.nullcontext() as pauses:
+            for _ in range(accumulation):
+                batch = next(batches)
+                loss = engine(input_ids=batch.ids, labels=batch.labels).loss
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+                tokens += batch.ids.numel()
+                trained += batch.trained_tokens
         step_s = time.perf_counter() - t0
         stats = engine.stats()
         now = _moved(stats)
@@ -124,7 +130,8 @@ def train(engine: Engine, batches: Iterator[Batch], *, steps: int,
             nvme_gbps=nvme / step_s / 1e9, lr=lr, elapsed_s=t0 + step_s - start,
             clock_s=t0 + step_s,
             tier_used_bytes={t: s.used_nbytes for t, s in stats["store"]["tiers"].items()},
-            moved_bytes=now, grad_norm=engine.last_grad_norm)
+            moved_bytes=now, grad_norm=engine.last_grad_norm,
+            disk_paused_s=pauses.result.seconds if pauses and pauses.result else None)
         records.append(record)
         on_step(record)
     return records

@@ -85,6 +85,11 @@ def summary(records: Sequence[StepRecord], *, peak_rss_bytes: int, requested_ste
         ("peak RSS", f"{peak_rss_bytes / 2**20:.0f} MiB"),
         ("NVMe traffic", f"{_gb(nvme)} ({nvme / last.elapsed_s / 1e9:.3f} GB/s over the run)"),
     ]
+    paused = [r.disk_paused_s for r in records if r.disk_paused_s is not None]
+    if paused:  # [Note: a disk that pauses] in aio/device_pauses.py
+        rows.append(("disk paused", f"{sum(paused):.1f} s of the steps' "
+                                    f"{sum(r.step_s for r in records):.1f} s (busy, moving "
+                                    "almost nothing; other processes' I/O counts)"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 

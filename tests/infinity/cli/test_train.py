@@ -31,6 +31,12 @@ def test_default_run_learns_and_reports(tmp_path, capsys):
     assert records[-1]["loss"] < records[0]["loss"] - 0.5  # byte-level loss starts near ln(259)
     assert all(r["nvme_gbps"] > 0 and r["rss_bytes"] > 0 and r["tokens"] == 8 * 128
                for r in records)
+    # the disk under the swap file: its pauses within each step, where it has counters
+    from aio.device_pauses import stat_path
+    counted = stat_path(str(tmp_path)) is not None
+    assert all((r["disk_paused_s"] is not None) == counted for r in records)
+    assert all(0 <= r["disk_paused_s"] <= r["step_s"] + 0.2 for r in records if counted)
+    assert ("disk paused" in out) == counted
     assert "fell by" in out and "loss" in err  # summary table; progress bar on stderr
     trace = json.loads((out_dir / "trace.json").read_text())
     assert {"forward", "backward"} <= {e["name"] for e in trace["traceEvents"]}

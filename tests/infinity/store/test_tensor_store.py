@@ -436,3 +436,12 @@ def test_an_overwrite_is_refused_while_the_key_is_in_use_and_holds_what_a_failed
     store.flush()
     store.evict("a", "host")  # the block's bytes were released dirty: they are the value
     _assert_holds(store, {"a": torch.full((1000,), 5.0)})
+
+
+def test_the_store_names_the_directory_of_its_swap_file(tmp_path):
+    """What infinity-train samples the disk under ([Note: a disk that pauses]); None without
+    an NVMe tier."""
+    with TensorStore({"host": 1 << 20, "nvme": 1 << 20}, nvme_path=tmp_path) as store:
+        assert store.nvme_directory == str(tmp_path)
+    with TensorStore({"host": 1 << 20}) as store:
+        assert store.nvme_directory is None

@@ -6,8 +6,10 @@ when the bytes in play span tens of GB (a 7 B run's 41 GB swap file; an aio repl
 GB file), with requests in flight and nothing completing, and does not on a 4-12 GB file
 (docs/performance.md, "The disk's own pauses at a 7 B footprint"). A mixed rate measured on a
 small file then overstates what a big run gets, by 1.7x there; the bench says how much of its
-own run was such pauses, so a figure that has them can be told from one that has not. The
-counters are the whole device's: other processes' I/O counts too.
+own run was such pauses, so a figure that has them can be told from one that has not, and
+infinity-train records them per step (`disk_paused_s`), so a slow step whose disk stopped can be
+told from one the engine made slow. The counters are the whole device's: other processes' I/O
+counts too.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""DevicePauses ([Note: a disk that pauses] in infinity/cli/device_pauses.py): bins in which the
+"""DevicePauses ([Note: a disk that pauses] in aio/device_pauses.py): bins in which the
 device was busy yet moved almost nothing are pauses, consecutive ones one pause; the sampler
 reports over the span of its block, or nothing where the device has no counters."""
 
 import os
 import time
 
-from infinity.cli import device_pauses
-from infinity.cli.device_pauses import DevicePauses, Sample, find_pauses
+from aio import device_pauses
+from aio.device_pauses import DevicePauses, Sample, find_pauses
 
 MB = 1_000_000
 
