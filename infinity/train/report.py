@@ -171,7 +171,8 @@ def figure(history: Sequence[dict[str, Any]], *, budgets: dict[str, int] | None 
 
 SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
            "tokens_per_s": "speed/tokens_per_s", "step_s": "speed/step_s",
-           "nvme_gbps": "speed/nvme_gbps", "rss_bytes": "memory/rss_bytes",
+           "nvme_gbps": "speed/nvme_gbps", "disk_paused_s": "speed/disk_paused_s",
+           "rss_bytes": "memory/rss_bytes",
            "trained_tokens": "train/trained_tokens", "eval_loss": "eval/loss",
            "eval_perplexity": "eval/perplexity"}  # StepRecord field -> TensorBoard tag
 REPORTERS = ("tensorboard",)

@@ -154,6 +154,9 @@ def test_report_to_tensorboard_writes_every_step(tmp_path, capsys, monkeypatch):
     assert {("train/loss", 1), ("train/loss", 2), ("train/lr", 1), ("speed/tokens_per_s", 2),
             ("eval/loss", 2), ("eval/perplexity", 2)} <= tags
     assert ("eval/loss", 1) not in tags  # evaluated after the last step only
+    from aio.device_pauses import stat_path
+    if stat_path(str(tmp_path)) is not None:  # the disk under the swap file has counters
+        assert {("speed/disk_paused_s", 1), ("speed/disk_paused_s", 2)} <= tags
 
 
 def test_the_real_tensorboard_writer_when_installed(tmp_path, capsys):
