@@ -59,8 +59,11 @@ def find_pauses(samples: Sequence[Sample]) -> Pauses:
 
 def stat_path(directory: str) -> str | None:
     """The sysfs stat file of the block device holding `directory` (None: no such file, e.g.
-    tmpfs)."""
-    dev = os.stat(directory).st_dev
+    tmpfs, or the directory is gone)."""
+    try:
+        dev = os.stat(directory).st_dev
+    except OSError:
+        return None
     path = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat"
     return path if os.path.exists(path) else None
 
@@ -74,18 +77,19 @@ def read_sample(path: str) -> Sample:
 
 class DevicePauses:
     """Samples the device under `directory` every INTERVAL_S on a thread while in the block;
-    `result` is then its Pauses (None where the device has no stat file)."""
+    `result` is then its Pauses (None where the device has no stat file, or a read of it
+    failed: a figure beside the work, which never fails the work)."""
 
     def __init__(self, directory: str) -> None:
         self._path = stat_path(directory)
         self._samples: list[Sample] = []
+        self._failed = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.result: Pauses | None = None
 
     def __enter__(self) -> DevicePauses:
-        if self._path is not None:
-            self._samples.append(read_sample(self._path))
+        if self._path is not None and self._read():
             self._thread = threading.Thread(target=self._sample, name="device-pauses",
                                             daemon=True)
             self._thread.start()
@@ -97,9 +101,19 @@ class DevicePauses:
             return
         self._stop.set()
         self._thread.join()
-        self._samples.append(read_sample(self._path))
-        self.result = find_pauses(self._samples)
+        if self._read():
+            self.result = find_pauses(self._samples)
 
     def _sample(self) -> None:
-        while not self._stop.wait(INTERVAL_S):
+        while not self._stop.wait(INTERVAL_S) and self._read():
+            pass
+
+    def _read(self) -> bool:
+        """Append a sample; False (and no result) once a read failed."""
+        if self._failed or self._path is None:
+            return False
+        try:
             self._samples.append(read_sample(self._path))
+        except (OSError, ValueError, IndexError):
+            self._failed = True
+        return not self._failed

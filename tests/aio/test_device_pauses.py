@@ -49,3 +49,29 @@ def test_the_sampler_covers_its_block_or_says_nothing_without_counters(tmp_path)
         with DevicePauses(shm) as none:
             pass
         assert none.result is None
+
+
+def test_a_counter_that_cannot_be_read_gives_no_figure_and_no_error(tmp_path, monkeypatch):
+    """The figure is beside the work (a training step): a stat file that vanishes or reads
+    garbage mid-way leaves `result` None, and a directory gone has no device."""
+    if device_pauses.stat_path(str(tmp_path)) is None:
+        assert device_pauses.stat_path(str(tmp_path / "gone")) is None
+        return
+    reads = []
+    real = device_pauses.read_sample
+
+    def flaky(path):
+        reads.append(path)
+        if len(reads) > 2:
+            raise OSError(5, "Input/output error", path)
+        return real(path)
+
+    monkeypatch.setattr(device_pauses, "read_sample", flaky)
+    with DevicePauses(str(tmp_path)) as pauses:
+        time.sleep(0.35)
+    assert pauses.result is None and len(reads) == 3  # no read after the one that failed
+    monkeypatch.setattr(device_pauses, "read_sample", lambda path: int("not a counter"))
+    with DevicePauses(str(tmp_path)) as garbage:
+        pass
+    assert garbage.result is None
+    assert device_pauses.stat_path(str(tmp_path / "gone")) is None
