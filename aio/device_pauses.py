@@ -1,5 +1,5 @@
-"""DevicePauses: how long a block device was busy yet moved (almost) nothing while a benchmark
-ran, from the device's own counters.
+"""The counters of the block device under a directory (sysfs), and DevicePauses: how long it
+was busy yet moved (almost) nothing while some work ran (a benchmark, a training step).
 
 [Note: a disk that pauses] The development VM's virtio disk stops for 1-2.5 s every 4-7 s
 when the bytes in play span tens of GB (a 7 B run's 41 GB swap file; an aio replay on a 36-40
@@ -31,6 +31,7 @@ INTERVAL_S = 0.1
 @dataclass(frozen=True, slots=True)
 class Sample:
     seconds: float  # time.perf_counter()
+    requests: int  # reads and writes the device completed so far
     nbytes: int  # bytes read and written by the device so far
     busy_ms: int  # milliseconds with requests in flight so far (io_ticks)
 
@@ -69,19 +70,22 @@ def stat_path(directory: str) -> str | None:
 
 
 def read_sample(path: str) -> Sample:
+    """The device's counters now, from its stat file (`stat_path`)."""
     with open(path) as f:
         fields = [int(x) for x in f.read().split()]
-    # sysfs block stat: sectors read [2], sectors written [6], io_ticks [9]; sectors of 512 B
-    return Sample(time.perf_counter(), (fields[2] + fields[6]) * 512, fields[9])
+    # sysfs block stat: reads [0], sectors read [2], writes [4], sectors written [6], io_ticks
+    # [9]; sectors of 512 B
+    return Sample(time.perf_counter(), fields[0] + fields[4], (fields[2] + fields[6]) * 512,
+                  fields[9])
 
 
 class DevicePauses:
     """Samples the device under `directory` every INTERVAL_S on a thread while in the block;
-    `result` is then its Pauses (None where the device has no stat file, or a read of it
-    failed: a figure beside the work, which never fails the work)."""
+    `result` is then its Pauses (None where there is no directory, the device has no stat file,
+    or a read of it failed: a figure beside the work, which never fails the work)."""
 
-    def __init__(self, directory: str) -> None:
-        self._path = stat_path(directory)
+    def __init__(self, directory: str | None) -> None:
+        self._path = stat_path(directory) if directory is not None else None
         self._samples: list[Sample] = []
         self._failed = False
         self._stop = threading.Event()

@@ -171,15 +171,6 @@ class Run:
         return {**dataclasses.asdict(self), "gbps": self.gbps}
 
 
-def _device_counts(stat_path: str | None) -> tuple[int, int] | None:
-    """(requests completed, bytes) read and written so far by the block device."""
-    if stat_path is None:
-        return None
-    with open(stat_path) as f:
-        fields = [int(x) for x in f.read().split()]
-    return fields[0] + fields[4], (fields[2] + fields[6]) * 512
-
-
 class LayerFiles:
     """One tool's files: LAYERS x 7 tensor files, and window + 1 buffer slots of a layer each."""
 
@@ -291,13 +282,14 @@ def measure(config: bench.EngineConfig, directory: str, nbytes: int, rounds: int
             for tool_files in files if round_ % 2 == 0 else files[::-1]:
                 for pattern, runner in RUNNERS.items():
                     tool_files.evict()
-                    before = _device_counts(stat_path)
+                    before = stat_path and device_pauses.read_sample(stat_path)
                     start = time.perf_counter()
                     read_nbytes, write_nbytes = runner(tool_files)
                     seconds = time.perf_counter() - start
-                    after = _device_counts(stat_path)
+                    after = stat_path and device_pauses.read_sample(stat_path)
                     tool_files.check_slots(LAYERS - 1)
-                    requests, moved = ((a - b for a, b in zip(after, before, strict=True))
+                    requests, moved = ((after.requests - before.requests,
+                                        after.nbytes - before.nbytes)
                                        if before and after else (None, None))
                     runs.append(Run(tool_files.tool.name, pattern, read_nbytes, write_nbytes,
                                     seconds, requests, moved))

@@ -101,7 +101,6 @@ def train(engine: Engine, batches: Iterator[Batch], *, steps: int,
     records: list[StepRecord] = []
     engine.train()
     moved = _moved(engine.stats())
-    disk = engine.store.nvme_directory
     start = time.perf_counter()
     for step in range(first_step, steps + 1):
         if stop is not None and stop.requested:
@@ -110,7 +109,7 @@ def train(engine: Engine, batches: Iterator[Batch], *, steps: int,
         t0 = time.perf_counter()
         lr = engine.get_lr()[0]
         losses, tokens, trained = [], 0, 0
-        with DevicePauses(disk) if disk is not None else contextlib.nullcontext() as pauses:
+        with DevicePauses(engine.store.nvme_directory) as pauses:
             for _ in range(accumulation):
                 batch = next(batches)
                 loss = engine(input_ids=batch.ids, labels=batch.labels).loss
@@ -131,7 +130,7 @@ def train(engine: Engine, batches: Iterator[Batch], *, steps: int,
             clock_s=t0 + step_s,
             tier_used_bytes={t: s.used_nbytes for t, s in stats["store"]["tiers"].items()},
             moved_bytes=now, grad_norm=engine.last_grad_norm,
-            disk_paused_s=pauses.result.seconds if pauses and pauses.result else None)
+            disk_paused_s=pauses.result.seconds if pauses.result else None)
         records.append(record)
         on_step(record)
     return records

@@ -13,10 +13,10 @@ MB = 1_000_000
 
 def _samples(bins):
     """Cumulative samples 0.1 s apart from (MB moved, busy ms) per bin."""
-    out, nbytes, busy = [Sample(0.0, 0, 0)], 0, 0
+    out, nbytes, busy = [Sample(0.0, 0, 0, 0)], 0, 0
     for i, (moved, busy_ms) in enumerate(bins, start=1):
         nbytes, busy = nbytes + moved * MB, busy + busy_ms
-        out.append(Sample(0.1 * i, nbytes, busy))
+        out.append(Sample(0.1 * i, i, nbytes, busy))
     return out
 
 
@@ -44,6 +44,9 @@ def test_the_sampler_covers_its_block_or_says_nothing_without_counters(tmp_path)
         assert pauses.result is not None
         assert 0.3 <= pauses.result.sampled_s < 5
         assert 0 <= pauses.result.seconds <= pauses.result.sampled_s
+    with DevicePauses(None) as nothing:  # no NVMe tier: nothing to sample
+        pass
+    assert nothing.result is None
     shm = "/dev/shm"
     if os.path.isdir(shm) and device_pauses.stat_path(shm) is None:
         with DevicePauses(shm) as none:
