@@ -366,9 +366,9 @@ INF_ADAM__SIMD_INLINE struct simd_coef simd_coef_of(const struct inf_adam__state
  * rounding: some 60 cycles) holds fewer micro-ops in flight, so the core overlaps more
  * iterations. AVX2 on Zen 3 (whose float scheduler is small), one thread, both loops in one
  * process in turns: 0.87-0.89 of the one-pass time for (int8, none), 0.94-0.95 for (int8,
- * fp32) (docs/performance.md). AVX-512 keeps one pass: not measured on a machine with it. The
- * passes repeat the one-pass loop's lines rather than share them through helpers: shared, GCC
- * laid out the (bf16, fp32) loop 9% slower on the same machine. */
+ * fp32) (docs/performance.md). AVX-512 keeps one pass: two gave no gain on Zen 4. The passes
+ * repeat the one-pass loop's lines rather than share them through helpers: shared, GCC laid
+ * out the (bf16, fp32) loop 9% slower on the same machine. */
 INF_ADAM__SIMD_INLINE void update(const struct inf_adam__state_coef *c,
                                   const struct simd_coef *vc, const struct inf_adam_segment *s,
                                   const struct inf_adam__block *b, struct inf_adam__amax *amax,
