@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -22,6 +24,17 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = ("io_uring", "libaio", "threads")
 _auto_choice: str | None = None
+_open_handles: weakref.WeakSet[Handle] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_handles() -> None:
+    """Close, at interpreter exit, the handles nobody closed, while the modules they need still
+    exist: a handle held by a module (or a cycle) that the interpreter tears down after this
+    package would otherwise be collected with `_native` and `warnings` gone, and its __del__
+    would print a traceback instead of waiting for its requests."""
+    for handle in list(_open_handles):
+        handle.close()
 
 
 def available_backends() -> list[str]:
@@ -92,6 +105,7 @@ class Handle:
         self._close_lock = threading.Lock()  # a second close() waits for the first
         self._in_flight: set[Request] = set()
         self._closed = False
+        _open_handles.add(self)
         for fault in faults:
             self.inject(fault)
 
@@ -181,6 +195,7 @@ class Handle:
                 if self._closed:
                     return
                 self._closed = True  # from here on _submit refuses, so _in_flight is complete
+            _open_handles.discard(self)
             self._native.shutdown()
             with self._lock:
                 pending = list(self._in_flight)

@@ -10,6 +10,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from children import python_child
 
 import aio
 
@@ -198,6 +199,23 @@ def test_closed_handle_refuses_io(tmp_path):
     h.close()  # idempotent
     with pytest.raises(ValueError, match="closed"):
         h.write(torch.ones(4), tmp_path / "x")
+
+
+def test_a_handle_left_open_is_closed_at_exit_without_a_traceback(tmp_path):
+    """A handle nobody closed, held where the interpreter tears it down after aio's own modules
+    (here a global of `os`), is closed at exit by aio's exit hook, its write waited for, and
+    leaves no "Exception ignored" traceback (its __del__ would find `_native` gone)."""
+    code = textwrap.dedent(f"""
+        import atexit, os
+        atexit.register(lambda: print("closed at exit:", os._h._closed))  # runs after aio's hook
+        import torch, aio
+        os._h = aio.Handle()
+        os._h.write(torch.ones(1 << 18), {str(tmp_path / "f")!r})
+    """)
+    out = python_child(["-c", code], timeout=60)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert out.stdout.strip() == "closed at exit: True"
+    assert (tmp_path / "f").stat().st_size == 1 << 20
 
 
 def test_wait_all_returns_total(handle, tmp_path):
