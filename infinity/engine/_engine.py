@@ -93,6 +93,7 @@ class Engine:
         self.module = model
         self.counters = StepCounters()
         self.phase = StepPhase.IDLE
+        self._owner = os.getpid()  # a forked child inherits the engine, not its threads
         zero = config.zero_optimization
         adam = (config.optimizer or _DEFAULT_OPTIMIZER).params
         schedule = None if config.scheduler is None else \
@@ -524,8 +525,9 @@ class Engine:
 
     def close(self, *, restore_params: bool = True) -> None:
         """Remove every hook and free the store. With restore_params the model gets its current
-        values back as ordinary tensors (needs RAM for the whole model), else placeholders stay."""
-        if self.phase is StepPhase.CLOSED:
+        values back as ordinary tensors (needs RAM for the whole model), else placeholders stay.
+        In a process forked from the owner it does nothing: the engine is the parent's."""
+        if self.phase is StepPhase.CLOSED or os.getpid() != self._owner:
             return
         try:
             self.wait_for_checkpoint()
@@ -563,6 +565,9 @@ class Engine:
         self.close()
 
     def _check_open(self) -> None:
+        if os.getpid() != self._owner:
+            raise ClosedError(f"this engine belongs to process {self._owner}: a process forked "
+                              "from it has none of its threads; initialize a new one here")
         if self.phase is StepPhase.CLOSED:
             raise ClosedError("the engine is closed")
 

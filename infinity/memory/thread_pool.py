@@ -17,6 +17,20 @@ from infinity.errors import ClosedError
 from infinity.memory._move import ffi, lib
 from infinity.memory.usage import usable_cores
 
+_pools: weakref.WeakSet[ThreadPool] = weakref.WeakSet()
+
+
+def _disown_parents_pools() -> None:
+    """In a child made by os.fork(): the workers of the pools it inherited stayed in the parent,
+    so destroying one (at exit, or by close()) would wait forever for them to join. The child
+    forgets them: its copies are never destroyed, and a kernel asking for one is refused."""
+    for pool in list(_pools):
+        pool._finalizer.detach()
+    _pools.clear()
+
+
+os.register_at_fork(after_in_child=_disown_parents_pools)
+
 
 class ThreadPool:
     """`threads - 1` persistent workers that join the calling thread inside native kernels.
@@ -41,19 +55,21 @@ class ThreadPool:
         self._pool = out[0]
         # A safety net for owners that never close: the workers are only sleeping threads.
         self._finalizer = weakref.finalize(self, lib.inf_pool_destroy, self._pool)
+        self._owner = os.getpid()
+        _pools.add(self)
 
     @property
     def address(self) -> int:
         """The native pool's address, for another native module (see [Note: one pool, two
         modules] in csrc/common/inf_pool.h). Raises ClosedError once closed."""
-        if not self._finalizer.alive:
-            raise ClosedError("ThreadPool is closed")
-        return int(ffi.cast("uintptr_t", self._pool))
+        return int(ffi.cast("uintptr_t", self.native))
 
     @property
     def native(self):  # cdata 'struct inf_pool *' of this module's ffi
         if not self._finalizer.alive:
-            raise ClosedError("ThreadPool is closed")
+            raise ClosedError("ThreadPool is closed" if self._owner == os.getpid() else
+                              f"ThreadPool of process {self._owner}, inherited through fork(): "
+                              "make a new one in this process")
         return self._pool
 
     def close(self) -> None:

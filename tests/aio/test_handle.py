@@ -218,6 +218,35 @@ def test_a_handle_left_open_is_closed_at_exit_without_a_traceback(tmp_path):
     assert (tmp_path / "f").stat().st_size == 1 << 20
 
 
+def test_a_forked_child_refuses_its_parents_handle_and_exits(tmp_path):
+    """os.fork() copies a handle but not its engine's threads: the child's I/O on it is refused
+    by name, its close() and its exit do not wait for threads it does not have (they hung), and
+    the parent's handle goes on working."""
+    code = textwrap.dedent(f"""
+        import faulthandler, os, sys, torch, aio
+        h = aio.Handle()
+        path = {str(tmp_path / "f")!r}
+        h.write(torch.ones(1024), path).wait()
+        pid = os.fork()
+        if pid == 0:
+            faulthandler.dump_traceback_later(30, exit=True)  # a hung child ends itself
+            try:
+                h.write(torch.ones(1024), path)
+            except ValueError as e:
+                print("child:", e, flush=True)
+            h.close()
+            sys.exit(0)
+        print("child exit", os.waitpid(pid, 0)[1], flush=True)
+        h.write(torch.ones(1024), path, offset=4096).wait()
+        h.close()
+        print("parent wrote", os.path.getsize(path))
+    """)
+    out = python_child(["-c", code], timeout=90)
+    assert out.returncode == 0, out.stderr
+    assert "aio.Handle of process" in out.stdout and "inherited through fork()" in out.stdout
+    assert "child exit 0" in out.stdout and "parent wrote 8192" in out.stdout, out.stdout
+
+
 def test_wait_all_returns_total(handle, tmp_path):
     for i in range(10):
         handle.write(torch.ones(1000), tmp_path / "w.bin", offset=i * 4000)

@@ -3,10 +3,12 @@ counters a checkpoint keeps, and the global gradient norm, which the overlapped 
 the step after backward does, to the bit (issue 19)."""
 
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from children import python_child
 
 import infinity
 from infinity.engine import StepCounters, StepPhase
@@ -54,6 +56,44 @@ def test_the_step_moves_through_its_phases_and_refuses_illegal_moves(tmp_path):
         check_move(StepPhase.IDLE, StepPhase.TAIL_OPEN)
     with pytest.raises(RuntimeError, match="cannot go from 'closed' to 'idle'"):
         check_move(StepPhase.CLOSED, StepPhase.IDLE)
+
+
+def test_a_forked_child_refuses_its_parents_engine_and_exits(tmp_path):
+    """os.fork() copies an engine but none of its threads (the optimizer's worker, the
+    readers): using it in the child waited forever for them. Now every call there is refused
+    with ClosedError naming the owner, close() there does nothing, the child exits, and the
+    parent trains on."""
+    code = textwrap.dedent(f"""
+        import faulthandler, os, sys, torch, infinity
+        nvme = {{"device": "nvme", "nvme_path": {str(tmp_path)!r}}}
+        linear = torch.nn.Linear
+        model = torch.nn.Sequential(linear(16, 16), torch.nn.ReLU(), linear(16, 1))
+        engine = infinity.initialize(model, {{
+            "train_micro_batch_size_per_gpu": 1,
+            "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3}}}},
+            "zero_optimization": {{"stage": 3, "offload_param": nvme, "offload_optimizer": nvme}}}})
+        def train():
+            engine.backward(engine(torch.ones(4, 16)).square().mean())
+            engine.step()
+        train()
+        pid = os.fork()
+        if pid == 0:
+            faulthandler.dump_traceback_later(30, exit=True)  # a hung child ends itself
+            try:
+                train()
+            except infinity.ClosedError as e:
+                print("child:", e, flush=True)
+            engine.close()
+            sys.exit(0)
+        print("child exit", os.waitpid(pid, 0)[1], flush=True)
+        train()
+        print("parent steps", engine.global_steps, flush=True)
+        engine.close()
+    """)
+    out = python_child(["-c", code], timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "child: this engine belongs to process" in out.stdout, out.stdout
+    assert "child exit 0" in out.stdout and "parent steps 2" in out.stdout
 
 
 def test_a_checkpoint_restores_the_step_counters(tmp_path):

@@ -1,9 +1,11 @@
 """ThreadPool: persistent kernel workers, reused across calls and shared between threads."""
 
+import textwrap
 import threading
 
 import pytest
 import torch
+from children import python_child
 
 from infinity.errors import ClosedError
 from infinity.memory import ThreadPool
@@ -104,3 +106,36 @@ def test_workers_are_joined_on_close():
 def _native_threads() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+
+
+def test_a_forked_child_refuses_its_parents_pool_and_exits():
+    """os.fork() copies a pool but not its workers: the child's kernels are refused the pool by
+    name, and its close() and exit do not wait for workers to join (they hung); the parent's
+    pool goes on working."""
+    code = textwrap.dedent("""
+        import faulthandler, os, sys, torch
+        from infinity.memory import ThreadPool
+        from infinity.optim import adam_step
+        pool = ThreadPool(2)
+        n = 1 << 16
+        state = [torch.ones(n), torch.ones(n), torch.zeros(n), torch.zeros(n)]
+        hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True)
+        pid = os.fork()
+        if pid == 0:
+            faulthandler.dump_traceback_later(30, exit=True)  # a hung child ends itself
+            try:
+                adam_step(*state, step=1, pool=pool, **hyper)
+            except Exception as e:
+                print("child:", type(e).__name__, e, flush=True)
+            pool.close()
+            sys.exit(0)
+        print("child exit", os.waitpid(pid, 0)[1], flush=True)
+        adam_step(*state, step=1, pool=pool, **hyper)
+        pool.close()
+        print("parent stepped", bool((state[0] < 1).all()))
+    """)
+    out = python_child(["-c", code], timeout=90)
+    assert out.returncode == 0, out.stderr
+    assert "child: ClosedError ThreadPool of process" in out.stdout, out.stdout
+    assert "inherited through fork()" in out.stdout
+    assert "child exit 0" in out.stdout and "parent stepped True" in out.stdout
