@@ -37,19 +37,15 @@ config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": what == "load
                                 "offload_param": {"device": "nvme", "nvme_path": nvme},
                                 "offload_optimizer": {"device": "nvme", "nvme_path": nvme}},
           "infinity": {"host_memory_budget": int(budget)}}
-def status():  # what a peak is made of, for a reader of a figure out of line
-    with open("/proc/self/status") as f:
-        return {l.split(":")[0]: l.split()[1] for l in f
-                if l.startswith(("VmRSS", "RssAnon", "RssFile", "RssShmem", "Threads"))}
 build_on_meta(directory, torch.float32)  # the baseline: everything imported, the model on meta
-meta_peak, meta_status = infinity.memory.peak_rss_bytes(), status()
+meta_peak, meta_parts = infinity.memory.peak_rss_bytes(), infinity.memory.rss_parts()
 start = time.perf_counter()
 placed = infinity.models.load(directory, config, window=int(window)).infinity_placed
 print(json.dumps({"stored": sum(u.nbytes for u in placed.layout.units),
                   "host_tier": placed.store.budgets[infinity.store.Tier.HOST],
                   "seconds": time.perf_counter() - start, "meta_peak": meta_peak,
                   "peak": infinity.memory.peak_rss_bytes(),
-                  "status": {"meta": meta_status, "loaded": status()}}))
+                  "rss_parts": {"meta": meta_parts, "loaded": infinity.memory.rss_parts()}}))
 """
 
 
@@ -90,8 +86,8 @@ def run_child(directory: str, nvme: str, what: str, *, window: int, host_budget:
               sub_group_size: int = 1 << 22) -> dict:
     """A child that builds the model on meta, then loads it ("load": fp32 parameters,
     "load-bf16": bf16): its peak RSS after building ("meta_peak") and after loading ("peak"),
-    the stored bytes, the host tier, the load's seconds and its /proc status lines (kB, and
-    threads) at both points ("status")."""
+    the stored bytes, the host tier, the load's seconds and what its resident set was made of
+    at both points ("rss_parts": `infinity.memory.rss_parts`)."""
     argv = [directory, nvme, what, str(window), str(host_budget), str(sub_group_size)]
     out = subprocess.run([sys.executable, "-c", _CHILD, *argv], capture_output=True, text=True,
                          timeout=1800,

@@ -9,26 +9,37 @@ from __future__ import annotations
 import os
 
 
-def _status_bytes(field: str) -> int:
+def _status(*fields: str) -> dict[str, int]:
+    """The named fields of /proc/self/status in bytes (their kB times 1024); 0 where /proc is
+    missing."""
+    found = dict.fromkeys(fields, 0)
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith(field):
-                    return int(line.split()[1]) * 1024
+                name = line.split(":", 1)[0]
+                if name in found:
+                    found[name] = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 0
+    return found
 
 
 def rss_bytes() -> int:
     """Current resident set (VmRSS) of this process, 0 where /proc is missing."""
-    return _status_bytes("VmRSS:")
+    return _status("VmRSS")["VmRSS"]
 
 
 def peak_rss_bytes() -> int:
     """Peak resident set (VmHWM) of this process, 0 where /proc is missing. The peak never
     goes down: measure work in a fresh child process for a clean figure."""
-    return _status_bytes("VmHWM:")
+    return _status("VmHWM")["VmHWM"]
+
+
+def rss_parts() -> dict[str, int]:
+    """The resident set now and what it is made of: VmRSS = RssAnon (heap, anonymous maps) +
+    RssFile (mapped files, shared libraries) + RssShmem, in bytes; says which kind a figure out
+    of line grew in."""
+    return _status("VmRSS", "RssAnon", "RssFile", "RssShmem")
 
 
 def usable_cores() -> int:

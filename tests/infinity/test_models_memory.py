@@ -35,4 +35,4 @@ def test_peak_rss_of_a_load_is_the_window_not_the_model(tmp_path):
           f"{loaded['host_tier'] / MiB:.0f} MiB host tier "
           f"(+{growth / MiB:.1f} MiB, bound {bound / MiB:.0f} MiB)")
     assert bound < loaded["stored"]  # the test can tell a streamed load from a materialised one
-    assert growth < bound, f"growth {growth / MiB:.1f} MiB; /proc status: {loaded['status']}"
+    assert growth < bound, f"growth {growth / MiB:.1f} MiB; resident set: {loaded['rss_parts']}"

@@ -1,0 +1,31 @@
+"""What the process uses, read from /proc/self/status: one reader for every figure."""
+
+import builtins
+
+import torch
+
+from infinity.memory import peak_rss_bytes, rss_bytes, rss_parts
+
+
+def test_the_resident_set_is_its_parts_and_a_touched_tensor_grows_the_anonymous_one():
+    before = rss_parts()
+    assert set(before) == {"VmRSS", "RssAnon", "RssFile", "RssShmem"}
+    assert before["VmRSS"] == before["RssAnon"] + before["RssFile"] + before["RssShmem"]
+    x = torch.ones(64 << 18)  # 64 MiB, every page touched
+    after = rss_parts()
+    assert after["RssAnon"] - before["RssAnon"] >= 60 << 20
+    assert after["VmRSS"] <= peak_rss_bytes() and rss_bytes() >= after["VmRSS"] - (8 << 20)
+    del x
+
+
+def test_without_proc_every_figure_is_zero(monkeypatch):
+    real_open = builtins.open
+
+    def no_proc(path, *args, **kwargs):
+        if str(path).startswith("/proc/"):
+            raise FileNotFoundError(path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", no_proc)
+    assert rss_bytes() == peak_rss_bytes() == 0
+    assert rss_parts() == {"VmRSS": 0, "RssAnon": 0, "RssFile": 0, "RssShmem": 0}
