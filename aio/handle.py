@@ -37,19 +37,6 @@ def _close_open_handles() -> None:
         handle.close()
 
 
-def _disown_parents_handles() -> None:
-    """In a child made by os.fork(): the handles it inherited are its parent's, whose engine
-    threads did not come along (and whose locks a parent's thread may have held), so closing or
-    using one would wait forever. They are marked closed and forked, nothing else is touched:
-    I/O on one is refused by name, and exit leaves them alone."""
-    for handle in list(_open_handles):
-        handle._closed = handle._forked = True
-    _open_handles.clear()
-
-
-os.register_at_fork(after_in_child=_disown_parents_handles)
-
-
 def available_backends() -> list[str]:
     """The backends this process may use, fastest first.
 
@@ -118,8 +105,7 @@ class Handle:
         self._close_lock = threading.Lock()  # a second close() waits for the first
         self._in_flight: set[Request] = set()
         self._closed = False
-        self._forked = False  # inherited through os.fork(): the parent's, unusable here
-        self._pid = os.getpid()
+        self._owner = os.getpid()  # a child made by os.fork() gets the handle, not its threads
         _open_handles.add(self)
         for fault in faults:
             self.inject(fault)
@@ -144,8 +130,8 @@ class Handle:
         if not isinstance(offset, int) or offset < 0:
             raise ValueError(f"offset must be a non-negative int, got {offset!r}")
         raw = raw_buffer(buffer, writable=op == "read")
-        if self._forked:
-            raise ValueError(f"I/O on an aio.Handle of process {self._pid}, inherited through "
+        if os.getpid() != self._owner:
+            raise ValueError(f"I/O on an aio.Handle of process {self._owner}, inherited through "
                              "fork(): open a new aio.Handle in this process")
         if self._closed:
             raise ValueError("I/O on a closed aio.Handle")
@@ -207,8 +193,10 @@ class Handle:
 
     def close(self) -> None:
         """Stop the engine: pieces not yet started (and injected hangs) fail with ECANCELED,
-        pieces in flight are waited for, files are closed. Idempotent."""
-        if self._forked:  # the parent's engine: nothing of it is this process's to stop
+        pieces in flight are waited for, files are closed. Idempotent. In a process forked from
+        the one that made the handle it only marks it closed: the engine is the parent's."""
+        if os.getpid() != self._owner:  # forked: the parent's engine (and locks), not ours
+            self._closed = True
             return
         with self._close_lock:
             with self._lock:

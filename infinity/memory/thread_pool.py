@@ -12,24 +12,19 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 from infinity.errors import ClosedError
 from infinity.memory._move import ffi, lib
 from infinity.memory.usage import usable_cores
 
-_pools: weakref.WeakSet[ThreadPool] = weakref.WeakSet()
 
-
-def _disown_parents_pools() -> None:
-    """In a child made by os.fork(): the workers of the pools it inherited stayed in the parent,
-    so destroying one (at exit, or by close()) would wait forever for them to join. The child
-    forgets them: its copies are never destroyed, and a kernel asking for one is refused."""
-    for pool in list(_pools):
-        pool._finalizer.detach()
-    _pools.clear()
-
-
-os.register_at_fork(after_in_child=_disown_parents_pools)
+def _destroy(destroy: Callable[[Any], None], pool: Any, owner: int) -> None:
+    """`destroy(pool)` in the process that made it: a child made by os.fork() has a copy of the
+    pool but not its workers, and waiting for them to join would never end."""
+    if os.getpid() == owner:
+        destroy(pool)
 
 
 class ThreadPool:
@@ -54,9 +49,9 @@ class ThreadPool:
         self.threads: int = threads
         self._pool = out[0]
         # A safety net for owners that never close: the workers are only sleeping threads.
-        self._finalizer = weakref.finalize(self, lib.inf_pool_destroy, self._pool)
         self._owner = os.getpid()
-        _pools.add(self)
+        self._finalizer = weakref.finalize(self, _destroy, lib.inf_pool_destroy, self._pool,
+                                           self._owner)
 
     @property
     def address(self) -> int:
@@ -66,10 +61,11 @@ class ThreadPool:
 
     @property
     def native(self):  # cdata 'struct inf_pool *' of this module's ffi
-        if not self._finalizer.alive:
-            raise ClosedError("ThreadPool is closed" if self._owner == os.getpid() else
-                              f"ThreadPool of process {self._owner}, inherited through fork(): "
+        if os.getpid() != self._owner:
+            raise ClosedError(f"ThreadPool of process {self._owner}, inherited through fork(): "
                               "make a new one in this process")
+        if not self._finalizer.alive:
+            raise ClosedError("ThreadPool is closed")
         return self._pool
 
     def close(self) -> None:
