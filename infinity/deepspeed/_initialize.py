@@ -25,6 +25,7 @@ from infinity.deepspeed._optimizer import (
 )
 from infinity.engine import attach_to_model, engine_config, set_weight_decay
 from infinity.errors import ConfigError
+from infinity.zero.ranks import end_group_at_exit
 
 logger = logging.getLogger(__name__)
 
@@ -277,6 +278,7 @@ def init_distributed(
         dist.init_process_group(
             backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
         )
+        end_group_at_exit()
         return
     if init_method is None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -289,3 +291,4 @@ def init_distributed(
     dist.init_process_group(
         backend, init_method=init_method, timeout=timeout, rank=rank, world_size=world_size
     )
+    end_group_at_exit()

@@ -21,10 +21,12 @@ rendezvous store; every later collective raises the same error at once (no secon
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import hashlib
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +44,21 @@ T = TypeVar("T")
 _ROLL_CALL_S = 2.0  # how long a rank that saw a collective fail waits for the others to answer
 # what torchrun sets (env:// rendezvous)
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def end_group_at_exit() -> None:
+    """Destroy the default process group when the process ends normally: for a group this
+    process started, as torch asks. torch 2.13's gloo group left to the interpreter's teardown
+    aborts the process ("terminate called without an active exception") in many exits: 16 of 28
+    two-rank jobs of plain collectives, 1 of 8 with an engine, so a torchrun job that had
+    finished reported a failed rank. Not after an unhandled exception (sys.last_value): it may
+    have left a collective in flight, and destroying waits for it, up to the group's timeout."""
+    atexit.register(_end_group)
+
+
+def _end_group() -> None:
+    if getattr(sys, "last_value", None) is None and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +147,8 @@ class Ranks:
         """The ranks of this job: an initialised process group, else one started from
         torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; gloo on CPU, NCCL
         on GPUs, collectives timing out after `timeout_s`), else one process. A group started
-        here stays for the life of the process (later engines use it), as DeepSpeed's does.
+        here stays for the life of the process (later engines use it), as DeepSpeed's does, and ends
+        at its normal exit (`end_group_at_exit`).
 
         Ranks other than 0 log only warnings and errors from then on (logger "infinity",
         unless the application set its level)."""
@@ -165,6 +183,7 @@ class Ranks:
                             f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}) "
                             f"failed within {timeout_s:g} s: {described(exc)}",
                             rank=rank, collective="init_process_group") from exc
+        end_group_at_exit()
         return cls(dist.get_rank(), dist.get_world_size(), store=_default_store())
 
     # -- shards ----------------------------------------------------------------------------------

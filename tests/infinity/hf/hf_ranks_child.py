@@ -66,6 +66,9 @@ def main() -> None:
             },
             out / "result.pt",
         )
+    # the Trainer's group, not the engine's: left to the interpreter's teardown it often
+    # aborted a rank that had finished (docs/scale.md, "Launching")
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -87,3 +87,44 @@ def test_a_rendezvous_the_other_ranks_never_join_fails_in_time(monkeypatch):
     with pytest.raises(RankError, match="rank 0 of 2: init_process_group .* failed within 2 s"):
         Ranks.from_environment(timeout_s=2)
     assert timeouts == [datetime.timedelta(seconds=2)]
+
+
+# A group this process started ends at a normal exit. The child's own hook, registered first,
+# runs after the engine's (atexit runs hooks last in, first out) and tells whether the group
+# was still there.
+_EXIT_CHILD = """
+import atexit, sys
+import torch.distributed as dist
+atexit.register(lambda: print("group at exit:", dist.is_initialized()))
+starter, end = sys.argv[1:3]
+if starter == "ranks":
+    from infinity.zero.ranks import Ranks
+    Ranks._start_group(30.0)
+else:
+    import infinity.deepspeed
+    infinity.deepspeed.init_distributed()
+assert dist.is_initialized()
+if end == "raise":
+    raise RuntimeError("the script failed")
+if end == "exit":
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("starter", ["ranks", "deepspeed"])
+@pytest.mark.parametrize("end, code, alive", [("return", 0, False), ("exit", 3, False),
+                                              ("raise", 1, True)])
+def test_a_group_started_here_is_destroyed_at_a_normal_exit(starter, end, code, alive):
+    """torch's gloo group left to the interpreter's teardown often aborted a finished torchrun
+    rank (SIGABRT). After an unhandled exception it stays: destroying it waits for a collective
+    the exception may have left in flight."""
+    import os
+
+    from children import python_child
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    if starter == "ranks":  # rank 0 of a world of 1 needs no torchrun; port 0: any free one
+        env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+    out = python_child(["-c", _EXIT_CHILD, starter, end], env=env, timeout=120)
+    assert out.returncode == code, out.stderr[-2000:]
+    assert out.stdout.splitlines()[-1] == f"group at exit: {alive}", out.stdout + out.stderr
