@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+_SETTLE_S = 0.05  # the GIL left to gloo's workers before the group is destroyed at exit
 _ROLL_CALL_S = 2.0  # how long a rank that saw a collective fail waits for the others to answer
 # what torchrun sets (env:// rendezvous)
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -58,6 +59,11 @@ def end_group_at_exit() -> None:
 
 def _end_group() -> None:
     if getattr(sys, "last_value", None) is None and dist.is_initialized():
+        # The GIL released a moment first: a gloo worker may still be dropping the last
+        # collective's work, which takes the GIL, and destroying joins that worker while
+        # holding it. The deadlock was seen (2 of 6 loaded runs) when the group went right
+        # after an all-gather.
+        time.sleep(_SETTLE_S)
         dist.destroy_process_group()
 
 
