@@ -23,10 +23,25 @@ def child_env(base: dict[str, str] | None = None, **extra: str) -> dict[str, str
 
 
 def python_child(args: list[str], *, env: dict[str, str] | None = None,
-                 **kwargs) -> subprocess.CompletedProcess:
-    """Run `python *args` to the end in the repository root; output captured as text."""
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=child_env(env),
-                          capture_output=True, text=True, **kwargs)
+                 timeout: float | None = None, **kwargs) -> subprocess.CompletedProcess:
+    """Run `python *args` to the end in the repository root; output captured as text.
+
+    Past `timeout`, or when the test is interrupted (pytest-timeout), the child gets SIGTERM
+    and, 10 s later, SIGKILL: torchrun stops its ranks on SIGTERM, while they outlive a
+    SIGKILL of torchrun (each in a session of its own), as subprocess.run would leave them."""
+    with subprocess.Popen([sys.executable, *args], cwd=ROOT, env=child_env(env),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          **kwargs) as child:
+        try:
+            stdout, stderr = child.communicate(timeout=timeout)
+        except BaseException:
+            child.terminate()
+            try:
+                child.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+            raise
+    return subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
 
 
 def torchrun(world: int) -> list[str]:

@@ -12,6 +12,7 @@ torchrun's environment by hand, to see each rank's exit code and output.
 """
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from children import ROOT, child_env, torchrun
+from children import ROOT, child_env, python_child, torchrun
 
 import infinity
 
@@ -75,10 +76,8 @@ def _torchrun(tmp_path, cases, timeout_s, world=WORLD):
     """Run the child on `world` ranks with torchrun; returns (its exit code and output, per-rank
     results)."""
     spec, out = _spec(tmp_path, cases)
-    command = [sys.executable, *torchrun(world), str(CHILD), str(spec)]
-    env = child_env(OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))  # TMPDIR: torchrun's log dirs
-    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=timeout_s)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}  # torchrun's log dirs
+    run = python_child([*torchrun(world), str(CHILD), str(spec)], env=env, timeout=timeout_s)
     return (run.returncode, run.stdout + run.stderr), _results(out, world)
 
 
