@@ -48,13 +48,21 @@ _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def end_group_at_exit() -> None:
-    """Destroy the default process group when the process ends normally: for a group this
-    process started, as torch asks. torch 2.13's gloo group left to the interpreter's teardown
-    aborts the process ("terminate called without an active exception") in many exits: 16 of 28
-    two-rank jobs of plain collectives, 1 of 8 with an engine, so a torchrun job that had
-    finished reported a failed rank. Not after an unhandled exception (sys.last_value): it may
-    have left a collective in flight, and destroying waits for it, up to the group's timeout."""
-    atexit.register(_end_group)
+    """Destroy the default process group when the process ends normally, unless the
+    application did (as torch asks every script to). torch 2.13's gloo group left to the
+    interpreter's teardown aborts the process ("terminate called without an active exception")
+    in many exits: 16 of 28 two-rank jobs of plain collectives, 1 of 8 with an engine, so a
+    torchrun job that had finished reported a failed rank. Not after an unhandled exception
+    (sys.last_value): it may have left a collective in flight, and destroying waits for it, up
+    to the group's timeout. Registered once, at the first call: exit hooks the application
+    registers later run before it, with the group."""
+    global _ending
+    if not _ending:
+        atexit.register(_end_group)
+        _ending = True
+
+
+_ending = False
 
 
 def _end_group() -> None:
@@ -153,12 +161,13 @@ class Ranks:
         """The ranks of this job: an initialised process group, else one started from
         torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; gloo on CPU, NCCL
         on GPUs, collectives timing out after `timeout_s`), else one process. A group started
-        here stays for the life of the process (later engines use it), as DeepSpeed's does, and ends
-        at its normal exit (`end_group_at_exit`).
+        here stays for the life of the process (later engines use it), as DeepSpeed's does; the
+        group, started here or not, ends at the process's normal exit (`end_group_at_exit`).
 
         Ranks other than 0 log only warnings and errors from then on (logger "infinity",
         unless the application set its level)."""
         if dist.is_available() and dist.is_initialized():
+            end_group_at_exit()
             ranks = cls(dist.get_rank(), dist.get_world_size(), store=_default_store())
         elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
             missing = [k for k in _ENV if k not in os.environ]

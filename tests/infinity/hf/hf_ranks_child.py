@@ -4,7 +4,6 @@ rank 0 writes what the test compares to argv[1]."""
 
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -67,12 +66,6 @@ def main() -> None:
             },
             out / "result.pt",
         )
-    # The Trainer's group, not the engine's: left to the interpreter's teardown it often
-    # aborted a rank that had finished (docs/scale.md, "Launching"). The GIL released first:
-    # destroying right after the all-gather above deadlocked (2 of 6 loaded runs) with a gloo
-    # worker that needed the GIL to drop the gather's work.
-    time.sleep(0.05)
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

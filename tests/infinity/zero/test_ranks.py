@@ -89,7 +89,7 @@ def test_a_rendezvous_the_other_ranks_never_join_fails_in_time(monkeypatch):
     assert timeouts == [datetime.timedelta(seconds=2)]
 
 
-# A group this process started ends at a normal exit. The child's own hook, registered first,
+# The group the engine runs on ends at a normal exit. The child's own hook, registered first,
 # runs after the engine's (atexit runs hooks last in, first out) and tells whether the group
 # was still there.
 _EXIT_CHILD = """
@@ -97,24 +97,30 @@ import atexit, sys
 import torch.distributed as dist
 atexit.register(lambda: print("group at exit:", dist.is_initialized()))
 starter, end = sys.argv[1:3]
+from infinity.zero.ranks import Ranks
 if starter == "ranks":
-    from infinity.zero.ranks import Ranks
     Ranks._start_group(30.0)
-else:
+elif starter == "deepspeed":
     import infinity.deepspeed
     infinity.deepspeed.init_distributed()
+else:  # the application's group, which the engine joins
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    Ranks.from_environment(timeout_s=30.0)
 assert dist.is_initialized()
 if end == "raise":
     raise RuntimeError("the script failed")
 if end == "exit":
     sys.exit(3)
+if end == "destroy":  # the application ended it: nothing left to do
+    dist.destroy_process_group()
 """
 
 
-@pytest.mark.parametrize("starter", ["ranks", "deepspeed"])
-@pytest.mark.parametrize("end, code, alive", [("return", 0, False), ("exit", 3, False),
-                                              ("raise", 1, True)])
-def test_a_group_started_here_is_destroyed_at_a_normal_exit(starter, end, code, alive):
+@pytest.mark.parametrize("starter, end, code, alive", [
+    ("ranks", "return", 0, False), ("ranks", "exit", 3, False), ("ranks", "raise", 1, True),
+    ("ranks", "destroy", 0, False), ("deepspeed", "return", 0, False),
+    ("deepspeed", "raise", 1, True), ("joined", "return", 0, False)])
+def test_the_group_is_destroyed_at_a_normal_exit(starter, end, code, alive):
     """torch's gloo group left to the interpreter's teardown often aborted a finished torchrun
     rank (SIGABRT). After an unhandled exception it stays: destroying it waits for a collective
     the exception may have left in flight."""
