@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import pathlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -99,6 +100,12 @@ class Data:
 
 def _check_options(options: TrainOptions) -> None:
     """What is wrong with the options alone, before anything is read or written."""
+    world = os.environ.get("WORLD_SIZE", "1").strip()
+    if world not in ("", "1"):  # under torchrun each rank would run the whole job
+        raise InputError(f"WORLD_SIZE is {world}: infinity-train trains in one process (each "
+                         "rank would run the whole job into the same --output); for several "
+                         "ranks, call infinity.initialize from a script under torchrun "
+                         "(docs/scale.md, Ranks)")
     for flag, value in (("--steps", options.steps), ("--save-every", options.save_every),
                         ("--eval-every", options.eval_every)):
         if value is not None and value < 1:

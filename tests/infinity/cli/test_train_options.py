@@ -79,6 +79,16 @@ def test_eval_options_that_cannot_work_are_refused(tmp_path, capsys):
         assert code == 2 and err.startswith(f"infinity-train: error: {message}"), err
 
 
+def test_a_torchrun_rank_is_refused_before_it_runs_the_whole_job(tmp_path, capsys, monkeypatch):
+    """Each rank used to run the whole job: the first to take --output refused the others with
+    "in use by another infinity-train run", naming its sibling rank."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    code, _, err = run_main(capsys, "--steps", "1", "--output", tmp_path / "run")
+    assert code == 2 and err.startswith("infinity-train: error: WORLD_SIZE is 2: infinity-train "
+                                        "trains in one process"), err
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.fixture
 def chat_model(tmp_path, tiny_hf_model):
     directory = tmp_path / "chat-model"
