@@ -45,6 +45,7 @@ _SETTLE_S = 0.05  # the GIL left to gloo's workers before the group is destroyed
 _ROLL_CALL_S = 2.0  # how long a rank that saw a collective fail waits for the others to answer
 # what torchrun sets (env:// rendezvous)
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_ending = False  # end_group_at_exit has registered its hook
 
 
 def end_group_at_exit() -> None:
@@ -60,9 +61,6 @@ def end_group_at_exit() -> None:
     if not _ending:
         atexit.register(_end_group)
         _ending = True
-
-
-_ending = False
 
 
 def _end_group() -> None:
