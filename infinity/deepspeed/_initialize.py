@@ -273,22 +273,19 @@ def init_distributed(
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if rank < 0 and init_method is None:  # one process: a group of one over an in-memory store
+        where: dict[str, Any] = {"store": dist.HashStore(), "rank": 0, "world_size": 1}
         if verbose:
             logger.info("init_distributed: one process over %s", backend)
-        dist.init_process_group(
-            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
-        )
-        end_group_at_exit()
-        return
-    if init_method is None:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(distributed_port))
-        init_method = "env://"
-    if verbose:
-        logger.info(
-            "init_distributed: rank %d of %d over %s (%s)", rank, world_size, backend, init_method
-        )
-    dist.init_process_group(
-        backend, init_method=init_method, timeout=timeout, rank=rank, world_size=world_size
-    )
+    else:
+        if init_method is None:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(distributed_port))
+            init_method = "env://"
+        where = {"init_method": init_method, "rank": rank, "world_size": world_size}
+        if verbose:
+            logger.info(
+                "init_distributed: rank %d of %d over %s (%s)", rank, world_size, backend,
+                init_method
+            )
+    dist.init_process_group(backend, timeout=timeout, **where)
     end_group_at_exit()

@@ -165,7 +165,6 @@ class Ranks:
         Ranks other than 0 log only warnings and errors from then on (logger "infinity",
         unless the application set its level)."""
         if dist.is_available() and dist.is_initialized():
-            end_group_at_exit()
             ranks = cls(dist.get_rank(), dist.get_world_size(), store=_default_store())
         elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
             missing = [k for k in _ENV if k not in os.environ]
@@ -176,6 +175,7 @@ class Ranks:
             ranks = cls._start_group(timeout_s)
         else:
             return cls.single()
+        end_group_at_exit()
         if ranks.rank != 0 and logging.getLogger("infinity").level == logging.NOTSET:
             logging.getLogger("infinity").setLevel(logging.WARNING)  # rank 0 alone informs
         logger.info("ranks: %d data-parallel ranks over %s", ranks.world, dist.get_backend())
@@ -196,7 +196,6 @@ class Ranks:
                             f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}) "
                             f"failed within {timeout_s:g} s: {described(exc)}",
                             rank=rank, collective="init_process_group") from exc
-        end_group_at_exit()
         return cls(dist.get_rank(), dist.get_world_size(), store=_default_store())
 
     # -- shards ----------------------------------------------------------------------------------

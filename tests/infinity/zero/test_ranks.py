@@ -1,8 +1,11 @@
 """Ranks without a process group: shard bounds, and one process's collectives are identities
 (the multi-process behaviour is in tests/infinity/test_engine_ranks.py)."""
 
+import os
+
 import pytest
 import torch
+from children import python_child
 
 from infinity.zero import Partition, Ranks, Shard
 
@@ -97,13 +100,11 @@ import atexit, sys
 import torch.distributed as dist
 atexit.register(lambda: print("group at exit:", dist.is_initialized()))
 starter, end = sys.argv[1:3]
-from infinity.zero.ranks import Ranks
-if starter == "ranks":
-    Ranks._start_group(30.0)
-elif starter == "deepspeed":
+if starter == "deepspeed":
     import infinity.deepspeed
     infinity.deepspeed.init_distributed()
-else:  # the application's group, which the engine joins
+else:  # the application's group, which the engine (Ranks.from_environment) joins
+    from infinity.zero import Ranks
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     Ranks.from_environment(timeout_s=30.0)
 assert dist.is_initialized()
@@ -117,20 +118,14 @@ if end == "destroy":  # the application ended it: nothing left to do
 
 
 @pytest.mark.parametrize("starter, end, code, alive", [
-    ("ranks", "return", 0, False), ("ranks", "exit", 3, False), ("ranks", "raise", 1, True),
-    ("ranks", "destroy", 0, False), ("deepspeed", "return", 0, False),
-    ("deepspeed", "raise", 1, True), ("joined", "return", 0, False)])
+    ("engine", "return", 0, False), ("engine", "exit", 3, False), ("engine", "raise", 1, True),
+    ("engine", "destroy", 0, False), ("deepspeed", "return", 0, False),
+    ("deepspeed", "raise", 1, True)])
 def test_the_group_is_destroyed_at_a_normal_exit(starter, end, code, alive):
     """torch's gloo group left to the interpreter's teardown often aborted a finished torchrun
     rank (SIGABRT). After an unhandled exception it stays: destroying it waits for a collective
     the exception may have left in flight."""
-    import os
-
-    from children import python_child
-
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    if starter == "ranks":  # rank 0 of a world of 1 needs no torchrun; port 0: any free one
-        env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}  # one process
     out = python_child(["-c", _EXIT_CHILD, starter, end], env=env, timeout=120)
     assert out.returncode == code, out.stderr[-2000:]
     assert out.stdout.splitlines()[-1] == f"group at exit: {alive}", out.stdout + out.stderr
