@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import pathlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from infinity.train.outputs import (
     scratch_dir,
     staged_output,
 )
+from infinity.zero import environment_world_size
 
 logger = logging.getLogger(__name__)
 
@@ -100,9 +100,9 @@ class Data:
 
 def _check_options(options: TrainOptions) -> None:
     """What is wrong with the options alone, before anything is read or written."""
-    world = os.environ.get("WORLD_SIZE", "1").strip()
-    if world not in ("", "1"):  # under torchrun each rank would run the whole job
-        raise InputError(f"WORLD_SIZE is {world}: infinity-train trains in one process (each "
+    world = environment_world_size()
+    if world > 1:  # under torchrun each rank would run the whole job
+        raise InputError(f"{world} ranks (WORLD_SIZE): infinity-train trains in one process (each "
                          "rank would run the whole job into the same --output); for several "
                          "ranks, call infinity.initialize from a script under torchrun "
                          "(docs/scale.md, Ranks)")

@@ -84,8 +84,8 @@ def test_a_torchrun_rank_is_refused_before_it_runs_the_whole_job(tmp_path, capsy
     "in use by another infinity-train run", naming its sibling rank."""
     monkeypatch.setenv("WORLD_SIZE", "2")
     code, _, err = run_main(capsys, "--steps", "1", "--output", tmp_path / "run")
-    assert code == 2 and err.startswith("infinity-train: error: WORLD_SIZE is 2: infinity-train "
-                                        "trains in one process"), err
+    assert code == 2 and err.startswith("infinity-train: error: 2 ranks (WORLD_SIZE): "
+                                        "infinity-train trains in one process"), err
     assert not (tmp_path / "run").exists()
 
 
