@@ -14,6 +14,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# For a child whose peak RSS a test bounds: glibc's initial mmap threshold (128 KiB), fixed. The
+# dynamic one rises each time a mapped block is freed; building a small model on meta frees
+# 1-8 MiB CPU tensors, so later ones of those sizes came from the heap, and how much of it stayed
+# resident varied the figures by up to 40 MiB from run to run. Fixed, freed blocks leave the
+# process: growth cannot hide in memory that stayed resident.
+FIXED_MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
+
 
 def child_env(base: dict[str, str] | None = None, **extra: str) -> dict[str, str]:
     """`base` (default: this environment) and `extra`, with the repository first on PYTHONPATH."""

@@ -9,6 +9,8 @@ materialised the model would fail."""
 
 import os
 
+from children import FIXED_MMAP_THRESHOLD
+
 from tools.bench_load import run_child, write_checkpoint
 
 MiB = 1 << 20
@@ -20,15 +22,11 @@ SHAPE = {"vocab_size": 4096, "hidden_size": 512, "intermediate_size": 1536, "num
 
 
 def test_peak_rss_of_a_load_is_the_window_not_the_model(tmp_path, monkeypatch):
-    # A fixed mmap threshold in the child (glibc's initial 128 KiB, no longer raised when a
-    # mapped block is freed). Building the model on meta allocates each parameter on the CPU
-    # (torch.empty, untouched) before moving it to meta, twice: for the baseline and inside
-    # load. Once glibc's threshold has risen past this model's 1-8 MiB tensors they came from
-    # the heap, and what stayed resident of it varied from run to run: the growth was 87-123
-    # MiB (one malloc arena or many, quiet machine or busy). With the threshold fixed, 93.0-93.1
-    # MiB in 14 runs, 6 of them beside the engine tests. It cannot hide growth: freed blocks
-    # leave the process instead of staying resident for the load to reuse.
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(128 << 10))
+    # children.FIXED_MMAP_THRESHOLD: with glibc's dynamic one the growth was 87-123 MiB (one
+    # malloc arena or many, quiet machine or busy); fixed, 93.0-93.1 MiB in 14 runs, 6 of them
+    # beside the engine tests.
+    for name, value in FIXED_MMAP_THRESHOLD.items():
+        monkeypatch.setenv(name, value)
     checkpoint, nvme = str(tmp_path / "ckpt"), str(tmp_path / "nvme")
     checkpoint_nbytes = write_checkpoint(checkpoint, SHAPE)
     os.mkdir(nvme)
